@@ -1,0 +1,35 @@
+"""insum: indirect Einsums compiled to fused gather / tl.dot / scatter Triton kernels.
+
+    from insum import insum
+    insum("C[AM[p],n] += AV[p,q] * B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)
+"""
+
+from .api import explain, insum
+from .errors import InsumError, InsumShapeError, InsumSyntaxError, InsumTypeError
+from .parser import parse
+
+__all__ = [
+    "insum",
+    "explain",
+    "compile",
+    "parse",
+    "InsumError",
+    "InsumSyntaxError",
+    "InsumShapeError",
+    "InsumTypeError",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # compile() lives with the runtime, which imports triton: load it on first use.
+    if name == "compile":
+        from .runtime import compile
+
+        return compile
+    if name == "formats":
+        import importlib
+
+        return importlib.import_module(".formats", __name__)
+    raise AttributeError(name)

@@ -1,0 +1,93 @@
+"""The public entry points: insum(), compile(), explain()."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .bind import Bound, bind
+from .errors import InsumError
+from .parser import parse
+from .reference import run_reference
+
+__all__ = ["insum", "explain", "BACKENDS", "PRECISIONS"]
+
+BACKENDS = ("auto", "torch", "triton")
+PRECISIONS = ("tf32", "ieee")
+_warned_fallback: set[str] = set()
+
+
+def _output_for(bound: Bound) -> torch.Tensor:
+    given = bound.tensors.get(bound.output_name)
+    if given is not None:
+        return given
+    return torch.zeros(bound.out_shape, dtype=bound.out_dtype, device=bound.device)
+
+
+def _check_options(backend: str, precision: str) -> None:
+    if backend not in BACKENDS:
+        raise InsumError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if precision not in PRECISIONS:
+        raise InsumError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+
+
+def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **tensors: torch.Tensor) -> torch.Tensor:
+    """Evaluate one indirect Einsum and return its output.
+
+    `+=` accumulates into the output, `=` overwrites it. When the output is passed by its
+    name it is updated in place and returned; otherwise it is allocated (zeros, the inputs'
+    promoted dtype) when its shape follows from direct indices.
+
+    backend: "torch" (the reference lowering), "triton" (the generated kernel), or "auto"
+    (the generated kernel on CUDA when the statement is supported, else the reference).
+    precision: "tf32" (default) or "ieee" for float32 `tl.dot`.
+
+    >>> import torch
+    >>> AV = torch.ones(2, 3); AK = torch.tensor([[0, 1, 2], [2, 2, 0]]); B = torch.eye(3)
+    >>> insum("C[p, n] += AV[p, q] * B[AK[p, q], n]", AV=AV, AK=AK, B=B, backend="torch")
+    tensor([[1., 1., 1.],
+            [1., 0., 2.]])
+    """
+    _check_options(backend, precision)
+    bound = bind(parse(expr), tensors)
+    out = _output_for(bound)
+    if backend == "torch" or (backend == "auto" and bound.device.type != "cuda"):
+        return run_reference(bound, out)
+    from .runtime import UnsupportedStatement, kernel_for
+
+    try:
+        kernel = kernel_for(bound, precision=precision)
+    except UnsupportedStatement as e:
+        if backend == "triton":
+            raise
+        key = str(bound.stmt)
+        if key not in _warned_fallback:
+            _warned_fallback.add(key)
+            warnings.warn(f"insum: falling back to the torch lowering: {e}", stacklevel=2)
+        return run_reference(bound, out)
+    return kernel.launch(bound, out)
+
+
+def explain(expr: str, /, *, precision: str = "tf32", **tensors: torch.Tensor) -> str:
+    """Describe how a statement is understood and compiled: IR, extents, roles, plan, source."""
+    _check_options("auto", precision)
+    bound = bind(parse(expr), tensors)
+    lines = [f"statement: {bound.stmt}", f"ir: {bound.stmt!r}", "variables:"]
+    for var in bound.stmt.variables():
+        lines.append(f"  {var}: extent {bound.extents[var]}, {bound.roles[var]}")
+    lines.append(f"index tensors: {', '.join(bound.index_names) or '-'}")
+    lines.append(f"value tensors: {', '.join(bound.value_names) or '-'}")
+    lines.append(f"output: {bound.output_name} {list(bound.out_shape)} {bound.out_dtype}")
+    from .runtime import UnsupportedStatement, kernel_for
+
+    try:
+        kernel = kernel_for(bound, precision=precision)
+    except UnsupportedStatement as e:
+        lines.append(f"generated kernel: none ({e})")
+    else:
+        lines.append("plan:")
+        lines.extend("  " + line for line in str(kernel.plan).splitlines())
+        lines.append("source:")
+        lines.append(kernel.source)
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""The torch lowering: the semantic oracle, the CPU path and the fallback.
+
+Every value is evaluated as a tensor over all of the statement's variables, with size-1
+dimensions for the variables it does not depend on. Gathers are advanced indexing with such
+tensors, the contraction is one `torch.einsum`, and the scatter is `index_put_` with
+accumulation. Index values are bounds-checked, so a bad index raises instead of wrapping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .bind import Bound
+from .errors import InsumError
+from .ir import Access, Index, Var
+
+__all__ = ["run_reference", "compute_dtype"]
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision factors are multiplied and summed in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _Evaluator:
+    def __init__(self, bound: Bound):
+        self.bound = bound
+        self.order = bound.stmt.variables()
+        self.device = bound.device
+
+    def shape_of(self, variables) -> list[int]:
+        return [self.bound.extents[v] if v in variables else 1 for v in self.order]
+
+    def index(self, index: Index) -> torch.Tensor:
+        total = torch.full([1] * len(self.order), index.const, dtype=torch.int64, device=self.device)
+        for term in index.terms:
+            if isinstance(term.atom, Var):
+                atom = torch.arange(self.bound.extents[term.atom.name], device=self.device)
+                atom = atom.view(self.shape_of({term.atom.name}))
+            else:
+                atom = self.gather(term.atom).long()
+            total = total + term.coef * atom
+        return total
+
+    def gather(self, access: Access) -> torch.Tensor:
+        tensor = self.bound.tensors[access.name]
+        if not access.indices:
+            return tensor.reshape([1] * len(self.order))
+        indices = [self.index(i) for i in access.indices]
+        for dim, (idx, size) in enumerate(zip(indices, tensor.shape)):
+            _check_bounds(idx, size, access.name, dim)
+        return tensor[tuple(indices)]
+
+
+def _check_bounds(idx: torch.Tensor, size: int, name: str, dim: int) -> None:
+    if idx.numel() == 0:
+        return
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= size:
+        bad = low if low < 0 else high
+        raise InsumError(f"index {bad} out of range for {name} dimension {dim} of size {size}")
+
+
+def run_reference(bound: Bound, out: torch.Tensor) -> torch.Tensor:
+    """Evaluate the bound statement into `out` (which must have the output's shape)."""
+    stmt = bound.stmt
+    ev = _Evaluator(bound)
+    order = ev.order
+    letter = {v: _LETTERS[i] for i, v in enumerate(order)}
+    if not stmt.accumulate:
+        out.zero_()
+    dtype = compute_dtype(out.dtype)
+
+    scale = 1.0
+    operands, subscripts, covered = [], [], set()
+    for factor in stmt.factors:
+        if isinstance(factor, Access):
+            variables = [v for v in order if v in factor.variables()]
+            value = ev.gather(factor).to(dtype)
+            operands.append(value.reshape([bound.extents[v] for v in variables]))
+            subscripts.append("".join(letter[v] for v in variables))
+            covered.update(variables)
+        else:
+            scale *= factor.value
+    kept = [v for v in order if v in stmt.output.variables() and v in covered]
+    if operands:
+        spec = ",".join(subscripts) + "->" + "".join(letter[v] for v in kept)
+        result = torch.einsum(spec, *operands)
+    else:
+        result = torch.ones((), dtype=dtype, device=bound.device)
+    if scale != 1.0:
+        result = result * scale
+
+    out_vars = [i.variable for i in stmt.output.indices]
+    if all(v is not None for v in out_vars) and len(set(out_vars)) == len(out_vars):
+        # Every output element has one owner: a permuted, broadcast add, no scatter.
+        present = [v for v in out_vars if v in kept]
+        full = result.permute([kept.index(v) for v in present]) if kept else result
+        full = full.reshape([bound.extents[v] if v in kept else 1 for v in out_vars])
+        out.add_(full.to(out.dtype))
+        return out
+    indices = [ev.index(i) for i in stmt.output.indices]
+    for dim, (idx, size) in enumerate(zip(indices, out.shape)):
+        _check_bounds(idx, size, stmt.output.name, dim)
+    result = result.reshape(ev.shape_of(set(kept)))  # back to the full variable space
+    shape = torch.broadcast_shapes(*(i.shape for i in indices), result.shape)
+    out.index_put_(
+        tuple(i.expand(shape) for i in indices), result.expand(shape).to(out.dtype), accumulate=True
+    )
+    return out
