@@ -84,7 +84,7 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
                     f"tensor {access.name} is used both as an index and as a factor in '{stmt}'"
                 )
     out_accesses = list(_walk(stmt.output))
-    for access, as_index in out_accesses[1:]:
+    for access, _ in out_accesses[1:]:
         uses.setdefault(access.name, "index")
         if uses[access.name] != "index":
             raise InsumTypeError(

@@ -8,7 +8,6 @@ coefficient 1. Normalisation makes `parse(str(stmt)) == stmt`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 __all__ = ["Var", "Access", "Term", "Index", "Literal", "Factor", "Statement"]
 
@@ -127,7 +126,7 @@ class Literal:
         return repr(self.value)
 
 
-Factor = Union[Access, Literal]
+Factor = Access | Literal
 
 
 @dataclass(frozen=True)
