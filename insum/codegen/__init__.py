@@ -1,0 +1,10 @@
+"""The code generator: schedule a bound statement, emit Triton source, choose tile sizes.
+
+Needs no tensors and no GPU: plans and source depend on the statement, roles and dtypes.
+"""
+
+from .emit import KERNEL_NAME, Source, emit
+from .schedule import KernelSpec, Plan, schedule
+from .tune import configs_for, prune_configs
+
+__all__ = ["KernelSpec", "Plan", "Source", "schedule", "emit", "configs_for", "prune_configs", "KERNEL_NAME"]

@@ -1,0 +1,300 @@
+"""emit(plan) -> Source: the Triton kernel for a plan, as readable Python source.
+
+The kernel body is built from a few rules (index, gather, product, reduce or dot, store or
+atomic), each emitting lines at the shallowest loop level its inputs allow, so loads that do
+not depend on an inner loop are hoisted out of it. Every named line carries a comment with
+its block shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from ..ir import Access, Index, Literal, Var
+from .schedule import Plan
+from .values import Value, broadcast, union
+
+__all__ = ["Source", "emit", "KERNEL_NAME"]
+
+KERNEL_NAME = "insum_kernel"
+_RESERVED = ("tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest")
+_TL_DTYPES = {"fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Generated kernel source and the order of its runtime arguments."""
+
+    text: str
+    args: tuple[tuple, ...]  # ("ptr", tensor) | ("size", var) | ("stride", tensor, dim)
+    blocks: tuple[str, ...]  # constexpr tile sizes, e.g. ("BLOCK_M", "BLOCK_N")
+    plan: Plan
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+class _Emitter:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.stmt = plan.stmt
+        self.used: set[str] = set(_RESERVED)
+        # Two levels: outside the reduction loop, and inside it. All reduced variables
+        # (scalar loops and the K tile) share one flattened loop, which Triton pipelines.
+        self.depth = 1 if plan.loops or plan.axis_var("K") else 0
+        self.levels: list[list[str]] = [[] for _ in range(self.depth + 1)]
+        self.epilogue: list[str] = []
+        self.in_epilogue = False
+        self.cache: dict[str, Value] = {}
+        self.level_of = {v: 0 for v in plan.grid}
+        self.level_of.update({v: 0 for a, v in plan.tiles if a != "K"})
+        self.level_of.update({v: 1 for v in plan.loops})
+        if plan.axis_var("K"):
+            self.level_of[plan.axis_var("K")] = 1
+        self.ptr = {n: self.fresh(f"{n}_ptr") for n in self._tensor_names()}
+        self.size = {v: self.fresh(f"size_{v}") for v in self.stmt.variables()}
+        self.offs = {v: self.fresh(f"offs_{v}") for _, v in plan.tiles}
+        self.mask = {v: self.fresh(f"mask_{v}") for _, v in plan.tiles}
+        self.scalar = {v: self.fresh(f"i_{v}") for v in (*plan.grid, *plan.loops)}
+        self.strides: dict[tuple[str, int], str] = {}
+
+    # -- names ------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        name = base
+        while name in self.used:
+            name += "_"
+        self.used.add(name)
+        return name
+
+    def _tensor_names(self) -> list[str]:
+        names: dict[str, None] = {self.stmt.output.name: None}
+        stack = [self.stmt.output, *self.stmt.accesses()]
+        while stack:
+            access = stack.pop(0)
+            names[access.name] = None
+            for index in access.indices:
+                stack.extend(index.indirect_accesses())
+        return list(names)
+
+    def stride(self, tensor: str, dim: int) -> str:
+        key = (tensor, dim)
+        if key not in self.strides:
+            self.strides[key] = self.fresh(f"stride_{tensor}_{dim}")
+        return self.strides[key]
+
+    def shape_comment(self, axes: tuple[str, ...]) -> str:
+        return f"  # [{', '.join(self.plan.axis_var(a) for a in axes)}]"
+
+    def put(self, level: int, line: str) -> None:
+        (self.epilogue if self.in_epilogue and level == 0 else self.levels[level]).append(line)
+
+    # -- rules ------------------------------------------------------------------------
+    def var(self, name: str) -> Value:
+        axis = self.plan.var_axis(name)
+        if axis is not None:
+            return Value(self.offs[name], (axis,), self.level_of[name])
+        return Value(self.scalar[name], (), self.level_of[name])
+
+    def index(self, index: Index) -> Value:
+        """An affine index as one expression over the union of its terms' axes."""
+        atoms = [self.var(t.atom.name) if isinstance(t.atom, Var) else self.gather(t.atom) for t in index.terms]
+        axes = union(*(a.axes for a in atoms))
+        parts = []
+        for term, atom in zip(index.terms, atoms):
+            text = broadcast(atom, axes) + (f" * {abs(term.coef)}" if abs(term.coef) != 1 else "")
+            parts.append(("- " if term.coef < 0 else "+ ") + text if parts else ("-" if term.coef < 0 else "") + text)
+        if index.const or not parts:
+            parts.append(str(index.const) if not parts else ("- " if index.const < 0 else "+ ") + str(abs(index.const)))
+        level = max((a.level for a in atoms), default=0)
+        return Value(" ".join(parts), axes, level)
+
+    def address(self, access: Access) -> tuple[str, tuple[str, ...], int]:
+        """Pointer expression, block axes and level of an access."""
+        indices = [self.index(i) for i in access.indices]
+        axes = union(*(i.axes for i in indices))
+        wide = access.name in self.plan.spec.wide
+        terms = []
+        for dim, idx in enumerate(indices):
+            text = broadcast(idx, axes)
+            if not text.isidentifier() and not text.endswith("]"):
+                text = f"({text})"
+            if wide:
+                text = f"{text}.to(tl.int64)"
+            terms.append(f"{text} * {self.stride(access.name, dim)}")
+        pointer = " + ".join([self.ptr[access.name], *terms])
+        return pointer, axes, max((i.level for i in indices), default=0)
+
+    def mask_for(self, axes: tuple[str, ...]) -> str | None:
+        if not axes:
+            return None
+        return " & ".join(broadcast(Value(self.mask[self.plan.axis_var(a)], (a,), 0), axes) for a in axes)
+
+    def gather(self, access: Access) -> Value:
+        """Load an access (an indirect index or a factor) once, at the shallowest level."""
+        key = str(access)
+        if key in self.cache:
+            return self.cache[key]
+        pointer, axes, level = self.address(access)
+        name = self.fresh(f"{access.name}_val")
+        mask = self.mask_for(axes)
+        load = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
+        self.put(level, f"{name} = {load}" + self.shape_comment(axes))
+        value = Value(name, axes, level)
+        self.cache[key] = value
+        return value
+
+    def product(self, positions: tuple[int, ...], dtype: str | None, name: str) -> Value:
+        """Multiply factors in the accumulator dtype, broadcasting where they meet."""
+        values = [self.gather(self.stmt.factors[i]) for i in positions]
+        axes = union(*(v.axes for v in values))
+        level = max(v.level for v in values)
+        spec = self.plan.spec
+        if len(values) == 1 and spec.dtype(self.stmt.factors[positions[0]].name) == dtype:
+            return values[0]  # a lone operand already in the dot's dtype needs no line
+        acc = _TL_DTYPES[self.plan.acc_dtype]
+        expr = " * ".join(f"{broadcast(v, axes)}.to({acc})" for v in values)
+        if dtype is not None and dtype != self.plan.acc_dtype:
+            expr = f"({expr}).to({_TL_DTYPES[dtype]})"
+        self.put(level, f"{name} = {expr}" + self.shape_comment(axes))
+        return Value(name, axes, level)
+
+
+def _launch_grid_lines(em: _Emitter) -> list[str]:
+    """Split the flat program id into grid variables and tile indices (N fastest)."""
+    plan = em.plan
+    lines = ["pid = tl.program_id(0)"]
+    order = [("tile", a, v) for a, v in reversed(plan.tiles) if a != "K"]
+    order += [("grid", None, v) for v in reversed(plan.grid)]
+    for position, (kind, axis, var) in enumerate(order):
+        last = position == len(order) - 1
+        if kind == "tile":
+            count = f"tl.cdiv({em.size[var]}, BLOCK_{axis})"
+            tile = f"pid_{var}"
+            lines.append(f"{tile} = pid" if last else f"{tile} = pid % {count}")
+            if not last:
+                lines.append(f"pid = pid // {count}")
+            lines.append(f"{em.offs[var]} = {tile} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
+            lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
+        else:
+            lines.append(f"{em.scalar[var]} = pid" if last else f"{em.scalar[var]} = pid % {em.size[var]}")
+            if not last:
+                lines.append(f"pid = pid // {em.size[var]}")
+    return lines
+
+
+def _loop_lines(em: _Emitter) -> list[str]:
+    """One loop over every reduction step: scalar loop variables and K tiles, K fastest."""
+    plan = em.plan
+    k = plan.axis_var("K")
+    if not plan.loops and k is None:
+        return []
+    lines = []
+    if not plan.loops:
+        lines.append(f"for start_{k} in range(0, {em.size[k]}, BLOCK_K):")
+    elif k is None and len(plan.loops) == 1:
+        var = plan.loops[0]
+        lines.append(f"for {em.scalar[var]} in range(0, {em.size[var]}):")
+    else:
+        counts = [em.size[v] for v in plan.loops]
+        if k is not None:
+            lines.append(f"steps_{k} = tl.cdiv({em.size[k]}, BLOCK_K)")
+            counts.append(f"steps_{k}")
+        lines.append(f"for step in range(0, {' * '.join(counts)}):")
+        inner = "    rest = step"
+        lines.append(inner)
+        if k is not None:
+            lines.append(f"    start_{k} = (rest % steps_{k}) * BLOCK_K")
+            lines.append(f"    rest = rest // steps_{k}")
+        for position, var in enumerate(reversed(plan.loops)):
+            if position == len(plan.loops) - 1:
+                lines.append(f"    {em.scalar[var]} = rest")
+            else:
+                lines.append(f"    {em.scalar[var]} = rest % {em.size[var]}")
+                lines.append(f"    rest = rest // {em.size[var]}")
+    if k is not None:
+        lines.append(f"    {em.offs[k]} = start_{k} + tl.arange(0, BLOCK_K)  # [{k}]")
+        lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
+    lines.extend("    " + line for line in em.levels[1])
+    return lines
+
+
+def emit(plan: Plan) -> Source:
+    """Generate the Triton source for `plan`."""
+    em = _Emitter(plan)
+    stmt = plan.stmt
+    acc_axes = tuple(a for a, _ in plan.tiles if a != "K")
+    acc_tl = _TL_DTYPES[plan.acc_dtype]
+    acc_shape = ", ".join(f"BLOCK_{a}" for a in acc_axes) if len(acc_axes) > 1 else f"BLOCK_{acc_axes[0]}," if acc_axes else "1,"
+    accesses = tuple(i for i, f in enumerate(stmt.factors) if isinstance(f, Access))
+
+    # Body: the contribution of one step of the innermost loop, added into `acc`.
+    if plan.kind == "dot":
+        lhs = em.product(plan.left, plan.dot_dtype, "lhs")
+        rhs = em.product(plan.right, plan.dot_dtype, "rhs")
+        lhs_expr = lhs.expr if lhs.axes == ("M", "K") else f"tl.broadcast_to({broadcast(lhs, ('M', 'K'))}, (BLOCK_M, BLOCK_K))"
+        rhs_expr = rhs.expr if rhs.axes == ("K", "N") else f"tl.broadcast_to({broadcast(rhs, ('K', 'N'))}, (BLOCK_K, BLOCK_N))"
+        precision = f', input_precision="{plan.spec.precision}"' if plan.dot_dtype == "fp32" else ""
+        em.put(em.depth, f"acc = tl.dot({lhs_expr}, {rhs_expr}, acc{precision})  # [{plan.axis_var('M')}, {plan.axis_var('N')}]")
+    elif accesses:
+        prod = em.product(accesses, None, "prod")
+        if "K" in prod.axes:
+            reduced_axes = tuple(a for a in prod.axes if a != "K")
+            em.put(em.depth, f"partial = tl.sum({prod.expr}, axis={prod.axes.index('K')})" + em.shape_comment(reduced_axes))
+            prod = Value("partial", reduced_axes, em.depth)
+        em.put(em.depth, f"acc += {broadcast(prod, acc_axes)}" + em.shape_comment(acc_axes))
+    else:
+        em.put(em.depth, "acc += 1.0")
+
+    # Epilogue: scale by literal factors, then store or scatter.
+    em.in_epilogue = True
+    scale = 1.0
+    for factor in stmt.factors:
+        if isinstance(factor, Literal):
+            scale *= factor.value
+    if scale != 1.0:
+        em.put(0, f"acc = acc * {float(scale)!r}")
+    if not acc_axes:
+        em.put(0, "acc = tl.sum(acc, axis=0)  # []")
+    pointer, out_axes, _ = em.address(stmt.output)
+    em.put(0, f"out_ptrs = {pointer}" + em.shape_comment(out_axes))
+    mask = em.mask_for(acc_axes)
+    mask_arg = f", mask={mask}" if mask else ""
+    value = broadcast(Value("acc", acc_axes, 0), out_axes) if out_axes != acc_axes else "acc"
+    if plan.output == "atomic":
+        em.put(0, f"tl.atomic_add(out_ptrs, {value}{mask_arg}, sem=\"relaxed\")")
+    elif stmt.accumulate:
+        em.put(0, f"acc += tl.load(out_ptrs{mask_arg}).to({acc_tl})")
+        em.put(0, f"tl.store(out_ptrs, acc.to({em.ptr[stmt.output.name]}.dtype.element_ty){mask_arg})")
+    else:
+        em.put(0, f"tl.store(out_ptrs, acc.to({em.ptr[stmt.output.name]}.dtype.element_ty){mask_arg})")
+
+    # Assemble: signature, program-id split, prologue, loops, epilogue.
+    blocks = tuple(f"BLOCK_{a}" for a, _ in plan.tiles)
+    args = [("ptr", n) for n in em.ptr] + [("size", v) for v in em.size]
+    args += [("stride", t, d) for (t, d) in sorted(em.strides, key=lambda k: (list(em.ptr).index(k[0]), k[1]))]
+    arg_names = {("ptr", n): em.ptr[n] for n in em.ptr}
+    arg_names.update({("size", v): em.size[v] for v in em.size})
+    arg_names.update({("stride", t, d): em.strides[(t, d)] for (t, d) in em.strides})
+
+    def group(kind):
+        return ", ".join(arg_names[a] for a in args if a[0] == kind)
+
+    out = ["import triton", "import triton.language as tl", "", "", "@triton.jit", f"def {KERNEL_NAME}("]
+    out.append(f"    # pointers\n    {group('ptr')},")
+    out.append(f"    # extents\n    {group('size')},")
+    if em.strides:
+        out.append(f"    # strides\n    {group('stride')},")
+    if blocks:
+        out.append("    # meta-parameters\n    " + ", ".join(f"{b}: tl.constexpr" for b in blocks) + ",")
+    out.append("):")
+    doc = [str(stmt), "", *str(plan).splitlines()]
+    out.append('    """' + "\n".join(("    " + d if d and i else d) for i, d in enumerate(doc)) + '\n    """')
+    body = _launch_grid_lines(em)
+    body.append(f"acc = tl.zeros(({acc_shape}), dtype={acc_tl})" + em.shape_comment(acc_axes))
+    body.extend(em.levels[0])
+    body.extend(_loop_lines(em))
+    body.extend(em.epilogue)
+    out.extend("    " + line for line in body)
+    return Source(text="\n".join(out) + "\n", args=tuple(args), blocks=blocks, plan=plan)

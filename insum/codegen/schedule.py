@@ -1,0 +1,159 @@
+"""schedule(spec) -> Plan: choose which variable each tile axis carries and how to write out.
+
+Tile axes are M and N (output-side, tiled over program ids) and K (a reduction, looped in
+chunks). A *dot plan* is chosen when the factors split into a left part without the N
+variable and a right part without the M variable that share K: the inner loop is then one
+`tl.dot` of an (M, K) block by a (K, N) block. Otherwise a *reduce plan* multiplies the
+factors by broadcasting over (M, K, N) and sums K with `tl.sum`. Other output variables go
+to the grid (one value per program); other reduced variables become scalar outer loops.
+
+Everything here is decided from the statement, its roles and dtypes alone (no tensors), so
+one plan serves every size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Access, Statement
+
+__all__ = ["KernelSpec", "Plan", "schedule", "AXES"]
+
+AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
+HALF = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a kernel depends on: the statement, roles, dtypes and addressing width."""
+
+    stmt: Statement
+    roles: tuple[tuple[str, str], ...]  # (variable, "output" | "scattered" | "reduced")
+    dtypes: tuple[tuple[str, str], ...]  # (tensor, "fp16" | "bf16" | "fp32" | "fp64" | "int32" | "int64")
+    wide: frozenset[str] = frozenset()  # tensors whose element offsets may exceed 2**31 - 1
+    precision: str = "tf32"  # float32 tl.dot: "tf32" or "ieee"
+
+    def role(self, var: str) -> str:
+        return dict(self.roles)[var]
+
+    def dtype(self, tensor: str) -> str:
+        return dict(self.dtypes)[tensor]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The kernel's shape: tiles, grid, loops, dot split and output strategy."""
+
+    spec: KernelSpec
+    kind: str  # "dot" or "reduce"
+    tiles: tuple[tuple[str, str], ...]  # (axis, variable) for the tiled axes, in AXES order
+    grid: tuple[str, ...]  # variables with one value per program
+    loops: tuple[str, ...]  # reduced variables looped one value at a time, outermost first
+    left: tuple[int, ...]  # factor positions multiplied into the (M, K) dot operand
+    right: tuple[int, ...]  # factor positions multiplied into the (K, N) dot operand
+    output: str  # "store" (one owner per element) or "atomic"
+    acc_dtype: str  # "fp32" or "fp64"
+    dot_dtype: str | None  # operand dtype of tl.dot
+
+    @property
+    def stmt(self) -> Statement:
+        return self.spec.stmt
+
+    def axis_var(self, axis: str) -> str | None:
+        return dict(self.tiles).get(axis)
+
+    def var_axis(self, var: str) -> str | None:
+        return {v: a for a, v in self.tiles}.get(var)
+
+    def __str__(self) -> str:
+        tiles = ", ".join(f"{a}={v}" for a, v in self.tiles) or "-"
+        lines = [
+            f"kind: {self.kind}" + (" (tl.dot)" if self.kind == "dot" else " (broadcast multiply, tl.sum)"),
+            f"tiles: {tiles}",
+            f"grid variables: {', '.join(self.grid) or '-'}",
+            f"loop variables: {', '.join(self.loops) or '-'}",
+        ]
+        if self.kind == "dot":
+            factors = self.stmt.factors
+            lines.append(f"left (M, K): {' * '.join(str(factors[i]) for i in self.left)}")
+            lines.append(f"right (K, N): {' * '.join(str(factors[i]) for i in self.right)}")
+            lines.append(f"dot operands: {self.dot_dtype}" + (f", {self.spec.precision}" if self.dot_dtype == "fp32" else ""))
+        lines.append(f"accumulator: {self.acc_dtype}")
+        lines.append(f"output: {self.output}" + (" (one owner per element)" if self.output == "store" else " (tl.atomic_add: scattered contributions may collide)"))
+        return "\n".join(lines)
+
+
+def _direct_in(var: str, accesses: list[Access]) -> bool:
+    """Whether every access that depends on `var` indexes a dimension with it directly."""
+    using = [a for a in accesses if var in a.variables()]
+    return bool(using) and all(any(i.variable == var for i in a.indices) for a in using)
+
+
+def _output_candidates(stmt: Statement, roles: dict[str, str]) -> list[str]:
+    """Output-side variables, the innermost direct output dimension first."""
+    direct = [i.variable for i in reversed(stmt.output.indices) if i.is_direct]
+    scattered = [v for v in stmt.variables() if roles[v] == "scattered"]
+    return list(dict.fromkeys(direct + scattered))
+
+
+def _dot_split(stmt: Statement, roles: dict[str, str], outside: list[str], reduced: list[str]):
+    """Find (M, N, K, left, right) such that left factors lack N and right factors lack M."""
+    accesses = [(i, f) for i, f in enumerate(stmt.factors) if isinstance(f, Access)]
+    ms = sorted(outside, key=lambda v: not _direct_in(v, [f for _, f in accesses]))
+    ks = sorted(reduced, key=lambda v: not _direct_in(v, [f for _, f in accesses]))
+    for n in outside:
+        right = [i for i, f in accesses if n in f.variables()]
+        left = [i for i, f in accesses if n not in f.variables()]
+        if not left or not right:
+            continue
+        left_vars = {v for i in left for v in stmt.factors[i].variables()}
+        right_vars = {v for i in right for v in stmt.factors[i].variables()}
+        for m in ms:
+            if m == n or m in right_vars or m not in left_vars:
+                continue
+            for k in ks:
+                if k in left_vars and k in right_vars:
+                    return m, n, k, tuple(left), tuple(right)
+    return None
+
+
+def schedule(spec: KernelSpec) -> Plan:
+    """Choose the tile roles, grid, loops and output strategy for a statement."""
+    stmt = spec.stmt
+    roles = dict(spec.roles)
+    outside = _output_candidates(stmt, roles)
+    reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
+    value_dtypes = [spec.dtype(f.name) for f in stmt.accesses()]
+    acc_dtype = "fp64" if "fp64" in value_dtypes or spec.dtype(stmt.output.name) == "fp64" else "fp32"
+
+    split = _dot_split(stmt, roles, outside, reduced) if acc_dtype == "fp32" else None
+    if split is not None:
+        m, n, k, left, right = split
+        tiles = {"M": m, "K": k, "N": n}
+        kind = "dot"
+        dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF else "fp32"
+    else:
+        kind, left, right, dot_dtype = "reduce", (), (), None
+        tiles = {}
+        if outside:
+            tiles["N"] = outside[0]
+        if len(outside) > 1:
+            tiles["M"] = outside[1]
+        if reduced:
+            accesses = list(stmt.accesses())
+            tiles["K"] = sorted(reduced, key=lambda v: not _direct_in(v, accesses))[0]
+    tiled = set(tiles.values())
+    out_vars = [i.variable for i in stmt.output.indices]
+    one_owner = all(v is not None for v in out_vars) and len(set(out_vars)) == len(out_vars)
+    return Plan(
+        spec=spec,
+        kind=kind,
+        tiles=tuple((a, tiles[a]) for a in AXES if a in tiles),
+        grid=tuple(v for v in stmt.variables() if roles[v] != "reduced" and v not in tiled),
+        loops=tuple(v for v in reduced if v not in tiled),
+        left=left,
+        right=right,
+        output="store" if one_owner else "atomic",
+        acc_dtype=acc_dtype,
+        dot_dtype=dot_dtype,
+    )

@@ -1,0 +1,71 @@
+"""The autotuning space: tile sizes, warps and stages per plan kind, pruned by extents.
+
+Pruning follows two rules: no tile larger than the next power of two of its extent (a
+larger tile only computes masked lanes), and `tl.dot` tiles of at least 16 (the smallest
+tensor-core shape). Clamped configurations that coincide are kept once.
+"""
+
+from __future__ import annotations
+
+from .schedule import Plan
+
+__all__ = ["configs_for", "prune_configs", "next_power_of_2"]
+
+# (BLOCK_M, BLOCK_K, BLOCK_N, num_warps, num_stages)
+_DOT = [
+    (128, 32, 128, 8, 3), (128, 64, 128, 8, 3), (128, 32, 64, 4, 4), (64, 32, 128, 4, 4),
+    (64, 32, 64, 4, 4), (64, 64, 64, 4, 3), (32, 32, 64, 4, 4), (64, 32, 32, 4, 4),
+    (32, 32, 32, 4, 3), (16, 32, 64, 4, 3), (64, 32, 16, 4, 3), (16, 64, 16, 2, 3),
+    (128, 64, 256, 8, 3), (256, 64, 128, 8, 3),
+]
+# Broadcast-and-sum plans hold an M x K x N block in registers: keep it to 8192 elements.
+_REDUCE = [
+    (1, 16, 128, 4, 2), (1, 32, 128, 4, 2), (2, 16, 128, 4, 2), (4, 8, 128, 4, 2),
+    (1, 8, 256, 4, 2), (2, 32, 64, 4, 2), (4, 16, 64, 4, 2), (8, 8, 64, 4, 2),
+    (16, 8, 32, 4, 2), (32, 4, 32, 4, 2), (64, 4, 16, 4, 2), (16, 16, 16, 4, 2),
+    (128, 1, 32, 4, 2), (1, 64, 64, 4, 2), (1, 128, 32, 4, 2), (256, 1, 16, 4, 2),
+]
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def configs_for(plan: Plan) -> list[dict]:
+    """Every candidate: {"BLOCK_M": .., ..., "num_warps": .., "num_stages": ..}."""
+    table = _DOT if plan.kind == "dot" else _REDUCE
+    tiled = {a for a, _ in plan.tiles}
+    out = []
+    for m, k, n, warps, stages in table:
+        blocks = {f"BLOCK_{a}": size for a, size in zip("MKN", (m, k, n)) if a in tiled}
+        out.append({**blocks, "num_warps": warps, "num_stages": stages})
+    return _unique(out)
+
+
+def prune_configs(plan: Plan, configs: list[dict], extents: dict[str, int]) -> list[dict]:
+    """Clamp each tile to its extent (and to 16 for tl.dot), dropping duplicates."""
+    floor = 16 if plan.kind == "dot" else 1
+    pruned = []
+    for config in configs:
+        config = dict(config)
+        for axis, var in plan.tiles:
+            limit = max(floor, next_power_of_2(extents[var]))
+            config[f"BLOCK_{axis}"] = min(config[f"BLOCK_{axis}"], limit)
+        # Small blocks do not need many warps.
+        elements = 1
+        for axis, _ in plan.tiles:
+            elements *= config[f"BLOCK_{axis}"]
+        while config["num_warps"] > 1 and elements < 32 * config["num_warps"] * 4:
+            config["num_warps"] //= 2
+        pruned.append(config)
+    return _unique(pruned)
+
+
+def _unique(configs: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for config in configs:
+        key = tuple(sorted(config.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(config)
+    return out

@@ -1,0 +1,251 @@
+"""compile, tune, cache and launch generated kernels.
+
+The kernel cache is keyed by the KernelSpec (canonical statement, roles, dtypes, addressing
+width, precision). Each kernel's source is written to a content-hashed file that Triton
+reads back. Tile sizes are tuned with `triton.autotune` once per bucket of extents (each
+tiled extent rounded up to a power of two) and device, and remembered in memory and in a
+JSON file beside the source, so another process does not tune again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from .bind import Bound, bind
+from .codegen import KERNEL_NAME, KernelSpec, configs_for, emit, prune_configs, schedule
+from .codegen.tune import next_power_of_2
+from .errors import InsumError
+from .parser import parse
+
+__all__ = ["Kernel", "UnsupportedStatement", "compile", "kernel_for", "cache_dir"]
+
+_DTYPE_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+_INT32_MAX = 2**31 - 1
+_KERNELS: dict[tuple, Kernel] = {}
+
+
+class UnsupportedStatement(InsumError):
+    """The generated-kernel backend cannot run this statement here."""
+
+
+def cache_dir() -> Path:
+    """Where kernel sources and tuning results live: $INSUM_CACHE_DIR or ~/.cache/insum."""
+    root = os.environ.get("INSUM_CACHE_DIR") or Path.home() / ".cache" / "insum"
+    return Path(root)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _max_offset(shape, strides) -> int:
+    return sum((s - 1) * abs(st) for s, st in zip(shape, strides) if s > 0)
+
+
+def spec_for(bound: Bound, precision: str = "tf32") -> KernelSpec:
+    """The parts of a bound statement that a kernel depends on."""
+    dtypes = {name: _DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
+    dtypes[bound.output_name] = _DTYPE_NAMES[bound.out_dtype]
+    wide = {name for name, t in bound.tensors.items() if _max_offset(t.shape, t.stride()) > _INT32_MAX}
+    if bound.output_name not in bound.tensors and math.prod(bound.out_shape) > _INT32_MAX:
+        wide.add(bound.output_name)
+    return KernelSpec(
+        stmt=bound.stmt,
+        roles=tuple(bound.roles.items()),
+        dtypes=tuple(sorted(dtypes.items())),
+        wide=frozenset(wide),
+        precision=precision,
+    )
+
+
+class Kernel:
+    """A generated kernel: `.source`, `.plan`, and a launcher that tunes on first use."""
+
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.plan = schedule(spec)
+        generated = emit(self.plan)
+        self.source: str = generated.text
+        self.args = generated.args
+        self.digest = generated.digest
+        self.path = cache_dir() / "kernels" / f"insum_{self.digest}.py"
+        self.fn = _load(self.path, self.source, self.digest)
+        self.out_arg = f"{spec.stmt.output.name}_ptr"
+        self.tuned: dict[tuple, dict] = {}
+
+    def __repr__(self) -> str:
+        return f"insum.Kernel('{self.spec.stmt}', plan={self.plan.kind}, digest={self.digest})"
+
+    def __call__(self, **tensors: torch.Tensor) -> torch.Tensor:
+        """Run the kernel's statement on new tensors of the same dtypes and ranks."""
+        bound = bind(self.spec.stmt, tensors)
+        if spec_for(bound, self.spec.precision) != self.spec:
+            raise InsumError(f"tensors do not match the dtypes this kernel was compiled for: {self!r}")
+        given = bound.tensors.get(bound.output_name)
+        out = given if given is not None else torch.zeros(bound.out_shape, dtype=bound.out_dtype, device=bound.device)
+        return self.launch(bound, out)
+
+    # -- launching ----------------------------------------------------------------------
+    def launch(self, bound: Bound, out: torch.Tensor) -> torch.Tensor:
+        """Run on a bound statement, writing into `out`; returns `out`."""
+        plan = self.plan
+        target = out
+        if plan.output == "atomic":
+            if out.dtype in (torch.float16, torch.bfloat16):
+                # Half-precision atomics are slow or missing: scatter into float32, then add.
+                target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+            elif not plan.stmt.accumulate:
+                out.zero_()
+        tensors = dict(bound.tensors)
+        tensors[bound.output_name] = target
+        extents = bound.extents
+        args = []
+        for arg in self.args:
+            if arg[0] == "ptr":
+                args.append(tensors[arg[1]])
+            elif arg[0] == "size":
+                args.append(extents[arg[1]])
+            else:
+                args.append(tensors[arg[1]].stride(arg[2]))
+        launched_vars = [v for a, v in plan.tiles if a != "K"] + list(plan.grid)
+        if all(extents[v] > 0 for v in launched_vars):
+            self._run(args, extents, bound.device)
+        if target is not out:
+            if plan.stmt.accumulate:
+                out.add_(target)
+            else:
+                out.copy_(target)
+        return out
+
+    def _grid(self, extents):
+        tiles = [(v, f"BLOCK_{a}") for a, v in self.plan.tiles if a != "K"]
+        fixed = math.prod(extents[v] for v in self.plan.grid)
+
+        def grid(meta):
+            return (fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles),)
+
+        return grid
+
+    def _run(self, args, extents, device) -> None:
+        bucket = tuple(next_power_of_2(extents[v]) for _, v in self.plan.tiles)
+        config = self.tuned.get(bucket)
+        grid = self._grid(extents)
+        candidates = prune_configs(self.plan, configs_for(self.plan), extents)
+        if config is None and _interpreting():
+            # The interpreter runs programs one at a time: the largest tile is the fastest.
+            config = max(candidates, key=lambda c: math.prod(v for k, v in c.items() if k.startswith("BLOCK")))
+        if config is None:
+            config = self._disk_config(bucket, device)
+        if config is None:
+            config = self._autotune(args, grid, candidates)
+            self.tuned[bucket] = config
+            self._save_disk_config(bucket, device, config)
+            return  # the autotuner's final run already produced the result
+        self.tuned[bucket] = config
+        self.fn[grid](*args, **config)
+
+    def _autotune(self, args, grid, candidates) -> dict:
+        import triton
+
+        configs = [
+            triton.Config(
+                {k: v for k, v in c.items() if k.startswith("BLOCK")},
+                num_warps=c["num_warps"],
+                num_stages=c["num_stages"],
+            )
+            for c in candidates
+        ]
+        tuner = triton.autotune(configs=configs, key=[], restore_value=[self.out_arg])(self.fn)
+        tuner[grid](*args)
+        best = tuner.best_config if len(configs) > 1 else configs[0]
+        return {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+
+    def _disk_path(self) -> Path:
+        return self.path.with_suffix(".tune.json")
+
+    @staticmethod
+    def _device_key(bucket, device) -> str:
+        import triton
+
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        return f"{name}|triton {triton.__version__}|{','.join(map(str, bucket))}"
+
+    def _disk_config(self, bucket, device) -> dict | None:
+        try:
+            table = json.loads(self._disk_path().read_text())
+        except (OSError, ValueError):
+            return None
+        return table.get(self._device_key(bucket, device))
+
+    def _save_disk_config(self, bucket, device, config) -> None:
+        path = self._disk_path()
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        table[self._device_key(bucket, device)] = config
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _load(path: Path, source: str, digest: str):
+    """Import the kernel from its content-hashed file (Triton reads source via inspect)."""
+    module_name = f"insum_generated_{digest}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != source:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(source)
+            os.replace(tmp, path)
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return getattr(module, KERNEL_NAME)
+
+
+def kernel_for(bound: Bound, precision: str = "tf32") -> Kernel:
+    """The cached kernel for a bound statement, compiled on first use."""
+    if bound.device.type != "cuda" and not _interpreting():
+        raise UnsupportedStatement(
+            f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 (tensors are on {bound.device})"
+        )
+    spec = spec_for(bound, precision)
+    kernel = _KERNELS.get(spec)
+    if kernel is None:
+        kernel = _KERNELS[spec] = Kernel(spec)
+    return kernel
+
+
+def compile(expr: str, /, *, precision: str = "tf32", **example_tensors: torch.Tensor) -> Kernel:
+    """Compile a statement for tensors like the examples; the kernel is callable with tensors.
+
+    >>> k = insum.compile("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)
+    >>> print(k.source); k(C=C, AM=AM, AV=AV, AK=AK, B=B)
+    """
+    bound = bind(parse(expr), example_tensors)
+    spec = spec_for(bound, precision)
+    kernel = _KERNELS.get(spec)
+    if kernel is None:
+        kernel = _KERNELS[spec] = Kernel(spec)
+    return kernel
