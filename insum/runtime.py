@@ -210,13 +210,13 @@ def triton_cdiv(a: int, b: int) -> int:
 def _load(path: Path, source: str, digest: str):
     """Import the kernel from its content-hashed file (Triton reads source via inspect)."""
     module_name = f"insum_generated_{digest}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
     module = sys.modules.get(module_name)
     if module is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != source:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(source)
-            os.replace(tmp, path)
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module

@@ -58,6 +58,10 @@ class _Emitter:
         self.offs = {v: self.fresh(f"offs_{v}") for _, v in plan.tiles}
         self.mask = {v: self.fresh(f"mask_{v}") for _, v in plan.tiles}
         self.scalar = {v: self.fresh(f"i_{v}") for v in (*plan.grid, *plan.loops)}
+        self.tile_pid = {v: self.fresh(f"pid_{v}") for a, v in plan.tiles if a != "K"}
+        k = plan.axis_var("K")
+        self.start_k = self.fresh(f"start_{k}") if k else None
+        self.steps_k = self.fresh(f"steps_{k}") if k else None
         self.strides: dict[tuple[str, int], str] = {}
 
     # -- names ------------------------------------------------------------------------
@@ -171,7 +175,7 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
         last = position == len(order) - 1
         if kind == "tile":
             count = f"tl.cdiv({em.size[var]}, BLOCK_{axis})"
-            tile = f"pid_{var}"
+            tile = em.tile_pid[var]
             lines.append(f"{tile} = pid" if last else f"{tile} = pid % {count}")
             if not last:
                 lines.append(f"pid = pid // {count}")
@@ -192,21 +196,21 @@ def _loop_lines(em: _Emitter) -> list[str]:
         return []
     lines = []
     if not plan.loops:
-        lines.append(f"for start_{k} in range(0, {em.size[k]}, BLOCK_K):")
+        lines.append(f"for {em.start_k} in range(0, {em.size[k]}, BLOCK_K):")
     elif k is None and len(plan.loops) == 1:
         var = plan.loops[0]
         lines.append(f"for {em.scalar[var]} in range(0, {em.size[var]}):")
     else:
         counts = [em.size[v] for v in plan.loops]
         if k is not None:
-            lines.append(f"steps_{k} = tl.cdiv({em.size[k]}, BLOCK_K)")
-            counts.append(f"steps_{k}")
+            lines.append(f"{em.steps_k} = tl.cdiv({em.size[k]}, BLOCK_K)")
+            counts.append(em.steps_k)
         lines.append(f"for step in range(0, {' * '.join(counts)}):")
         inner = "    rest = step"
         lines.append(inner)
         if k is not None:
-            lines.append(f"    start_{k} = (rest % steps_{k}) * BLOCK_K")
-            lines.append(f"    rest = rest // steps_{k}")
+            lines.append(f"    {em.start_k} = (rest % {em.steps_k}) * BLOCK_K")
+            lines.append(f"    rest = rest // {em.steps_k}")
         for position, var in enumerate(reversed(plan.loops)):
             if position == len(plan.loops) - 1:
                 lines.append(f"    {em.scalar[var]} = rest")
@@ -214,7 +218,7 @@ def _loop_lines(em: _Emitter) -> list[str]:
                 lines.append(f"    {em.scalar[var]} = rest % {em.size[var]}")
                 lines.append(f"    rest = rest // {em.size[var]}")
     if k is not None:
-        lines.append(f"    {em.offs[k]} = start_{k} + tl.arange(0, BLOCK_K)  # [{k}]")
+        lines.append(f"    {em.offs[k]} = {em.start_k} + tl.arange(0, BLOCK_K)  # [{k}]")
         lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
     lines.extend("    " + line for line in em.levels[1])
     return lines

@@ -1,0 +1,217 @@
+"""The generated Triton kernels against the torch reference lowering.
+
+On a CPU-only machine the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by
+`make test` and below); on a CUDA machine the same tests run compiled, in fp32, fp16 and bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from statements import CASES, build, case, clone, strided, tolerance  # noqa: E402
+
+import insum  # noqa: E402
+from insum.bind import bind  # noqa: E402
+from insum.codegen import emit, schedule  # noqa: E402
+from insum.parser import parse  # noqa: E402
+from insum.runtime import Kernel, kernel_for, spec_for  # noqa: E402
+
+pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
+DEVICE = "cuda" if CUDA else "cpu"
+# The interpreter has no bf16 and its fp16 atomics fail: half precision is tested on the GPU.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32]
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _run_both(c, tensors, precision="ieee"):
+    expected = insum.insum(c.stmt, backend="torch", **clone(tensors))
+    poisoned = clone(tensors)
+    actual = insum.insum(c.stmt, backend="triton", precision=precision, **poisoned)
+    return actual, expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_kernel_matches_reference(c, index_dtype, dtype):
+    tensors = build(c, seed=1, index_dtype=index_dtype, dtype=dtype, device=DEVICE)
+    actual, expected = _run_both(c, tensors)
+    torch.testing.assert_close(actual, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_kernel_non_contiguous_operands(c):
+    tensors = build(c, seed=2, device=DEVICE)
+    tensors = {name: strided(t) for name, t in tensors.items()}
+    actual, expected = _run_both(c, tensors)
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("stmt_id", ["group_coo_spmm", "dense_matmul", "embedding", "sddmm"])
+def test_kernel_allocates_output(stmt_id):
+    c = case(stmt_id)
+    if c.needs_out:
+        pytest.skip("output must be passed")
+    tensors = build(c, seed=3, device=DEVICE, with_output=False)
+    expected = insum.insum(c.stmt, backend="torch", **tensors)
+    actual = insum.insum(c.stmt, backend="triton", precision="ieee", **tensors)
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
+def test_overwrite_poisoned_output_is_fully_written():
+    c = case("dense_matmul")
+    tensors = build(c, seed=4, device=DEVICE)
+    tensors[c.output].fill_(float("nan"))
+    actual, expected = _run_both(c, tensors)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
+def test_default_tf32_precision_is_close():
+    c = case("block_group_coo")
+    tensors = build(c, seed=5, device=DEVICE)
+    actual, expected = _run_both(c, tensors, precision="tf32")
+    assert ((actual - expected).norm() / expected.norm()) < 1e-2
+
+
+def test_larger_than_one_tile():
+    """Extents above every tile size exercise the program-id split, masks and loop."""
+    g = torch.Generator().manual_seed(6)
+    G, width, M, K, N = 150, 37, 70, 90, 131
+    t = {
+        "C": torch.randn(M, N, generator=g),
+        "AM": torch.randint(0, M, (G,), generator=g, dtype=torch.int32),
+        "AK": torch.randint(0, K, (G, width), generator=g, dtype=torch.int32),
+        "AV": torch.randn(G, width, generator=g),
+        "B": torch.randn(K, N, generator=g),
+    }
+    t = {k: v.to(DEVICE) for k, v in t.items()}
+    expected = insum.insum("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", backend="torch", **clone(t))
+    actual = insum.insum("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", backend="triton", **clone(t))
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------ the generated source
+
+
+def _kernel(stmt_id: str, dtype=torch.float32) -> Kernel:
+    c = case(stmt_id)
+    bound = bind(parse(c.stmt), build(c, dtype=dtype, device=DEVICE))
+    return kernel_for(bound)
+
+
+def test_block_group_coo_has_one_dot_and_no_reshape():
+    source = _kernel("block_group_coo").source
+    assert source.count("tl.dot(") == 1
+    for forbidden in ("tl.reshape", "tl.trans", "tl.view", ".T", "permute"):
+        assert forbidden not in source
+
+
+@pytest.mark.parametrize("stmt_id", ["ell_spmm", "dense_matmul", "sddmm", "embedding", "transposed_out"])
+def test_single_owner_outputs_emit_no_atomics(stmt_id):
+    kernel = _kernel(stmt_id)
+    assert kernel.plan.output == "store"
+    assert "atomic" not in kernel.source
+
+
+@pytest.mark.parametrize("stmt_id", ["coo_spmm", "group_coo_spmm", "segment_sum", "point_conv"])
+def test_scatters_emit_atomics(stmt_id):
+    kernel = _kernel(stmt_id)
+    assert kernel.plan.output == "atomic"
+    assert "tl.atomic_add" in kernel.source
+
+
+@pytest.mark.parametrize(
+    "stmt_id, kind",
+    [("block_group_coo", "dot"), ("point_conv", "dot"), ("nm_spmm", "dot"), ("four_factors", "dot"),
+     ("group_coo_spmm", "reduce"), ("sddmm", "reduce"), ("ell_spmm", "reduce")],
+)
+def test_plan_kind(stmt_id, kind):
+    assert _kernel(stmt_id).plan.kind == kind
+
+
+def test_kernel_cache_reuses_kernel():
+    assert _kernel("group_coo_spmm") is _kernel("group_coo_spmm")
+    assert _kernel("group_coo_spmm") is not _kernel("group_coo_spmm", dtype=torch.float64)
+
+
+def test_wide_tensors_use_int64_addressing():
+    big = torch.empty(2**31 + 10, device="meta")
+    small = torch.empty(2**31 + 10, dtype=torch.int32, device="meta")
+    bound = bind(parse("E[i] += W[I[i]]"), {"W": big, "I": small})
+    spec = spec_for(bound)
+    assert spec.wide == {"W", "I", "E"}
+    assert ".to(tl.int64)" in emit(schedule(spec)).text
+    narrow = spec_for(bind(parse("E[i] += W[I[i]]"), {"W": torch.ones(4), "I": torch.zeros(3, dtype=torch.int32)}))
+    assert ".to(tl.int64)" not in emit(schedule(narrow)).text
+
+
+def test_source_is_deterministic():
+    spec = _kernel("group_coo_spmm").spec
+    assert emit(schedule(spec)).text == emit(schedule(spec)).text
+
+
+@pytest.mark.parametrize("stmt_id", ["group_coo_spmm", "block_group_coo", "sddmm", "four_factors"])
+def test_golden_source(stmt_id):
+    """The generated source for canonical statements; INSUM_UPDATE_GOLDEN=1 rewrites them."""
+    text = _kernel(stmt_id).source
+    path = GOLDEN / f"{stmt_id}.py"
+    if os.environ.get("INSUM_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+
+
+def test_compile_api_and_explain():
+    c = case("group_coo_spmm")
+    tensors = build(c, seed=7, device=DEVICE)
+    kernel = insum.compile(c.stmt, **tensors)
+    assert "@triton.jit" in kernel.source and kernel.plan.kind == "reduce"
+    expected = insum.insum(c.stmt, backend="torch", **clone(tensors))
+    torch.testing.assert_close(kernel(**clone(tensors)), expected, **tolerance(torch.float32))
+    text = insum.explain(c.stmt, **tensors)
+    assert "plan:" in text and "tl.atomic_add" in text
+    with pytest.raises(insum.InsumError, match="dtypes"):
+        kernel(**{k: (v.double() if v.is_floating_point() else v) for k, v in tensors.items()})
+
+
+def test_tuning_results_persist_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("INSUM_CACHE_DIR", str(tmp_path))
+    spec = _kernel("dense_matmul").spec
+    kernel = Kernel(spec)
+    assert kernel.path.exists() and kernel.path.parent == tmp_path / "kernels"
+    config = {"BLOCK_M": 32, "BLOCK_K": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    kernel._save_disk_config((32, 16, 64), torch.device(DEVICE), config)
+    again = Kernel(spec)  # a new kernel object, as in a second process
+    assert again._disk_config((32, 16, 64), torch.device(DEVICE)) == config
+    assert again._disk_config((64, 16, 64), torch.device(DEVICE)) is None
+
+
+def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
+    if CUDA:
+        pytest.skip("CUDA present")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    c = case("dense_matmul")
+    with pytest.raises(insum.InsumError, match="CUDA"):
+        insum.insum(c.stmt, backend="triton", **build(c))
+
+
+def test_generated_names_do_not_clash_with_user_names():
+    t = {"acc": torch.randn(5), "pid": torch.randn(5), "offs": torch.randn(5, 3)}
+    stmt = "out[ptr] += acc[ptr] * pid[ptr] * offs[ptr, j]"
+    expected = insum.insum(stmt, backend="torch", **t)
+    actual = insum.insum(stmt, backend="triton", **{k: v.to(DEVICE) for k, v in t.items()})
+    torch.testing.assert_close(actual.cpu(), expected, rtol=1e-5, atol=1e-6)
+    assert re.search(r"\boffs_ptr_?\b", _source_of(stmt, t))
+
+
+def _source_of(stmt, tensors):
+    return kernel_for(bind(parse(stmt), {k: v.to(DEVICE) for k, v in tensors.items()})).source
