@@ -52,6 +52,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _tuning_enabled() -> bool:
+    """INSUM_AUTOTUNE=0 uses the first candidate configuration instead of measuring."""
+    return os.environ.get("INSUM_AUTOTUNE", "1") not in ("", "0")
+
+
 def _max_offset(shape, strides) -> int:
     return sum((s - 1) * abs(st) for s, st in zip(shape, strides) if s > 0)
 
@@ -148,6 +153,8 @@ class Kernel:
         if config is None and _interpreting():
             # The interpreter runs programs one at a time: the largest tile is the fastest.
             config = max(candidates, key=lambda c: math.prod(v for k, v in c.items() if k.startswith("BLOCK")))
+        if config is None and not _tuning_enabled():
+            config = candidates[0]
         if config is None:
             config = self._disk_config(bucket, device)
         if config is None:

@@ -1,0 +1,1 @@
+"""Benchmarks for insum on a CUDA GPU; see each module's docstring."""
