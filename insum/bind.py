@@ -10,6 +10,7 @@ Variable roles:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -70,30 +71,54 @@ def _roles(stmt: Statement) -> dict[str, str]:
     return roles
 
 
-def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
-    """Check `tensors` against `stmt`; raise an `InsumError` subclass naming what is wrong."""
-    out_name = stmt.output.name
-    uses: dict[str, str] = {}  # tensor name -> "index" | "value"
+@dataclass(frozen=True)
+class _Analysis:
+    """Everything about a statement that does not depend on the tensors (cached)."""
+
+    uses: Mapping[str, str]  # tensor -> "index" | "value"
+    checked: tuple[tuple[str, int, tuple[tuple[int, str], ...]], ...]  # (tensor, rank, (dim, var))
+    output_dims: tuple[tuple[int, str], ...]  # (dim, var) of the output's direct indices
+    roles: Mapping[str, str]
+    index_names: tuple[str, ...]
+    value_names: tuple[str, ...]
+
+
+def _direct_dims(access: Access) -> tuple[tuple[int, str], ...]:
+    return tuple((d, i.variable) for d, i in enumerate(access.indices) if i.variable is not None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _analyse(stmt: Statement) -> _Analysis:
+    uses: dict[str, str] = {}
     accesses: list[Access] = []
-    for factor in stmt.accesses():
-        for access, as_index in _walk(factor):
-            accesses.append(access)
-            role = "index" if as_index else "value"
-            if uses.setdefault(access.name, role) != role:
-                raise InsumTypeError(
-                    f"tensor {access.name} is used both as an index and as a factor in '{stmt}'"
-                )
-    out_accesses = list(_walk(stmt.output))
-    for access, _ in out_accesses[1:]:
-        uses.setdefault(access.name, "index")
-        if uses[access.name] != "index":
+    walked = [(a, as_index) for f in stmt.accesses() for a, as_index in _walk(f)]
+    walked += [(a, True) for a, _ in list(_walk(stmt.output))[1:]]
+    for access, as_index in walked:
+        accesses.append(access)
+        role = "index" if as_index else "value"
+        if uses.setdefault(access.name, role) != role:
             raise InsumTypeError(
                 f"tensor {access.name} is used both as an index and as a factor in '{stmt}'"
             )
-        accesses.append(access)
-    if out_name in uses:
-        raise InsumError(f"the output {out_name} is also an input of '{stmt}'; pass a separate tensor")
+    if stmt.output.name in uses:
+        raise InsumError(
+            f"the output {stmt.output.name} is also an input of '{stmt}'; pass a separate tensor"
+        )
+    return _Analysis(
+        uses=uses,
+        checked=tuple((a.name, len(a.indices), _direct_dims(a)) for a in accesses),
+        output_dims=_direct_dims(stmt.output),
+        roles=_roles(stmt),
+        index_names=tuple(n for n, u in uses.items() if u == "index"),
+        value_names=tuple(n for n, u in uses.items() if u == "value"),
+    )
 
+
+def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
+    """Check `tensors` against `stmt`; raise an `InsumError` subclass naming what is wrong."""
+    analysis = _analyse(stmt)
+    uses = analysis.uses
+    out_name = stmt.output.name
     missing = [name for name in uses if name not in tensors]
     if missing:
         raise InsumError(f"missing tensor(s) {', '.join(missing)} for '{stmt}'")
@@ -105,52 +130,52 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
             raise InsumTypeError(f"{name} must be a torch.Tensor, not {type(value).__name__}")
 
     output = tensors.get(out_name)
-    checked = accesses + ([stmt.output] if output is not None else [])
-    for access in checked:
-        tensor = tensors[access.name]
-        if tensor.dim() != len(access.indices):
+    checked = analysis.checked
+    if output is not None:
+        checked = checked + ((out_name, len(stmt.output.indices), analysis.output_dims),)
+    for name, rank, _ in checked:
+        tensor = tensors[name]
+        if tensor.dim() != rank:
+            access = next(a for a in _all_accesses(stmt) if a.name == name and len(a.indices) == rank)
             raise InsumShapeError(
-                f"{access.name} has rank {tensor.dim()} (shape {tuple(tensor.shape)}) but is "
-                f"indexed with {len(access.indices)} indices in {access}"
+                f"{name} has rank {tensor.dim()} (shape {tuple(tensor.shape)}) but is "
+                f"indexed with {rank} indices in {access}"
             )
 
-    index_names = tuple(n for n, u in uses.items() if u == "index")
-    value_names = tuple(n for n, u in uses.items() if u == "value")
-    for name in index_names:
+    for name in analysis.index_names:
         if tensors[name].dtype not in INDEX_DTYPES:
             raise InsumTypeError(
                 f"index tensor {name} has dtype {tensors[name].dtype}; index tensors must be "
                 "torch.int32 or torch.int64"
             )
-    for name in value_names + ((out_name,) if output is not None else ()):
+    for name in analysis.value_names + ((out_name,) if output is not None else ()):
         if tensors[name].dtype not in VALUE_DTYPES:
             raise InsumTypeError(
                 f"tensor {name} has dtype {tensors[name].dtype}; factors and outputs must be "
                 "float16, bfloat16, float32 or float64"
             )
 
-    devices = {tensors[name].device for name in tensors}
+    devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         where = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
         raise InsumTypeError(f"tensors are on different devices: {where}")
     device = devices.pop() if devices else torch.device("cpu")
 
     extents: dict[str, int] = {}
-    origin: dict[str, str] = {}
-    for access in checked:
-        shape = tensors[access.name].shape
-        for dim, index in enumerate(access.indices):
-            var = index.variable
-            if var is None:
-                continue
-            if var in extents and extents[var] != shape[dim]:
+    origin: dict[str, tuple[str, int]] = {}
+    for name, _, dims in checked:
+        shape = tensors[name].shape
+        for dim, var in dims:
+            size = shape[dim]
+            known = extents.setdefault(var, size)
+            if known != size:
+                first, first_dim = origin[var]
                 raise InsumShapeError(
-                    f"extent of variable '{var}' is {extents[var]} from {origin[var]} but "
-                    f"{shape[dim]} from {access.name} dimension {dim} in '{stmt}'"
+                    f"extent of variable '{var}' is {known} from {first} dimension {first_dim} "
+                    f"but {size} from {name} dimension {dim} in '{stmt}'"
                 )
-            extents.setdefault(var, shape[dim])
-            origin.setdefault(var, f"{access.name} dimension {dim}")
-    for var in stmt.variables():
+            origin.setdefault(var, (name, dim))
+    for var in analysis.roles:
         if var not in extents:
             where = "the output" if var in stmt.output.variables() else "any tensor"
             raise InsumShapeError(
@@ -160,37 +185,47 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
             )
 
     if output is not None:
-        if _shares_memory(output, [tensors[n] for n in uses]):
-            raise InsumError(f"the output {out_name} shares memory with an input of '{stmt}'")
+        shared = [n for n in uses if _shares_memory(output, tensors[n])]
+        if shared:
+            raise InsumError(
+                f"the output {out_name} shares memory with the input {shared[0]} of '{stmt}'; "
+                "pass a separate tensor"
+            )
         out_shape, out_dtype = tuple(output.shape), output.dtype
     else:
-        if not all(i.is_direct for i in stmt.output.indices):
+        if len(analysis.output_dims) != len(stmt.output.indices):
             raise InsumError(
                 f"the shape of the output {out_name} does not follow from '{stmt}' (an output "
                 f"index is indirect or affine); pass {out_name}=<tensor>"
             )
         out_shape = tuple(extents[i.variable] for i in stmt.output.indices)
         out_dtype = torch.float32
-        if value_names:
-            out_dtype = tensors[value_names[0]].dtype
-            for name in value_names[1:]:
+        if analysis.value_names:
+            out_dtype = tensors[analysis.value_names[0]].dtype
+            for name in analysis.value_names[1:]:
                 out_dtype = torch.promote_types(out_dtype, tensors[name].dtype)
 
     return Bound(
         stmt=stmt,
         tensors=dict(tensors),
         extents=extents,
-        roles=_roles(stmt),
-        index_names=index_names,
-        value_names=value_names,
+        roles=analysis.roles,
+        index_names=analysis.index_names,
+        value_names=analysis.value_names,
         out_shape=out_shape,
         out_dtype=out_dtype,
         device=device,
     )
 
 
-def _shares_memory(output: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
-    if output.numel() == 0:
+def _all_accesses(stmt: Statement):
+    for access in (stmt.output, *stmt.accesses()):
+        for inner, _ in _walk(access):
+            yield inner
+
+
+def _shares_memory(output: torch.Tensor, other: torch.Tensor) -> bool:
+    if output.numel() == 0 or other.numel() == 0:
         return False
-    storage = output.untyped_storage().data_ptr()
-    return any(t.numel() and t.untyped_storage().data_ptr() == storage for t in inputs)
+    ptr = output.untyped_storage().data_ptr()  # 0 for meta (shape-only) tensors: no memory
+    return ptr != 0 and ptr == other.untyped_storage().data_ptr()

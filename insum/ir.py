@@ -8,6 +8,7 @@ coefficient 1. Normalisation makes `parse(str(stmt)) == stmt`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = ["Var", "Access", "Term", "Index", "Literal", "Factor", "Statement"]
 
@@ -136,6 +137,14 @@ class Statement:
     output: Access
     op: str
     factors: tuple[Factor, ...]
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.output, self.op, self.factors))
+
+    def __hash__(self) -> int:
+        # Statements key every cache on the launch path: hash the nested IR only once.
+        return self._hash
 
     @property
     def accumulate(self) -> bool:

@@ -65,7 +65,11 @@ def spec_for(bound: Bound, precision: str = "tf32") -> KernelSpec:
     """The parts of a bound statement that a kernel depends on."""
     dtypes = {name: _DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
     dtypes[bound.output_name] = _DTYPE_NAMES[bound.out_dtype]
-    wide = {name for name, t in bound.tensors.items() if _max_offset(t.shape, t.stride()) > _INT32_MAX}
+    wide = {
+        name
+        for name, t in bound.tensors.items()
+        if t.untyped_storage().nbytes() > _INT32_MAX and _max_offset(t.shape, t.stride()) > _INT32_MAX
+    }
     if bound.output_name not in bound.tensors and math.prod(bound.out_shape) > _INT32_MAX:
         wide.add(bound.output_name)
     return KernelSpec(
@@ -147,23 +151,30 @@ class Kernel:
 
     def _run(self, args, extents, device) -> None:
         bucket = tuple(next_power_of_2(extents[v]) for _, v in self.plan.tiles)
-        config = self.tuned.get(bucket)
         grid = self._grid(extents)
+        config = self.tuned.get(bucket)
+        if config is None:
+            config = self._first_config(bucket, args, grid, extents, device)
+            if config is None:
+                return  # the autotuner's final run already produced the result
+        self.fn[grid](*args, **config)
+
+    def _first_config(self, bucket, args, grid, extents, device) -> dict | None:
+        """Configuration for a new bucket: interpreter, untuned, disk cache, or autotune."""
         candidates = prune_configs(self.plan, configs_for(self.plan), extents)
-        if config is None and _interpreting():
+        if _interpreting():
             # The interpreter runs programs one at a time: the largest tile is the fastest.
             config = max(candidates, key=lambda c: math.prod(v for k, v in c.items() if k.startswith("BLOCK")))
-        if config is None and not _tuning_enabled():
+        elif not _tuning_enabled():
             config = candidates[0]
-        if config is None:
+        else:
             config = self._disk_config(bucket, device)
         if config is None:
-            config = self._autotune(args, grid, candidates)
-            self.tuned[bucket] = config
-            self._save_disk_config(bucket, device, config)
-            return  # the autotuner's final run already produced the result
+            self.tuned[bucket] = self._autotune(args, grid, candidates)
+            self._save_disk_config(bucket, device, self.tuned[bucket])
+            return None
         self.tuned[bucket] = config
-        self.fn[grid](*args, **config)
+        return config
 
     def _autotune(self, args, grid, candidates) -> dict:
         import triton
