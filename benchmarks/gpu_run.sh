@@ -11,3 +11,4 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python -m pytest -q -x -p no:cacheprovider tests/test_codegen.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
 fi
 python -m benchmarks.codegen_h200 "$@" 2>&1 | tee "$OUT/bench.log"
+python -m insum demo 2>&1 | tee "$OUT/demo.log" | grep -v Warning
