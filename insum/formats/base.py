@@ -1,0 +1,485 @@
+"""The interface every sparse format shares, its registry, and the packers' common helpers.
+
+A format turns a sparse matrix into plain dense index and value tensors plus the one
+indirect Einsum that multiplies it with a dense matrix; `spmm` just runs that statement
+through the public `insum()`. Formats never import the code generator or the runtime, so
+packing, inspecting and converting need neither Triton nor a GPU.
+
+All packing is vectorised torch code on the input's device: coordinates are sorted once
+(row-major, duplicates summed) and every format derives its tensors from them with
+`bincount` / `cumsum` / scatter, never with a Python loop over rows or nonzeros.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..api import insum
+from ..errors import InsumError, InsumShapeError, InsumTypeError
+
+__all__ = [
+    "FORMATS",
+    "SparseFormat",
+    "Coords",
+    "coords_of",
+    "format_class",
+    "index_dtype_for",
+    "VALUE_DTYPES",
+]
+
+VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT32_MAX = 2**31 - 1
+
+#: Every format class by its lower-case name; filled as the format modules are imported.
+FORMATS: dict[str, type[SparseFormat]] = {}
+
+
+def format_class(name: str) -> type[SparseFormat]:
+    """Look a format up by name, case-insensitively, listing the valid names when unknown.
+
+    >>> format_class("GroupCOO").__name__
+    'GroupCOO'
+    """
+    try:
+        return FORMATS[name.lower()]
+    except KeyError:
+        raise InsumError(f"unknown format {name!r}; choose one of {', '.join(FORMATS)}") from None
+
+
+# --------------------------------------------------------------------------- coordinates
+
+
+@dataclass(frozen=True)
+class Coords:
+    """A matrix as sorted, duplicate-free coordinates: the common input of every packer.
+
+    rows and cols are int64 and sorted row-major; vals has the matrix's floating dtype.
+    """
+
+    shape: tuple[int, int]
+    rows: torch.Tensor
+    cols: torch.Tensor
+    vals: torch.Tensor
+
+    @property
+    def nnz(self) -> int:
+        return int(self.rows.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.vals.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vals.dtype
+
+    def row_counts(self) -> torch.Tensor:
+        """Nonzeros per row (int64, length M)."""
+        return torch.bincount(self.rows, minlength=self.shape[0])
+
+
+def check_values(dtype: torch.dtype) -> None:
+    if dtype not in VALUE_DTYPES:
+        raise InsumTypeError(
+            f"matrix values have dtype {dtype}; formats store float16, bfloat16, float32 or "
+            "float64 values (convert with .float() first)"
+        )
+
+
+def _canonical(shape: tuple[int, int], rows, cols, vals) -> Coords:
+    """Sort row-major and sum duplicates, skipping the sort when already canonical."""
+    rows, cols = rows.long(), cols.long()
+    key = rows * max(shape[1], 1) + cols
+    if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
+        key, order = torch.sort(key, stable=True)
+        vals = vals[order]
+        key, inverse = torch.unique_consecutive(key, return_inverse=True)
+        summed = torch.zeros(key.numel(), dtype=vals.dtype, device=vals.device)
+        vals = summed.index_add_(0, inverse, vals)
+        rows, cols = key // max(shape[1], 1), key % max(shape[1], 1)
+    return Coords(shape, rows, cols, vals)
+
+
+def coords_of(A: torch.Tensor) -> Coords:
+    """Coordinates of a dense or sparse (COO, CSR, CSC, BSR, BSC) 2-D matrix.
+
+    Dense matrices and BSR/BSC blocks keep their nonzero elements only (zeros inside a
+    stored block are block padding); COO and CSR keep every stored entry, explicit zeros
+    included, because the caller chose to store them.
+    """
+    if not isinstance(A, torch.Tensor):
+        raise InsumTypeError(f"expected a torch.Tensor, got {type(A).__name__}")
+    if A.dim() != 2:
+        raise InsumShapeError(f"formats pack matrices; got a tensor of shape {tuple(A.shape)}")
+    check_values(A.dtype)
+    shape = (int(A.shape[0]), int(A.shape[1]))
+    layout = A.layout
+    if layout == torch.strided:
+        rows, cols = A.nonzero(as_tuple=True)
+        return Coords(shape, rows, cols, A[rows, cols])
+    if layout == torch.sparse_coo:
+        if A.sparse_dim() != 2:
+            raise InsumShapeError(
+                "hybrid sparse COO tensors (with dense dimensions) are not supported"
+            )
+        A = A.coalesce()
+        rows, cols = A.indices()
+        return Coords(shape, rows, cols, A.values())
+    if layout == torch.sparse_csr:
+        if A.values().dim() != 1:
+            raise InsumShapeError("batched or hybrid sparse CSR tensors are not supported")
+        crow = A.crow_indices().long()
+        rows = torch.repeat_interleave(torch.arange(shape[0], device=A.device), crow.diff())
+        return _canonical(shape, rows, A.col_indices(), A.values())
+    if layout == torch.sparse_bsr:
+        blocks = A.values()
+        if blocks.dim() != 3:
+            raise InsumShapeError("batched or hybrid sparse BSR tensors are not supported")
+        nb, bm, bk = blocks.shape
+        crow = A.crow_indices().long()
+        brow = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=A.device), crow.diff())
+        rows = brow.view(nb, 1, 1) * bm + torch.arange(bm, device=A.device).view(1, bm, 1)
+        cols = A.col_indices().long().view(nb, 1, 1) * bk + torch.arange(bk, device=A.device).view(
+            1, 1, bk
+        )
+        rows, cols = rows.expand(nb, bm, bk).reshape(-1), cols.expand(nb, bm, bk).reshape(-1)
+        vals = blocks.reshape(-1)
+        keep = vals != 0
+        return _canonical(shape, rows[keep], cols[keep], vals[keep])
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        coo = A.to_sparse_coo().coalesce()
+        rows, cols = coo.indices()
+        vals = coo.values()
+        if layout == torch.sparse_bsc:
+            keep = vals != 0
+            rows, cols, vals = rows[keep], cols[keep], vals[keep]
+        return Coords(shape, rows, cols, vals)
+    raise InsumTypeError(f"unsupported tensor layout {layout}")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def index_dtype_for(*sizes: int, requested: torch.dtype | None = None) -> torch.dtype:
+    """int32 unless an index could exceed it (any size >= 2**31), or the caller's choice.
+
+    int32 halves the index traffic of a gather-heavy kernel, so it is the default.
+    """
+    need64 = any(int(s) > INT32_MAX for s in sizes)
+    if requested is None:
+        return torch.int64 if need64 else torch.int32
+    if requested not in (torch.int32, torch.int64):
+        raise InsumTypeError(f"index_dtype must be torch.int32 or torch.int64, not {requested}")
+    if requested == torch.int32 and need64:
+        raise InsumError(f"index_dtype=torch.int32 cannot hold indices up to {max(sizes)}")
+    return requested
+
+
+def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    """Validate an integer parameter, raising an InsumError that names it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InsumError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (1 for x <= 1)."""
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def round_pow2(x: float) -> int:
+    """The power of two nearest to x in log scale (at least 1)."""
+    return 1 if x <= 1 else 1 << round(math.log2(x))
+
+
+def default_group_size(counts: torch.Tensor) -> int:
+    """The InSum paper's group size: minimise gathers plus scatters (paper §4.2).
+
+    With group size g, row i issues ceil(n_i/g) scatters and g gathers per group; bounding
+    ceil(x) by x + 1 gives nnz + nnz/g + R g + R over the R non-empty rows, minimised at
+    g = sqrt(nnz / R). Rounded to the nearest power of two (Triton's tiles are powers of
+    two) and capped at the longest row, beyond which a larger g only adds padding.
+    """
+    nonempty = int((counts > 0).sum())
+    if nonempty == 0:
+        return 1
+    nnz = int(counts.sum())
+    return min(round_pow2(math.sqrt(nnz / nonempty)), next_pow2(int(counts.max())))
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Nonzeros (sorted by row) split into fixed-size groups along rows."""
+
+    group_row: torch.Tensor  # [G] row of each group, non-decreasing
+    group: torch.Tensor  # [nnz] group of each nonzero
+    slot: torch.Tensor  # [nnz] position inside its group
+    size: int  # groups G
+
+
+def group_along_rows(rows: torch.Tensor, n_rows: int, group_size: int) -> Grouping:
+    """Split each row's run of nonzeros into ceil(n_i / g) groups of g slots, vectorised."""
+    device = rows.device
+    counts = torch.bincount(rows, minlength=n_rows)
+    groups_per_row = (counts + group_size - 1) // group_size
+    group_start = torch.cumsum(groups_per_row, 0) - groups_per_row
+    row_start = torch.cumsum(counts, 0) - counts
+    within = torch.arange(rows.numel(), device=device) - row_start[rows]
+    group = group_start[rows] + within // group_size
+    slot = within % group_size
+    group_row = torch.repeat_interleave(torch.arange(n_rows, device=device), groups_per_row)
+    return Grouping(group_row, group, slot, int(group_row.numel()))
+
+
+def first_in_group(group: torch.Tensor, values: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """values of each group's first member: the padding index that re-reads a cached row."""
+    first = torch.zeros(n_groups, dtype=values.dtype, device=values.device)
+    # Members are in order, so writing them in reverse leaves the first one in place.
+    first[group.flip(0)] = values.flip(0)
+    return first
+
+
+def value_dtype_of(*dtypes: torch.dtype) -> torch.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scatters accumulate half-precision outputs in float32, then round once."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# --------------------------------------------------------------------------- the base class
+
+
+class SparseFormat:
+    """A sparse matrix packed as dense index/value tensors plus its SpMM statement.
+
+    Subclasses set `name` (the registry key) and `expression`, implement `_pack(coords,
+    **params)`, `to_dense()` and `_spmm(...)`, and list their value tensors in
+    `_value_names` so that `padding_ratio` can count stored slots.
+
+    Attributes: shape (M, K); nnz (entries packed, explicit zeros included); dtype (of the
+    values); index_dtype; device; params (the chosen parameters); each packed tensor is
+    also an attribute (`fmt.AK`).
+    """
+
+    name: ClassVar[str] = ""
+    expression: ClassVar[str] = ""
+    _value_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        nnz: int,
+        dtype: torch.dtype,
+        index_dtype: torch.dtype,
+        device: torch.device,
+        params: Mapping[str, Any] | None = None,
+    ):
+        self.shape = (int(shape[0]), int(shape[1]))
+        self._tensors = dict(tensors)
+        self.nnz = int(nnz)
+        self.dtype = dtype  # of the values
+        self.index_dtype = index_dtype
+        self.device = torch.device(device)
+        self.params = dict(params or {})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            FORMATS[cls.name.lower()] = cls
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def from_dense(cls, A: torch.Tensor, **params: Any) -> SparseFormat:
+        """Pack the nonzeros of a dense matrix (on its own device)."""
+        if isinstance(A, torch.Tensor) and A.layout != torch.strided:
+            raise InsumTypeError(
+                f"from_dense expects a dense tensor, got layout {A.layout}; use from_torch"
+            )
+        cls._check_params(params)
+        return cls._pack(coords_of(A), **params)
+
+    @classmethod
+    def from_torch(cls, t: torch.Tensor, **params: Any) -> SparseFormat:
+        """Pack a torch sparse matrix (COO, CSR, CSC, BSR or BSC layout)."""
+        if not isinstance(t, torch.Tensor) or t.layout == torch.strided:
+            got = t.layout if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InsumTypeError(
+                f"from_torch expects a torch sparse tensor, got {got}; use from_dense"
+            )
+        cls._check_params(params)
+        return cls._pack(coords_of(t), **params)
+
+    @classmethod
+    def _check_params(cls, params: Mapping[str, Any]) -> None:
+        """Reject a misspelt parameter by name, listing the valid ones."""
+        valid = [p for p in inspect.signature(cls._pack).parameters if p not in ("coords", "cls")]
+        unknown = [p for p in params if p not in valid]
+        if unknown:
+            raise InsumError(
+                f"unknown parameter(s) {', '.join(map(repr, unknown))} for {cls.__name__}; "
+                f"valid: {', '.join(valid)}"
+            )
+
+    @classmethod
+    def _pack(cls, coords: Coords, **params: Any) -> SparseFormat:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- inspection
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The packed tensors by the names the SpMM statement uses."""
+        return dict(self._tensors)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        tensors = self.__dict__.get("_tensors")
+        if tensors is not None and name in tensors:
+            return tensors[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the packed tensors (indices, values and padding)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    @property
+    def stored_values(self) -> int:
+        """Value slots stored, padding included."""
+        return sum(t.numel() for n, t in self._tensors.items() if self._is_value(n))
+
+    @property
+    def padding_ratio(self) -> float:
+        """Fraction of stored value slots that are padding (0.0 when nothing is stored)."""
+        slots = self.stored_values
+        return 0.0 if slots == 0 else 1.0 - self.nnz / slots
+
+    def _describe(self) -> dict[str, Any]:
+        """Parameters shown by repr; subclasses add their own."""
+        return dict(self.params)
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in self._describe().items())
+        return (
+            f"{type(self).__name__}(shape={self.shape}, nnz={self.nnz}"
+            + (f", {params}" if params else "")
+            + f", padding={self.padding_ratio:.1%}, dtype={self.dtype}, "
+            f"index_dtype={self.index_dtype}, device={self.device})"
+        )
+
+    def to(self, device: torch.device | str) -> SparseFormat:
+        """A copy with every tensor on `device` (the packing itself is not repeated)."""
+        moved = copy.copy(self)
+        moved._tensors = {k: v.to(device) for k, v in self._tensors.items()}
+        moved.device = torch.device(device)
+        moved.params = dict(self.params)
+        return moved
+
+    def to_dense(self) -> torch.Tensor:
+        """The matrix as a dense tensor; padding adds exact zeros, so this is exact."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- SpMM
+
+    def spmm(
+        self, B: torch.Tensor, *, backend: str = "auto", precision: str = "tf32"
+    ) -> torch.Tensor:
+        """A @ B by running the format's indirect Einsum through `insum()`.
+
+        B is (K, N) or a vector (K,). The result has the promoted dtype of A and B;
+        half-precision results are accumulated in float32 and rounded once.
+        """
+        if not isinstance(B, torch.Tensor) or B.layout != torch.strided:
+            raise InsumTypeError("spmm expects a dense torch.Tensor operand")
+        vector = B.dim() == 1
+        if vector:
+            B = B.unsqueeze(1)
+        if B.dim() != 2 or B.shape[0] != self.shape[1]:
+            raise InsumShapeError(
+                f"cannot multiply {type(self).__name__} of shape {self.shape} with B of shape "
+                f"{tuple(B.shape)}: A has {self.shape[1]} columns, B dimension 0 has {B.shape[0] if B.dim() else 0}"
+            )
+        check_values(B.dtype)
+        if B.device != self.device:
+            raise InsumTypeError(
+                f"B is on {B.device} but the {type(self).__name__} tensors are on {self.device}; use .to()"
+            )
+        out_dtype = value_dtype_of(self.dtype, B.dtype)
+        M, N = self.shape[0], B.shape[1]
+        if self.nnz == 0 or M == 0 or N == 0:
+            C = torch.zeros(M, N, dtype=out_dtype, device=B.device)
+        else:
+            # Both factors in the promoted dtype: the kernel sees one value dtype.
+            compute = out_dtype
+            C = self._spmm(
+                B.to(compute).contiguous(), compute, accumulate_dtype(out_dtype), backend, precision
+            )
+            C = C.to(out_dtype)
+        return C.squeeze(1) if vector else C
+
+    def __matmul__(self, B: torch.Tensor) -> torch.Tensor:
+        return self.spmm(B)
+
+    def _values(self, compute: torch.dtype) -> dict[str, torch.Tensor]:
+        """Tensors with value tensors converted to the compute dtype (no copy when equal)."""
+        return {k: (v.to(compute) if self._is_value(k) else v) for k, v in self._tensors.items()}
+
+    def _is_value(self, name: str) -> bool:
+        return name in self._value_names
+
+    def _spmm(
+        self, B: torch.Tensor, compute: torch.dtype, acc: torch.dtype, backend: str, precision: str
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def _run(
+        expression: str, backend: str, precision: str, **tensors: torch.Tensor
+    ) -> torch.Tensor:
+        return insum(expression, backend=backend, precision=precision, **tensors)
+
+
+def time_spmm(fmt: SparseFormat, B: torch.Tensor, backend: str, reps: int = 5) -> float:
+    """Median seconds of `fmt.spmm(B)` on the current device, after one warm-up run."""
+
+    def sync() -> None:
+        if B.device.type == "cuda":
+            torch.cuda.synchronize(B.device)
+
+    fmt.spmm(B, backend=backend)  # compiles and autotunes on the first call
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fmt.spmm(B, backend=backend)
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def tune(
+    candidates: list[int], build: Callable[[int], SparseFormat], B: torch.Tensor, backend: str
+) -> tuple[SparseFormat, dict[int, float]]:
+    """Build the format for each candidate, time its SpMM, and keep the fastest."""
+    best, best_time, times = None, math.inf, {}
+    for candidate in candidates:
+        fmt = build(candidate)
+        times[candidate] = time_spmm(fmt, B, backend)
+        if times[candidate] < best_time:
+            best, best_time = fmt, times[candidate]
+    return best, times

@@ -1,0 +1,71 @@
+"""ELL (Ellpack): every row padded to the longest row's length W; no scatter at all.
+
+C is indexed directly by the row, so each output row has one owner and the kernel needs
+no atomics; the price is padding, which grows with the skew of the row lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Coords, SparseFormat, first_in_group, index_dtype_for
+
+__all__ = ["ELL"]
+
+
+class ELL(SparseFormat):
+    """Ellpack: AK[M, W] columns and AV[M, W] values, W = longest row (at least 1).
+
+    Padded slots hold value 0 and the row's first column (column 0 in empty rows), so they
+    add nothing and re-read a row of B that is already being read.
+
+    >>> A = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    >>> ELL.from_dense(A).AK.tolist()
+    [[0, 2], [2, 2]]
+    """
+
+    name = "ell"
+    expression = "C[m,n] += AV[m,q]*B[AK[m,q],n]"
+    _value_names = ("AV",)
+
+    @classmethod
+    def _pack(cls, coords: Coords, *, index_dtype: torch.dtype | None = None) -> ELL:
+        M, K = coords.shape
+        itype = index_dtype_for(M, K, requested=index_dtype)
+        counts = coords.row_counts()
+        width = max(int(counts.max()) if M else 0, 1)  # a zero-width tensor helps no kernel
+        row_start = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(coords.nnz, device=coords.device) - row_start[coords.rows]
+        pad = first_in_group(coords.rows, coords.cols, M)
+        AK = pad.unsqueeze(1).repeat(1, width)
+        AK[coords.rows, slot] = coords.cols
+        AV = torch.zeros(M, width, dtype=coords.dtype, device=coords.device)
+        AV[coords.rows, slot] = coords.vals
+        return cls(
+            coords.shape,
+            {"AK": AK.to(itype), "AV": AV},
+            nnz=coords.nnz,
+            dtype=coords.dtype,
+            index_dtype=itype,
+            device=coords.device,
+        )
+
+    @property
+    def width(self) -> int:
+        """W, the padded row length."""
+        return int(self.AK.shape[1])
+
+    def to_dense(self) -> torch.Tensor:
+        M, W = self.AK.shape
+        dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        rows = torch.arange(M, device=self.device).unsqueeze(1).expand(M, W)
+        return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
+
+    def _spmm(self, B, compute, acc, backend, precision) -> torch.Tensor:
+        C = torch.zeros(self.shape[0], B.shape[1], dtype=acc, device=B.device)
+        return self._run(self.expression, backend, precision, C=C, B=B, **self._values(compute))
+
+    def _describe(self) -> dict[str, Any]:
+        return {"width": self.width}
