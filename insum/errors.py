@@ -17,8 +17,9 @@ class InsumSyntaxError(InsumError):
         self.text = text
         self.line = line
         self.column = column
-        source_line = text.splitlines()[line - 1] if text.splitlines() else ""
-        caret = " " * (column - 1) + "^"
+        lines = text.split("\n")  # lines as the lexer counts them: only "\n" ends one
+        source_line = lines[line - 1] if 0 < line <= len(lines) else ""
+        caret = "".join(c if c == "\t" else " " for c in source_line[: column - 1]) + "^"
         super().__init__(f"{reason} at line {line}, column {column}\n  {source_line}\n  {caret}")
 
 

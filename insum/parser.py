@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import lark
@@ -68,13 +69,13 @@ class _ToIR(lark.Transformer):
         return (1, items[0])
 
     def scaled_term(self, items):
-        return (int(items[1]), items[0])
+        return (_int(items[1]), items[0])
 
     def scaled_term_left(self, items):
-        return (int(items[0]), items[1])
+        return (_int(items[0]), items[1])
 
     def constant_term(self, items):
-        return int(items[0])
+        return _int(items[0])
 
     def variable(self, items):
         return Var(str(items[0]))
@@ -91,9 +92,32 @@ def _negate(part):
     return (-coef, atom)
 
 
+class _BadLiteral(Exception):
+    """A literal that lexes but has no value (raised inside the transformer)."""
+
+    def __init__(self, token, reason: str):
+        super().__init__(reason)
+        self.token, self.reason = token, reason
+
+
+def _int(token) -> int:
+    digits = str(token).lstrip("0") or "0"
+    if len(digits) > 19 or int(digits) >= 2**63:
+        raise _BadLiteral(token, f"integer {_short(token)} out of range (at most 2**63 - 1)")
+    return int(digits)
+
+
 def _number(token) -> int | float:
     text = str(token)
-    return float(text) if any(c in text for c in ".eE") else int(text)
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BadLiteral(token, f"number {_short(token)} out of range for a float")
+    return value if any(c in text for c in ".eE") else int(text.lstrip("0") or "0")
+
+
+def _short(token) -> str:
+    text = str(token)
+    return text if len(text) <= 24 else text[:20] + "..."
 
 
 @functools.lru_cache(maxsize=1024)
@@ -112,7 +136,10 @@ def parse(text: str) -> Statement:
             f"unexpected character {text[e.pos_in_stream]!r}", text, e.line, e.column
         ) from None
     except lark.exceptions.UnexpectedToken as e:
-        expected = sorted({_EXPECTED_WORDS.get(t, repr(t)) for t in e.expected})
+        # accepts() follows the pending reductions; e.expected is the raw LALR state's
+        # set, which after `X[i]` on the right wrongly lists '+=' and misses the end.
+        accepted = e.interactive_parser.accepts() if e.interactive_parser else e.expected
+        expected = sorted({_EXPECTED_WORDS.get(t, repr(t)) for t in accepted})
         if e.token.type == "$END":
             line, column = _end_position(text)
             found = "end of statement"
@@ -124,11 +151,15 @@ def parse(text: str) -> Statement:
     except lark.exceptions.UnexpectedEOF:
         line, column = _end_position(text)
         raise InsumSyntaxError("unexpected end of statement", text, line, column) from None
-    return _ToIR().transform(tree)
+    try:
+        return _ToIR().transform(tree)
+    except lark.exceptions.VisitError as e:
+        if isinstance(e.orig_exc, _BadLiteral):
+            token = e.orig_exc.token
+            raise InsumSyntaxError(e.orig_exc.reason, text, token.line, token.column) from None
+        raise
 
 
 def _end_position(text: str) -> tuple[int, int]:
-    lines = text.splitlines() or [""]
-    if text.endswith("\n"):
-        return len(lines) + 1, 1
+    lines = text.split("\n")  # as the lexer counts lines
     return len(lines), len(lines[-1]) + 1

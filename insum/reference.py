@@ -69,8 +69,6 @@ def run_reference(bound: Bound, out: torch.Tensor) -> torch.Tensor:
     ev = _Evaluator(bound)
     order = ev.order
     letter = {v: _LETTERS[i] for i, v in enumerate(order)}
-    if not stmt.accumulate:
-        out.zero_()
     dtype = compute_dtype(out.dtype)
 
     scale = 1.0
@@ -99,6 +97,8 @@ def run_reference(bound: Bound, out: torch.Tensor) -> torch.Tensor:
         present = [v for v in out_vars if v in kept]
         full = result.permute([kept.index(v) for v in present]) if kept else result
         full = full.reshape([bound.extents[v] if v in kept else 1 for v in out_vars])
+        if not stmt.accumulate:
+            out.zero_()
         out.add_(full.to(out.dtype))
         return out
     indices = [ev.index(i) for i in stmt.output.indices]
@@ -106,6 +106,8 @@ def run_reference(bound: Bound, out: torch.Tensor) -> torch.Tensor:
         _check_bounds(idx, size, stmt.output.name, dim)
     result = result.reshape(ev.shape_of(set(kept)))  # back to the full variable space
     shape = torch.broadcast_shapes(*(i.shape for i in indices), result.shape)
+    if not stmt.accumulate:  # only now: a bad index above must leave `out` untouched
+        out.zero_()
     out.index_put_(
         tuple(i.expand(shape) for i in indices), result.expand(shape).to(out.dtype), accumulate=True
     )
