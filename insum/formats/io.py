@@ -14,6 +14,7 @@ import gzip
 import io
 import os
 import re
+import warnings
 
 import numpy as np
 import torch
@@ -49,7 +50,8 @@ def _csr(shape: tuple[int, int], rows, cols, vals, dtype: torch.dtype) -> torch.
     indices = torch.stack(
         [torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(cols, dtype=torch.int64)]
     )
-    coo = torch.sparse_coo_tensor(indices, torch.as_tensor(vals, dtype=torch.float64), shape)
+    values = torch.as_tensor(vals, dtype=torch.float64)
+    coo = torch.sparse_coo_tensor(indices, values, shape, check_invariants=False)  # checked above
     return coo.coalesce().to(dtype).to_sparse_csr()  # duplicates are summed
 
 
@@ -141,7 +143,9 @@ def load_mtx(
     columns = 2 if field == "pattern" else 3
     body = "\n".join(lines[size_at + 1 :])
     try:
-        data = np.loadtxt(io.StringIO(body), comments="%", ndmin=2, dtype=np.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "input contained no data": nnz may be 0
+            data = np.loadtxt(io.StringIO(body), comments="%", ndmin=2, dtype=np.float64)
     except ValueError:
         raise _bad_entry(path, lines, size_at + 1, columns) from None
     if data.size == 0:

@@ -1,0 +1,82 @@
+"""Every format's statement through the generated Triton kernel (backend="triton").
+
+On a CPU-only machine the kernels run in the Triton interpreter (TRITON_INTERPRET=1 is set
+below, as in test_codegen.py); on a CUDA machine they run compiled, also in half precision,
+and GroupCOO's group_size="tune" times real kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("INSUM_AUTOTUNE", "0")  # one configuration per kernel is enough here
+
+from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, power_law_matrix  # noqa: E402
+
+pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
+DEVICE = "cuda" if CUDA else "cpu"
+# The interpreter has no bf16 and its fp16 atomics fail: half precision runs on the GPU only.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32]
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+CONFIGS = [
+    (COO, {}),
+    (GroupCOO, {}),
+    (GroupCOO, {"group_size": 8}),
+    (ELL, {}),
+    (BlockGroupCOO, {}),
+    (BlockGroupCOO, {"block": (16, 32), "group_size": 2}),
+    (CELL, {}),
+    (CELL, {"partitions": 3, "max_width": 4}),
+]
+
+
+def _matrix(dtype):
+    A = power_law_matrix(70, 45, 6.0, alpha=1.2, seed=3).to_dense()
+    A[[0, 9, 69]] = 0  # empty rows, first and last included
+    return A.to(DEVICE, dtype)
+
+
+def _check(C, expected, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(
+        C.float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item()
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: c[0].__name__ + "".join(f"-{v}" for v in c[1].values())
+)
+def test_format_kernel_matches_dense(config, index_dtype, dtype):
+    cls, params = config
+    A = _matrix(dtype)
+    fmt = cls.from_dense(A, index_dtype=index_dtype, **params)
+    B = torch.randn(A.shape[1], 16, device=DEVICE).to(dtype)
+    C = fmt.spmm(B, backend="triton", precision="ieee")
+    assert C.dtype == dtype and C.shape == (A.shape[0], 16)
+    _check(C, A.double() @ B.double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n, m, L", [(2, 4, 1), (2, 4, 16), (3, 8, 4)])
+def test_nm_kernel_matches_dense(n, m, L, dtype):
+    A = torch.randn(37, 29, device=DEVICE).to(dtype)
+    fmt = NM.from_dense(A, n, m, L)
+    B = torch.randn(29, 16, device=DEVICE).to(dtype)
+    C = fmt.spmm(B, backend="triton", precision="ieee")
+    _check(C, fmt.to_dense().double() @ B.double(), dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason="timing the neighbouring group sizes needs compiled kernels")
+def test_group_size_tune_on_gpu():
+    A = power_law_matrix(4096, 4096, 16.0, alpha=1.0, seed=0).to(DEVICE)
+    fmt = GroupCOO.from_torch(A, group_size="tune", tune_cols=64)
+    assert fmt.group_size in fmt.params["tuned_seconds"]
+    B = torch.randn(4096, 64, device=DEVICE)
+    _check(fmt @ B, A.to_dense().double() @ B.double(), torch.float32)
