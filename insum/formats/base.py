@@ -239,12 +239,26 @@ def group_along_rows(rows: torch.Tensor, n_rows: int, group_size: int) -> Groupi
     return Grouping(group_row, group, slot, int(group_row.numel()))
 
 
-def first_in_group(group: torch.Tensor, values: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """values of each group's first member: the padding index that re-reads a cached row."""
+def first_in_group(
+    group: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, n_groups: int
+) -> torch.Tensor:
+    """values of each group's first member (slot 0), 0 for empty groups.
+
+    Padding with it keeps the padded index valid and re-reads a row of B that the group
+    reads anyway. Each group has one slot 0, so the scatter is deterministic.
+    """
     first = torch.zeros(n_groups, dtype=values.dtype, device=values.device)
-    # Members are in order, so writing them in reverse leaves the first one in place.
-    first[group.flip(0)] = values.flip(0)
+    leading = slot == 0
+    first[group[leading]] = values[leading]
     return first
+
+
+def normalise_device(device: torch.device | str) -> torch.device:
+    """`cuda` -> `cuda:<current>`, so that devices compare equal to a tensor's."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def value_dtype_of(*dtypes: torch.dtype) -> torch.dtype:
@@ -294,7 +308,7 @@ class SparseFormat:
         self.nnz = int(nnz)
         self.dtype = dtype  # of the values
         self.index_dtype = index_dtype
-        self.device = torch.device(device)
+        self.device = normalise_device(device)
         self.params = dict(params or {})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -386,7 +400,7 @@ class SparseFormat:
         """A copy with every tensor on `device` (the packing itself is not repeated)."""
         moved = copy.copy(self)
         moved._tensors = {k: v.to(device) for k, v in self._tensors.items()}
-        moved.device = torch.device(device)
+        moved.device = normalise_device(device)
         moved.params = dict(self.params)
         return moved
 

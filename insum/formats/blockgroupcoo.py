@@ -96,7 +96,7 @@ class BlockGroupCOO(SparseFormat):
         check_positive_int("group_size", group_size)
         grouping = group_along_rows(block_rows, MB, group_size)
         G, g = grouping.size, group_size
-        AK = first_in_group(grouping.group, block_cols, G).unsqueeze(1).repeat(1, g)
+        AK = first_in_group(grouping.group, grouping.slot, block_cols, G).unsqueeze(1).repeat(1, g)
         AK[grouping.group, grouping.slot] = block_cols
         AV = torch.zeros(G, g, bm, bk, dtype=coords.dtype, device=device)
         AV[grouping.group, grouping.slot] = blocks

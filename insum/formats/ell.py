@@ -38,7 +38,7 @@ class ELL(SparseFormat):
         width = max(int(counts.max()) if M else 0, 1)  # a zero-width tensor helps no kernel
         row_start = torch.cumsum(counts, 0) - counts
         slot = torch.arange(coords.nnz, device=coords.device) - row_start[coords.rows]
-        pad = first_in_group(coords.rows, coords.cols, M)
+        pad = first_in_group(coords.rows, slot, coords.cols, M)
         AK = pad.unsqueeze(1).repeat(1, width)
         AK[coords.rows, slot] = coords.cols
         AV = torch.zeros(M, width, dtype=coords.dtype, device=coords.device)

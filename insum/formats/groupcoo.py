@@ -71,7 +71,7 @@ class GroupCOO(SparseFormat):
         itype = index_dtype_for(M, K, requested=index_dtype)
         grouping = group_along_rows(coords.rows, M, group_size)
         G, g = grouping.size, group_size
-        pad = first_in_group(grouping.group, coords.cols, G)
+        pad = first_in_group(grouping.group, grouping.slot, coords.cols, G)
         AK = pad.unsqueeze(1).repeat(1, g)
         AK[grouping.group, grouping.slot] = coords.cols
         AV = torch.zeros(G, g, dtype=coords.dtype, device=coords.device)
