@@ -153,6 +153,9 @@ def cell_cost(
 
     Exposed for notebooks and benchmarks that plot the cost against the width.
     """
+    check_positive_int("max_width", max_width)
+    if max_width & (max_width - 1):
+        raise InsumError(f"max_width must be a power of two, got {max_width}")
     seg = _Segments(coords_of(A), partitions)
     exp = max_width.bit_length() - 1
     cap = torch.full((partitions,), exp, dtype=torch.int64, device=seg.length.device)
@@ -201,9 +204,9 @@ class CELL(SparseFormat):
         check_positive_int("dense_cols", dense_cols)
         itype = index_dtype_for(M, K, requested=index_dtype)
         device = coords.device
-        seg = _Segments(coords, partitions)
         if search not in _SEARCHES:
             raise InsumError(f"unknown search {search!r}; choose one of {', '.join(_SEARCHES)}")
+        seg = _Segments(coords, partitions)
         if max_width is None:
             cap_exp = _SEARCHES[search](seg, dense_cols)
         else:
