@@ -592,3 +592,14 @@ def test_formats_never_import_codegen_or_runtime():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "module", ["base", "coo", "groupcoo", "ell", "blockgroupcoo", "cell", "nm", "io", "synthetic"]
+)
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"insum.formats.{module}"))
+    assert result.failed == 0

@@ -93,7 +93,7 @@ def load_mtx(
     double it. Duplicate entries are summed.
 
     >>> A = load_mtx("../shared/data/graphs/cora.mtx.gz")  # doctest: +SKIP
-    >>> A.shape, A.layout
+    >>> A.shape, A.layout  # doctest: +SKIP
     (torch.Size([2708, 2708]), torch.sparse_csr)
     """
     lines = _read_text(path).splitlines()
@@ -221,7 +221,7 @@ def load_smtx(
     nnz column indices (0-based). There are no values: see the module docstring.
 
     >>> A = load_smtx("../shared/data/dlmc/rn50/magnitude_pruning/0.8/bottleneck_1_block_group1_1_1.smtx.gz")  # doctest: +SKIP
-    >>> A.shape, A._nnz()
+    >>> A.shape, A._nnz()  # doctest: +SKIP
     (torch.Size([64, 256]), 3276)
     """
     lines = _read_text(path).splitlines()

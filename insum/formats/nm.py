@@ -50,7 +50,7 @@ class NM(SparseFormat):
 
     >>> A = torch.tensor([[1.0, 0.0, 0.0, 2.0], [0.0, 3.0, 0.0, 0.0]])
     >>> F = NM.from_dense(A, n=2, m=4, vector_len=1)
-    >>> F.AK.tolist()
+    >>> F.AK.tolist()  # row 1 keeps column 1 and, at a tie of zeros, column 0
     [[0, 3], [0, 1]]
     """
 
@@ -160,7 +160,9 @@ class NM(SparseFormat):
         score = score.double() - 0.5 * cls._padded_columns(K, m, blocks.device).double() * (
             score == 0
         )
-        choice = torch.topk(score, n, dim=2).indices.sort(dim=2).values  # (RB, KW, n)
+        # The n best of each window, ties to the lower column (deterministic on any device).
+        order = torch.sort(score, dim=2, descending=True, stable=True).indices
+        choice = order[..., :n].sort(dim=2).values  # (RB, KW, n)
         columns = choice + (torch.arange(KW, device=blocks.device) * m).view(1, KW, 1)
         AK = columns.reshape(RB, KW * n).clamp(max=max(K - 1, 0))
         gathered = blocks.gather(3, choice.unsqueeze(1).expand(RB, L, KW, n))
