@@ -319,6 +319,25 @@ class SparseFormat:
     # ----------------------------------------------------------------- construction
 
     @classmethod
+    def _packed(
+        cls,
+        coords: Coords,
+        tensors: Mapping[str, torch.Tensor],
+        index_dtype: torch.dtype,
+        params: Mapping[str, Any] | None = None,
+    ) -> SparseFormat:
+        """The format holding `tensors` packed from `coords` (shape, nnz, dtype, device)."""
+        return cls(
+            coords.shape,
+            tensors,
+            nnz=coords.nnz,
+            dtype=coords.dtype,
+            index_dtype=index_dtype,
+            device=coords.device,
+            params=params,
+        )
+
+    @classmethod
     def from_dense(cls, A: torch.Tensor, **params: Any) -> SparseFormat:
         """Pack the nonzeros of a dense matrix (on its own device)."""
         if isinstance(A, torch.Tensor) and A.layout != torch.strided:

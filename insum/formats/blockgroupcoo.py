@@ -102,15 +102,7 @@ class BlockGroupCOO(SparseFormat):
         AV[grouping.group, grouping.slot] = blocks
         tensors = {"AM": grouping.group_row.to(itype), "AK": AK.to(itype), "AV": AV}
         params = {"block": (bm, bk), "group_size": g, "blocks": int(keys.numel())}
-        return cls(
-            coords.shape,
-            tensors,
-            nnz=coords.nnz,
-            dtype=coords.dtype,
-            index_dtype=itype,
-            device=coords.device,
-            params=params,
-        )
+        return cls._packed(coords, tensors, itype, params)
 
     @property
     def block(self) -> tuple[int, int]:

@@ -259,15 +259,7 @@ class CELL(SparseFormat):
             "dense_cols": dense_cols,
             "buckets": buckets,
         }
-        return cls(
-            coords.shape,
-            tensors,
-            nnz=coords.nnz,
-            dtype=coords.dtype,
-            index_dtype=itype,
-            device=device,
-            params=params,
-        )
+        return cls._packed(coords, tensors, itype, params)
 
     def _is_value(self, name: str) -> bool:
         return name.startswith("V_")

@@ -35,14 +35,7 @@ class COO(SparseFormat):
             "AK": coords.cols.to(itype),
             "AV": coords.vals.clone(),
         }
-        return cls(
-            coords.shape,
-            tensors,
-            nnz=coords.nnz,
-            dtype=coords.dtype,
-            index_dtype=itype,
-            device=coords.device,
-        )
+        return cls._packed(coords, tensors, itype)
 
     def to_dense(self) -> torch.Tensor:
         dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)

@@ -43,14 +43,7 @@ class ELL(SparseFormat):
         AK[coords.rows, slot] = coords.cols
         AV = torch.zeros(M, width, dtype=coords.dtype, device=coords.device)
         AV[coords.rows, slot] = coords.vals
-        return cls(
-            coords.shape,
-            {"AK": AK.to(itype), "AV": AV},
-            nnz=coords.nnz,
-            dtype=coords.dtype,
-            index_dtype=itype,
-            device=coords.device,
-        )
+        return cls._packed(coords, {"AK": AK.to(itype), "AV": AV}, itype)
 
     @property
     def width(self) -> int:

@@ -77,15 +77,7 @@ class GroupCOO(SparseFormat):
         AV = torch.zeros(G, g, dtype=coords.dtype, device=coords.device)
         AV[grouping.group, grouping.slot] = coords.vals
         tensors = {"AM": grouping.group_row.to(itype), "AK": AK.to(itype), "AV": AV}
-        return cls(
-            coords.shape,
-            tensors,
-            nnz=coords.nnz,
-            dtype=coords.dtype,
-            index_dtype=itype,
-            device=coords.device,
-            params={"group_size": g},
-        )
+        return cls._packed(coords, tensors, itype, {"group_size": g})
 
     @classmethod
     def _tuned(cls, coords: Coords, index_dtype, tune_cols: int, backend: str) -> GroupCOO:
