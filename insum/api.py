@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from .bind import Bound, bind
+from .bind import bind
 from .errors import InsumError
 from .parser import parse
 from .reference import run_reference
@@ -16,13 +16,6 @@ __all__ = ["insum", "explain", "BACKENDS", "PRECISIONS"]
 BACKENDS = ("auto", "torch", "triton")
 PRECISIONS = ("tf32", "ieee")
 _warned_fallback: set[str] = set()
-
-
-def _output_for(bound: Bound) -> torch.Tensor:
-    given = bound.tensors.get(bound.output_name)
-    if given is not None:
-        return given
-    return torch.zeros(bound.out_shape, dtype=bound.out_dtype, device=bound.device)
 
 
 def _check_options(backend: str, precision: str) -> None:
@@ -51,7 +44,7 @@ def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **ten
     """
     _check_options(backend, precision)
     bound = bind(parse(expr), tensors)
-    out = _output_for(bound)
+    out = bound.output()
     if backend == "torch" or (backend == "auto" and bound.device.type != "cuda"):
         return run_reference(bound, out)
     from .runtime import UnsupportedStatement, kernel_for

@@ -43,6 +43,13 @@ class Bound:
     def output_name(self) -> str:
         return self.stmt.output.name
 
+    def output(self) -> torch.Tensor:
+        """The given output, or a new zero-filled one of the output's shape and dtype."""
+        given = self.tensors.get(self.output_name)
+        if given is not None:
+            return given
+        return torch.zeros(self.out_shape, dtype=self.out_dtype, device=self.device)
+
     def variables(self, role: str) -> tuple[str, ...]:
         return tuple(v for v in self.stmt.variables() if self.roles[v] == role)
 

@@ -104,9 +104,7 @@ class Kernel:
         bound = bind(self.spec.stmt, tensors)
         if spec_for(bound, self.spec.precision) != self.spec:
             raise InsumError(f"tensors do not match the dtypes this kernel was compiled for: {self!r}")
-        given = bound.tensors.get(bound.output_name)
-        out = given if given is not None else torch.zeros(bound.out_shape, dtype=bound.out_dtype, device=bound.device)
-        return self.launch(bound, out)
+        return self.launch(bound, bound.output())
 
     # -- launching ----------------------------------------------------------------------
     def launch(self, bound: Bound, out: torch.Tensor) -> torch.Tensor:
@@ -248,7 +246,10 @@ def kernel_for(bound: Bound, precision: str = "tf32") -> Kernel:
         raise UnsupportedStatement(
             f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 (tensors are on {bound.device})"
         )
-    spec = spec_for(bound, precision)
+    return _cached_kernel(spec_for(bound, precision))
+
+
+def _cached_kernel(spec: KernelSpec) -> Kernel:
     kernel = _KERNELS.get(spec)
     if kernel is None:
         kernel = _KERNELS[spec] = Kernel(spec)
@@ -261,9 +262,4 @@ def compile(expr: str, /, *, precision: str = "tf32", **example_tensors: torch.T
     >>> k = insum.compile("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)
     >>> print(k.source); k(C=C, AM=AM, AV=AV, AK=AK, B=B)
     """
-    bound = bind(parse(expr), example_tensors)
-    spec = spec_for(bound, precision)
-    kernel = _KERNELS.get(spec)
-    if kernel is None:
-        kernel = _KERNELS[spec] = Kernel(spec)
-    return kernel
+    return _cached_kernel(spec_for(bind(parse(expr), example_tensors), precision))
