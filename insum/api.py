@@ -6,12 +6,13 @@ import warnings
 
 import torch
 
-from .bind import bind
+from .bind import Bound, bind
 from .errors import InsumError
+from .library import call
 from .parser import parse
 from .reference import run_reference
 
-__all__ = ["insum", "explain", "BACKENDS", "PRECISIONS"]
+__all__ = ["insum", "explain", "run_bound", "BACKENDS", "PRECISIONS"]
 
 BACKENDS = ("auto", "torch", "triton")
 PRECISIONS = ("tf32", "ieee")
@@ -43,8 +44,28 @@ def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **ten
             [1., 0., 2.]])
     """
     _check_options(backend, precision)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
+        # torch.compile traces the registered operators; autograd needs their derived backward.
+        return call(expr, tensors, backend, precision)
     bound = bind(parse(expr), tensors)
-    out = bound.output()
+    return run_bound(bound, bound.output(), backend, precision)
+
+
+def _any_requires_grad(tensors: dict) -> bool:
+    for t in tensors.values():
+        if getattr(t, "requires_grad", False):
+            return True
+    return False
+
+
+def run_bound(
+    bound: Bound, out: torch.Tensor, backend: str, precision: str, *, strict: bool | None = None
+) -> torch.Tensor:
+    """Run a bound statement into `out` on `backend`, directly (no dispatcher, no autograd).
+
+    strict: raise when the generated kernel cannot run the statement (default: when
+    backend is "triton"); otherwise fall back to the torch lowering with one warning.
+    """
     if backend == "torch" or (backend == "auto" and bound.device.type != "cuda"):
         return run_reference(bound, out)
     from .runtime import UnsupportedStatement, kernel_for
@@ -52,12 +73,14 @@ def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **ten
     try:
         kernel = kernel_for(bound, precision=precision)
     except UnsupportedStatement as e:
-        if backend == "triton":
+        if strict is None:
+            strict = backend == "triton"
+        if strict:
             raise
         key = str(bound.stmt)
         if key not in _warned_fallback:
             _warned_fallback.add(key)
-            warnings.warn(f"insum: falling back to the torch lowering: {e}", stacklevel=2)
+            warnings.warn(f"insum: falling back to the torch lowering: {e}", stacklevel=3)
         return run_reference(bound, out)
     return kernel.launch(bound, out)
 

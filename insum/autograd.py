@@ -1,0 +1,146 @@
+"""Gradients by derivation: the gradient of a factor of an indirect Einsum is one too.
+
+A statement `O[o] op= c * F1[i1] * F2[i2] * ...` is linear in each factor, so the gradient
+of factor Fj is the statement whose output is Fj's own access (same indices: the forward's
+gathers from Fj become scatters into dFj) and whose factors are the output gradient, read
+with the output's indices (the forward's scatter becomes a gather), times the other
+factors, literals included:
+
+    C[AM[p], n] += AV[p, q] * B[AK[p, q], n]
+    dAV[p, q] += dC[AM[p], n] * B[AK[p, q], n]
+    dB[AK[p, q], n] += AV[p, q] * dC[AM[p], n]
+
+A tensor that appears in several factors gets one statement per appearance, all
+accumulating (`+=`) into one zero-filled buffer. Index tensors are integers and get no
+gradient. For `O += ...` the gradient with respect to the incoming O is dO itself; for
+`O = ...` it is zero. Every variable of a derived statement keeps a direct source of its
+extent: the variables of dO's direct indices are the output's, and those of dFj's are Fj's.
+
+    >>> print(derive("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"))
+    dAV[p, q] += dC[AM[p], n] * B[AK[p, q], n]
+    dB[AK[p, q], n] += AV[p, q] * dC[AM[p], n]
+    dC: the output gradient itself (+=)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from .errors import InsumError
+from .ir import Access, Statement
+from .parser import parse
+
+__all__ = ["Derivation", "derive", "tensor_names"]
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """The gradient statements of one statement.
+
+    output_grad: the name the statements read the output gradient under.
+    grad_names: differentiable tensor -> the name of its gradient in its statements.
+    gradients: differentiable tensor -> its statements (all `+=` into a zero buffer).
+    inputs: each statement -> the tensors it reads (the output gradient included).
+    passthrough: True for `+=`: the incoming output's gradient is the output gradient.
+    """
+
+    stmt: Statement
+    output_grad: str
+    grad_names: Mapping[str, str]
+    gradients: Mapping[str, tuple[Statement, ...]]
+    inputs: Mapping[Statement, tuple[str, ...]]
+    passthrough: bool
+
+    def __str__(self) -> str:
+        lines = [str(s) for stmts in self.gradients.values() for s in stmts]
+        if self.passthrough:
+            lines.append(f"{self.output_grad}: the output gradient itself (+=)")
+        return "\n".join(lines)
+
+
+def _walk(access: Access) -> Iterator[tuple[Access, bool]]:
+    """An access and every indirect access inside its indices, with `as_index`."""
+    stack = [(access, False)]
+    while stack:
+        node, as_index = stack.pop()
+        yield node, as_index
+        for index in node.indices:
+            stack.extend((inner, True) for inner in index.indirect_accesses())
+
+
+def tensor_names(stmt: Statement) -> tuple[str, ...]:
+    """Every tensor a statement reads (factors and index tensors), in order, output excluded."""
+    seen: dict[str, None] = {}
+    for access in (stmt.output, *stmt.accesses()):
+        for node, _ in _walk(access):
+            if node is not stmt.output:
+                seen[node.name] = None
+    return tuple(seen)
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+@functools.lru_cache(maxsize=1024)
+def _derive(stmt: Statement) -> Derivation:
+    taken = {node.name for a in (stmt.output, *stmt.accesses()) for node, _ in _walk(a)}
+    value_names = list(dict.fromkeys(a.name for a in stmt.accesses()))
+    index_names = {node.name for a in (stmt.output, *stmt.accesses()) for node, as_index in _walk(a) if as_index}
+    for name in value_names:
+        if name in index_names:
+            raise InsumError(
+                f"cannot differentiate '{stmt}': {name} is used both as a factor and as an index"
+            )
+    if stmt.output.name in value_names:
+        raise InsumError(f"cannot differentiate '{stmt}': the output {stmt.output.name} is also a factor")
+    output_grad = _fresh("d" + stmt.output.name, taken)
+    grad_names = {name: _fresh("d" + name, taken) for name in value_names}
+    dO = Access(output_grad, stmt.output.indices)
+    gradients: dict[str, list[Statement]] = {name: [] for name in value_names}
+    inputs: dict[Statement, tuple[str, ...]] = {}
+    for j, factor in enumerate(stmt.factors):
+        if not isinstance(factor, Access):
+            continue
+        others = tuple(dO if k == j else f for k, f in enumerate(stmt.factors))
+        grad = Statement(Access(grad_names[factor.name], factor.indices), "+=", others)
+        gradients[factor.name].append(grad)
+        inputs[grad] = tensor_names(grad)
+    return Derivation(
+        stmt=stmt,
+        output_grad=output_grad,
+        grad_names=grad_names,
+        gradients={k: tuple(v) for k, v in gradients.items()},
+        inputs=inputs,
+        passthrough=stmt.accumulate,
+    )
+
+
+def derive(stmt: Statement | str, wrt: str | None = None) -> Derivation:
+    """The gradient statements of `stmt` (a Statement or its text).
+
+    wrt: check that this tensor is differentiable (an `InsumError` says why not).
+    """
+    if isinstance(stmt, str):
+        stmt = parse(stmt)
+    derivation = _derive(stmt)
+    if wrt is not None and wrt not in derivation.gradients:
+        if wrt == stmt.output.name:
+            if not stmt.accumulate:
+                raise InsumError(
+                    f"'{stmt}' overwrites {wrt} (`=`): its result does not depend on the incoming {wrt}"
+                )
+        elif wrt in tensor_names(stmt):
+            raise InsumError(
+                f"{wrt} is an index tensor of '{stmt}': its integer values select elements and "
+                "have no gradient"
+            )
+        else:
+            raise InsumError(f"'{stmt}' does not read a tensor named {wrt}")
+    return derivation

@@ -1,0 +1,227 @@
+"""insum statements as torch.library custom operators: torch.compile, autograd, opcheck.
+
+Two operators take the statement text, its input tensors as a list of names and a list of
+tensors, the backend and the precision:
+
+    insum::insum_(expr, out, names, tensors, backend, precision) -> ()
+        runs the statement into `out` in place; declared as a mutation of `out`.
+    insum::insum(expr, init, names, tensors, shape, dtype, backend, precision) -> Tensor
+        functional: a new output that starts as a copy of `init` (for `+=` into a given
+        output), or as zeros of `shape`/`dtype`, or (both None) as the output `insum()`
+        would allocate. Differentiable: the backward runs the derived gradient statements
+        (`insum.autograd`) through this same operator, so it compiles and differentiates
+        again.
+
+`insum()` goes through them only when it must: while torch.compile traces, or when a
+tensor requires grad. An eager call without gradients launches the kernel directly.
+Fake (meta) implementations give torch.compile the output's shape without running
+anything, with symbolic sizes, so a new nnz does not recompile under dynamic shapes.
+Nothing on the launch path reads device data on the host (no `.item()`), so a call on
+CUDA can be captured in a CUDA graph; the torch backend checks index bounds on the
+host and cannot be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .autograd import Derivation, derive
+from .bind import bind
+from .parser import parse
+
+__all__ = ["call", "insum_", "insum_functional"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _run(bound, out: torch.Tensor, backend: str, precision: str) -> torch.Tensor:
+    from .api import run_bound
+
+    return run_bound(bound, out, backend, precision)
+
+
+def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- in place
+
+
+@torch.library.custom_op(
+    "insum::insum_",
+    mutates_args=("out",),
+    schema="(str expr, Tensor(a!) out, str[] names, Tensor[] tensors, str backend, str precision) -> ()",
+)
+def insum_(
+    expr: str,
+    out: torch.Tensor,
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    backend: str,
+    precision: str,
+) -> None:
+    """Run `expr` into `out` in place (`out` is the statement's output)."""
+    stmt = parse(expr)
+    given = dict(zip(names, tensors))
+    given[stmt.output.name] = out
+    _run(bind(stmt, given), out, backend, precision)
+
+
+@insum_.register_fake
+def _insum_fake(expr, out, names, tensors, backend, precision) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------- functional
+
+
+@torch.library.custom_op(
+    "insum::insum",
+    mutates_args=(),
+    schema=(
+        "(str expr, Tensor? init, str[] names, Tensor[] tensors, SymInt[]? shape, "
+        "ScalarType? dtype, str backend, str precision) -> Tensor"
+    ),
+)
+def insum_functional(
+    expr: str,
+    init: torch.Tensor | None,
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    shape: Sequence[int] | None,
+    dtype: torch.dtype | None,
+    backend: str,
+    precision: str,
+) -> torch.Tensor:
+    """The statement's output as a new tensor: a copy of `init`, zeros of `shape`, or allocated."""
+    stmt = parse(expr)
+    given = dict(zip(names, tensors))
+    out = None
+    if init is not None:
+        out = init.clone()
+    elif shape is not None:
+        out = torch.zeros(shape, dtype=dtype or torch.float32, device=_device(tensors))
+    if out is not None:
+        given[stmt.output.name] = out
+    bound = bind(stmt, given)
+    if out is None:
+        out = bound.output()
+    return _run(bound, out, backend, precision)
+
+
+@insum_functional.register_fake
+def _insum_functional_fake(expr, init, names, tensors, shape, dtype, backend, precision):
+    if init is not None:
+        return torch.empty_like(init)
+    if shape is not None:
+        return torch.empty(shape, dtype=dtype or torch.float32, device=_device(tensors))
+    bound = bind(parse(expr), dict(zip(names, tensors)))
+    return torch.empty(bound.out_shape, dtype=bound.out_dtype, device=bound.device)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    expr, init, names, tensors, shape, _dtype, backend, precision = inputs
+    ctx.expr, ctx.names, ctx.backend, ctx.precision = expr, tuple(names), backend, precision
+    # The backward returns one entry per input, and an empty list input as an empty list.
+    ctx.no_names = [] if not names else None
+    ctx.no_shape = [] if shape is not None and len(shape) == 0 else None
+    ctx.init_dtype = None if init is None else init.dtype
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx, grad: torch.Tensor):
+    derivation = derive(ctx.expr)
+    saved = ctx.saved_tensors
+    tensors = dict(zip(ctx.names, saved))
+    wanted = ctx.needs_input_grad[3]
+    grads = []
+    for name, tensor, want in zip(ctx.names, saved, wanted):
+        if want and name in derivation.gradients:
+            grads.append(_gradient(derivation, name, tensor, tensors, grad, ctx.backend, ctx.precision))
+        else:
+            grads.append(None)
+    grad_init = None
+    if ctx.init_dtype is not None and ctx.needs_input_grad[1] and derivation.passthrough:
+        grad_init = grad.to(ctx.init_dtype)
+    return None, grad_init, ctx.no_names, grads, ctx.no_shape, None, None, None
+
+
+def _gradient(
+    derivation: Derivation,
+    name: str,
+    tensor: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+    grad: torch.Tensor,
+    backend: str,
+    precision: str,
+) -> torch.Tensor:
+    """The gradient of one factor: its derived statements, accumulated into one buffer."""
+    statements = derivation.gradients[name]
+    # One statement writes the factor's dtype directly (the kernel accumulates half
+    # precision in float32); several accumulate in float32 and round once.
+    dtype = tensor.dtype if len(statements) == 1 or tensor.dtype not in _HALF else torch.float32
+    result = None
+    for stmt in statements:
+        inputs = derivation.inputs[stmt]
+        others = [tensors[n] for n in inputs if n != derivation.output_grad and n in derivation.grad_names]
+        d_out = grad
+        if others:
+            # Half-precision factors multiply a half-precision output gradient (tensor
+            # cores need one operand dtype), as dense autocast training would.
+            common = others[0].dtype
+            for t in others[1:]:
+                common = torch.promote_types(common, t.dtype)
+            if common in _HALF and d_out.dtype != common:
+                d_out = d_out.to(common)
+        env = {**tensors, derivation.output_grad: d_out}
+        result = torch.ops.insum.insum(
+            str(stmt),
+            result,
+            list(inputs),
+            [env[n] for n in inputs],
+            list(tensor.shape) if result is None else None,
+            dtype if result is None else None,
+            backend,
+            precision,
+        )
+    return result if result.dtype == tensor.dtype else result.to(tensor.dtype)
+
+
+insum_functional.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- insum()'s path
+
+
+@torch._dynamo.assume_constant_result
+def _output_of(expr: str) -> tuple[str, bool]:
+    """The output's name and whether the statement accumulates (a constant under tracing)."""
+    stmt = parse(expr)
+    return stmt.output.name, stmt.accumulate
+
+
+def call(expr: str, tensors: Mapping[str, torch.Tensor], backend: str, precision: str) -> torch.Tensor:
+    """insum() through the operators: traceable by torch.compile, differentiable.
+
+    A given output is updated in place and returned: by the mutating operator when no
+    gradient is needed, else by the functional one and a `copy_` that autograd records.
+    """
+    out_name, accumulate = _output_of(expr)
+    if not torch.compiler.is_compiling():
+        bind(parse(expr), tensors)  # eager: the direct path's checks and error messages
+    out = tensors.get(out_name)
+    names = [n for n in tensors if n != out_name]
+    values = [tensors[n] for n in names]
+    if out is None:
+        return torch.ops.insum.insum(expr, None, names, values, None, None, backend, precision)
+    needs_grad = torch.is_grad_enabled() and (out.requires_grad or any(v.requires_grad for v in values))
+    if not needs_grad:
+        torch.ops.insum.insum_(expr, out, names, values, backend, precision)
+        return out
+    if accumulate:
+        result = torch.ops.insum.insum(expr, out, names, values, None, None, backend, precision)
+    else:
+        result = torch.ops.insum.insum(expr, None, names, values, list(out.shape), out.dtype, backend, precision)
+    return out.copy_(result)
