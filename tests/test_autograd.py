@@ -1,0 +1,189 @@
+"""Autograd by derivation: the derived gradient statements, gradcheck on the torch lowering
+for every curated statement, and the generated kernels' gradients against the lowering's."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from statements import CASES, build, case
+
+import insum.api as api
+import insum.library as library
+from insum import InsumError, insum
+from insum.autograd import derive, tensor_names
+
+SPMM = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def lines(derivation) -> list[str]:
+    return str(derivation).splitlines()
+
+
+# ---------------------------------------------------------------- derivation on the IR
+
+
+def test_spmm_gradients_swap_gathers_and_scatters():
+    assert lines(derive(SPMM)) == [
+        "dAV[p, q] += dC[AM[p], n] * B[AK[p, q], n]",
+        "dB[AK[p, q], n] += AV[p, q] * dC[AM[p], n]",
+        "dC: the output gradient itself (+=)",
+    ]
+
+
+def test_index_tensors_get_no_gradient():
+    d = derive(SPMM)
+    assert set(d.gradients) == {"AV", "B"}
+    with pytest.raises(InsumError, match="AK is an index tensor"):
+        derive(SPMM, wrt="AK")
+    with pytest.raises(InsumError, match="does not read a tensor named X"):
+        derive(SPMM, wrt="X")
+
+
+def test_overwrite_has_no_output_passthrough():
+    d = derive("C[m, n] = A[m, k] * B[k, n]")
+    assert not d.passthrough
+    with pytest.raises(InsumError, match="overwrites C"):
+        derive("C[m, n] = A[m, k] * B[k, n]", wrt="C")
+    derive("C[m, n] += A[m, k] * B[k, n]", wrt="C")  # `+=`: the incoming C is differentiable
+
+
+def test_factor_twice_gets_one_statement_per_appearance():
+    d = derive(case("shift").stmt)
+    assert [str(s) for s in d.gradients["X"]] == [
+        "dX[i + 1] += dD[i] * X[i + 2] * W[i]",
+        "dX[i + 2] += X[i + 1] * dD[i] * W[i]",
+    ]
+
+
+def test_literals_scalars_and_repeated_variables_are_kept():
+    d = derive(case("scalar_factor").stmt)
+    assert [str(s) for s in d.gradients["s"]] == ["ds[] += dC[m, n] * A[m, n] * 3"]
+    assert [str(s) for s in derive(case("diagonal").stmt).gradients["A"]] == ["dA[i, i] += dO[i]"]
+    assert [str(s) for s in derive("S = X[i] * Y[i]").gradients["X"]] == ["dX[i] += dS[] * Y[i]"]
+
+
+def test_gradient_names_avoid_the_statement_tensors():
+    d = derive("C[i] += dC[i] * A[i]")
+    assert d.output_grad not in ("C", "dC", "A") and d.grad_names["dC"] not in ("C", "dC", "A")
+    assert set(tensor_names(d.gradients["A"][0])) == {d.output_grad, "dC"}
+
+
+# ---------------------------------------------------------------- gradcheck (torch lowering)
+
+
+def _differentiable(c, tensors):
+    """The value tensors and, for `+=` into a given output, the incoming output."""
+    names = [n for n, t in tensors.items() if t.is_floating_point() and n != c.output]
+    if c.stmt.split("=")[0].endswith("+"):
+        names.append(c.output)
+    return names
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_gradcheck_every_statement(c):
+    tensors = build(c, seed=0, dtype=torch.float64)
+    names = _differentiable(c, tensors)
+
+    def f(*values):
+        given = dict(tensors)
+        given.update(zip(names, values))
+        given[c.output] = given[c.output].clone()  # a fresh output per call (+= into a copy)
+        return insum(c.stmt, backend="torch", **given)
+
+    inputs = tuple(tensors[n].clone().requires_grad_(True) for n in names)
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+
+
+def test_gradcheck_with_allocated_output_and_second_order():
+    tensors = build(case("group_coo_spmm"), seed=1, dtype=torch.float64)
+    C0 = tensors.pop("C")
+    AV = tensors.pop("AV").requires_grad_(True)
+    B = tensors.pop("B").requires_grad_(True)
+
+    def f(AV, B):
+        return insum(SPMM, C=C0.clone(), AV=AV, B=B, backend="torch", **tensors)
+
+    assert torch.autograd.gradcheck(f, (AV, B))
+    assert torch.autograd.gradgradcheck(f, (AV, B), fast_mode=True)
+    ell = build(case("ell_spmm"), seed=1, dtype=torch.float64, with_output=False)
+    AV = ell.pop("AV").requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda AV: insum(case("ell_spmm").stmt, AV=AV, backend="torch", **ell), (AV,)
+    )
+
+
+def test_only_requested_gradients_are_computed(monkeypatch):
+    tensors = build(case("group_coo_spmm"), seed=0)
+    AV = tensors.pop("AV").requires_grad_(True)
+    ran = []
+    real = library._gradient
+
+    def spy(derivation, name, *args):
+        ran.append(name)
+        return real(derivation, name, *args)
+
+    monkeypatch.setattr(library, "_gradient", spy)
+    y = insum(SPMM, AV=AV, backend="torch", **tensors)
+    (grad,) = torch.autograd.grad(y.sum(), AV)
+    assert ran == ["AV"] and grad.shape == AV.shape
+
+
+def test_half_precision_gradients_keep_their_dtypes():
+    tensors = build(case("group_coo_spmm"), seed=0, dtype=torch.float16)
+    tensors["C"] = tensors["C"].float()  # a float32 output of half-precision factors
+    AV = tensors.pop("AV").requires_grad_(True)
+    B = tensors.pop("B").requires_grad_(True)
+    y = insum(SPMM, AV=AV, B=B, backend="torch", **tensors)
+    y.sum().backward()
+    assert y.dtype == torch.float32 and AV.grad.dtype == B.grad.dtype == torch.float16
+
+
+def test_eager_call_without_gradients_skips_the_dispatcher(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("went through the custom operator")
+
+    monkeypatch.setattr(api, "call", fail)
+    tensors = build(case("group_coo_spmm"), seed=0)
+    insum(SPMM, backend="torch", **tensors)
+    tensors["AV"].requires_grad_(True)
+    with torch.no_grad():
+        insum(SPMM, backend="torch", **tensors)
+    with pytest.raises(AssertionError, match="custom operator"):
+        insum(SPMM, backend="torch", **tensors)
+
+
+def test_in_place_accumulation_is_recorded():
+    tensors = build(case("group_coo_spmm"), seed=0)
+    C = tensors["C"]
+    before = C.clone()
+    tensors["AV"].requires_grad_(True)
+    result = insum(SPMM, backend="torch", **tensors)
+    assert result is C and result.grad_fn is not None and not torch.equal(C, before)
+    with pytest.raises(InsumError, match="shares memory"):
+        insum(SPMM, **{**tensors, "C": tensors["B"]})
+
+
+# ---------------------------------------------------------------- generated kernels
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the generated kernels need TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_triton_gradients_match_the_lowering(c):
+    tensors = build(c, seed=0, dtype=torch.float32)
+    names = _differentiable(c, tensors)
+    results = {}
+    for backend in ("torch", "triton"):
+        inputs = {n: tensors[n].clone().requires_grad_(True) for n in names}
+        given = {**tensors, **inputs}
+        given[c.output] = given[c.output].clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback to the lowering
+            y = insum(c.stmt, backend=backend, **given)
+        seed = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        results[backend] = torch.autograd.grad(y, list(inputs.values()), seed)
+    for name, got, want in zip(names, results["triton"], results["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,0 +1,184 @@
+"""insum.nn: SparseLinear in every format (forward, gradcheck, state_dict round-trip,
+torch.compile of a small model), the functional form and magnitude pruning."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import insum.nn as inn
+from insum import InsumError, InsumShapeError
+from insum.nn import SparseLinear, magnitude_prune
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+FORMATS = [
+    ("GroupCOO", {"group_size": 2}),
+    ("COO", {}),
+    ("ELL", {}),
+    ("BlockGroupCOO", {"block": (4, 4)}),
+    ("NM", {"n": 2, "m": 4, "vector_len": 4}),
+    ("CELL", {"max_width": 2}),
+]
+IDS = [name for name, _ in FORMATS]
+
+
+def layer_for(fmt: str, params: dict, *, in_features: int = 12, out_features: int = 10, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    sparsity = 0.0 if fmt == "NM" else 0.6
+    kwargs.setdefault("backend", "torch")
+    kwargs.setdefault("dtype", torch.float64)
+    return SparseLinear(in_features, out_features, format=fmt, sparsity=sparsity, **kwargs, **params)
+
+
+@pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
+def test_forward_matches_dense(fmt, params):
+    layer = layer_for(fmt, params)
+    W = layer.to_dense()
+    assert W.shape == (10, 12)
+    assert (W == 0).sum() >= 50  # pruned (NM 2:4 keeps half; BlockGroupCOO whole 4x4 blocks)
+    x = torch.randn(2, 3, 12, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ W.T + layer.bias)
+    torch.testing.assert_close(inn.functional.sparse_linear(x, layer.weight, layer.bias, backend="torch"), layer(x))
+    no_bias = SparseLinear.from_dense(W, None, fmt, backend="torch", **params)
+    torch.testing.assert_close(no_bias(x), x @ W.T)
+
+
+@pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
+def test_gradcheck_values_input_and_bias(fmt, params):
+    layer = layer_for(fmt, params, in_features=7, out_features=6)
+    template = layer.weight
+    values = [n for n in layer._tensor_names if isinstance(getattr(layer, n), torch.nn.Parameter)]
+
+    def f(x, bias, *vals):
+        tensors = {**template.tensors, **dict(zip(values, vals))}
+        fmt_obj = type(template)(
+            template.shape, tensors, nnz=template.nnz, dtype=torch.float64,
+            index_dtype=template.index_dtype, device=template.device, params=template.params,
+        )
+        return inn.sparse_linear(x, fmt_obj, bias, backend="torch")
+
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    inputs = (x, layer.bias.detach().clone().requires_grad_(True))
+    inputs += tuple(getattr(layer, n).detach().clone().requires_grad_(True) for n in values)
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+
+
+def test_parameters_and_buffers():
+    layer = layer_for("BlockGroupCOO", {"block": (4, 4)})
+    assert {n for n, _ in layer.named_parameters()} == {"AV", "bias"}
+    assert {n for n, _ in layer.named_buffers()} == {"AM", "AK"}
+    x = torch.randn(5, 12, dtype=torch.float64)
+    layer(x).sum().backward()
+    assert layer.AV.grad is not None and layer.AV.grad.shape == layer.AV.shape
+    half = layer.float()
+    assert half.AV.dtype == torch.float32 and half.AK.dtype == layer.weight.index_dtype
+    assert half(x.float()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
+def test_state_dict_round_trip_into_a_fresh_layer(fmt, params):
+    layer = layer_for(fmt, params, seed=1)
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = SparseLinear(12, 10, format="COO", sparsity=0.2, backend="torch", dtype=torch.float64)
+    fresh.load_state_dict(torch.load(buffer))  # another format and pattern: tensors resized
+    assert fresh.format == layer.format
+    x = torch.randn(4, 12, dtype=torch.float64)
+    torch.testing.assert_close(fresh(x), layer(x))
+    torch.testing.assert_close(fresh.to_dense(), layer.to_dense())
+    assert set(fresh.state_dict()) == set(layer.state_dict())
+
+
+def test_state_dict_same_pattern_keeps_parameter_objects():
+    layer = layer_for("GroupCOO", {"group_size": 2})
+    twin = layer_for("GroupCOO", {"group_size": 2})  # same seed: same pattern
+    with torch.no_grad():
+        layer.AV.mul_(2)
+    AV = twin.AV
+    twin.load_state_dict(layer.state_dict())
+    assert twin.AV is AV and torch.equal(twin.AV, layer.AV)
+
+
+def test_state_dict_of_another_size_is_refused():
+    layer = layer_for("GroupCOO", {})
+    other = SparseLinear(12, 11, format="GroupCOO", backend="torch", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        other.load_state_dict(layer.state_dict())
+
+
+def test_compiled_training_step_matches_eager():
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            SparseLinear(16, 12, format="BlockGroupCOO", block=(4, 4), sparsity=0.5, backend="torch"),
+            torch.nn.ReLU(),
+            SparseLinear(12, 6, format="NM", n=2, m=4, vector_len=2, backend="torch"),
+        )
+
+    eager, compiled = model(0), model(0)
+    counter = CompileCounterWithBackend("inductor")
+    run = torch.compile(compiled, backend=counter, fullgraph=True)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled)]
+    for step in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        losses = []
+        for net, opt in zip((eager, run), optims):
+            opt.zero_grad()
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1])
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b)
+    assert counter.frame_count == 1
+
+
+def test_from_linear_and_magnitude_prune():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 8)
+    W = linear.weight.detach()
+    pruned = magnitude_prune(W, 0.75)
+    assert int((pruned != 0).sum()) == 32
+    assert pruned.abs().min() == 0 and pruned.abs().max() == W.abs().max()
+    blocks = magnitude_prune(W, 0.5, block=(4, 4))
+    per_block = (blocks.view(2, 4, 4, 4) != 0).any(3).any(1).sum()
+    assert int(per_block) == 4
+    layer = SparseLinear.from_linear(linear, "BlockGroupCOO", sparsity=0.5, block=(4, 4), backend="torch")
+    torch.testing.assert_close(layer.to_dense(), blocks)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(layer(x), x @ blocks.T + linear.bias)
+    nm = SparseLinear(16, 8, format="NM", n=2, m=4, vector_len=1, backend="torch")
+    assert ((nm.to_dense().view(8, 4, 4) != 0).sum(-1) <= 2).all()
+
+
+def test_errors():
+    layer = layer_for("GroupCOO", {})
+    with pytest.raises(InsumShapeError, match="12"):
+        layer(torch.randn(3, 5, dtype=torch.float64))
+    with pytest.raises(InsumError, match="n:m"):
+        SparseLinear(8, 8, format="NM", sparsity=0.5)
+    with pytest.raises(InsumError, match="sparsity"):
+        magnitude_prune(torch.randn(3, 3), 1.5)
+    with pytest.raises(InsumError, match="unknown format"):
+        SparseLinear(8, 8, format="CSR")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the generated kernels need TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("fmt, params", [FORMATS[0], FORMATS[3], FORMATS[4]], ids=["GroupCOO", "BlockGroupCOO", "NM"])
+def test_triton_forward_and_backward_match_the_lowering(fmt, params):
+    results = []
+    for backend in ("torch", "triton"):
+        layer = layer_for(fmt, params, backend=backend, dtype=torch.float32, precision="ieee")
+        x = torch.randn(5, 12, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        y = layer(x)
+        y.square().sum().backward()
+        results.append((y, x.grad, layer.bias.grad, *[p.grad for n, p in layer.named_parameters() if n != "bias"]))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
