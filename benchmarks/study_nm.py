@@ -1,0 +1,110 @@
+"""N:M SpMM: vector-wise N:M (`NM.from_dense`, magnitude pruning) `fmt @ B` against dense
+cuBLAS on the unpruned shape and, at 2:4, cuSPARSELt (`to_sparse_semi_structured` of the
+same pruned matrix; fp16 and bf16 only).
+
+The square shapes of the NM-SpMM paper's Llama-like sweep, 512^3 to 4096^3, fp16 and fp32
+(TF32 allowed for the dense fp32 anchor, as insum's fp32 `tl.dot` uses TF32), sparsity
+50% (2:4, 4:8), 62.5% (3:8), 75% (2:8) and 87.5% (1:8). The vector length L (rows that
+share one index row) is a format parameter: each candidate is packed, checked and timed,
+and the fastest is kept. Ideal speed-up over dense: M/N.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from insum.formats import NM
+
+from .common import Context, dtype_name, relative_error, rotations_for
+
+SIZES = (512, 1024, 2048, 4096)
+
+
+def plan(ctx: Context) -> list[tuple]:
+    """(dtype, (n, m), sizes) in priority order: the targets (fp16, 2:4, 2:8, 1:8) first."""
+    if ctx.smoke:
+        return [(torch.float16, (2, 4), (64,)), (torch.float32, (1, 8), (64,))]
+    sizes = (1024, 4096) if ctx.quick else SIZES
+    fp16, fp32 = torch.float16, torch.float32
+    jobs = [(fp16, p, sizes) for p in ((2, 4), (2, 8), (1, 8))]
+    jobs += [(fp16, p, sizes) for p in ((4, 8), (3, 8))]
+    jobs += [(fp32, p, sizes) for p in ((2, 8), (1, 8), (2, 4), (4, 8), (3, 8))]
+    return jobs
+
+
+def vector_lengths(ctx: Context, size: int) -> tuple[int, ...]:
+    if ctx.smoke:
+        return (16,)
+    return (64,) if ctx.quick else (32, 128)
+
+
+def run(ctx: Context) -> list[dict]:
+    gen = torch.Generator(device=ctx.device).manual_seed(3)
+    try:
+        from torch.sparse import to_sparse_semi_structured
+    except ImportError as e:
+        to_sparse_semi_structured = None
+        ctx.note(f"cuSPARSELt anchor unavailable: {e}")
+    if not ctx.cuda:
+        to_sparse_semi_structured = None
+        ctx.note("cuSPARSELt needs CUDA: only the dense anchor on this device")
+    dense_cache: dict = {}
+    for dtype, (n, m), sizes in plan(ctx):
+        for size in sizes:
+            if ctx.over_budget(f"configs ({dtype_name(dtype)} {n}:{m})"):
+                continue
+            config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured)
+    return ctx.rows
+
+
+def config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured) -> None:
+    A = torch.randn(size, size, device=ctx.device, generator=gen).to(dtype)
+    r = rotations_for(size * size * A.element_size())
+    Bs = [torch.randn(size, size, device=ctx.device, generator=gen).to(dtype) for _ in range(r)]
+    inputs = [(B,) for B in Bs]
+    best, times = None, {}
+    for L in vector_lengths(ctx, size):
+        fmt = NM.from_dense(A, n=n, m=m, vector_len=L)
+        pruned = fmt.to_dense()
+        expected = pruned.double() @ Bs[0].double()
+        err = relative_error(fmt.spmm(Bs[0], backend=ctx.backend), expected)
+        t = ctx.bench(lambda B, f=fmt: f.spmm(B, backend=ctx.backend), inputs)
+        times[L] = round(t, 5)
+        if best is None or t < best[0]:
+            best = (t, fmt, err, L, pruned, expected)
+    t_insum, fmt, err, L, pruned, expected = best
+    es = A.element_size()
+    kept_cols = size * n // m
+    moved = size * kept_cols * es + (size // L) * kept_cols * 4 + size * size * es + size * size * es
+    base = dict(
+        case=f"{dtype_name(dtype)} {n}:{m} {size}^3", dtype=dtype_name(dtype), pattern=f"{n}:{m}", n=n, m=m,
+        size=size, sparsity=1 - n / m, ideal=m / n, vector_len=L, vector_len_times_ms=times,
+        insum_ms=t_insum, err=err, bytes=moved, flops=2.0 * size**3 * n / m,
+    )
+    key = (dtype, size)
+    if key not in dense_cache:
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True  # as insum's fp32 tl.dot
+        try:
+            dense_err = relative_error(A @ Bs[0], A.double() @ Bs[0].double())
+            dense_cache[key] = (ctx.bench(lambda B: A @ B, inputs), dense_err)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+    t_dense, dense_err = dense_cache[key]
+    ctx.add(dict(base, set=f"{dtype_name(dtype)} {n}:{m} vs cuBLAS", anchor="cuBLAS",
+                 anchor_ms=t_dense, anchor_err=dense_err))
+    if (n, m) == (2, 4) and to_sparse_semi_structured is not None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            note = f"cuSPARSELt: no {dtype_name(dtype)} support in torch's semi-structured sparsity"
+            if note not in ctx.notes:
+                ctx.note(note)
+            return
+        try:
+            sparse = to_sparse_semi_structured(pruned)
+            lt_err = relative_error(sparse @ Bs[0], expected)
+            t_lt = ctx.bench(lambda B: sparse @ B, inputs)
+        except Exception as e:
+            ctx.note(f"cuSPARSELt {dtype_name(dtype)} {size}^3: {type(e).__name__}: {str(e)[:160]}")
+            return
+        ctx.add(dict(base, set=f"{dtype_name(dtype)} 2:4 vs cuSPARSELt", anchor="cuSPARSELt",
+                     anchor_ms=t_lt, anchor_err=lt_err))

@@ -1,0 +1,125 @@
+"""Structured SpMM: BlockGroupCOO `fmt @ B` against dense cuBLAS (`A @ B` on the same matrix,
+zeros included) and TorchBSR (`torch.sparse._triton_ops.bsr_dense_mm`).
+
+Square problems (4096^3 and 8192^3), fp16 and bf16, square blocks of 16, 32 and 64, zero
+blocks drawn uniformly at random with probability s. At every point the group-size
+candidates (the paper's rule; one group per block row, as `group_size="row"` where the
+format offers it, else the widest row's block count) are packed, checked and timed, and
+the fastest is kept. Curves run in priority order (fp16 4096^3 first) until the budget
+is spent; the report derives the sparsity where insum overtakes dense.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from insum.formats import BlockGroupCOO
+
+from .common import Context, dtype_name, relative_error, rotations_for
+
+S_SMALL = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.95, 0.99)
+S_LARGE = (0.25, 0.5, 0.75, 0.9, 0.99)
+S_QUICK = (0.25, 0.5, 0.75, 0.9, 0.99)
+
+
+def plan(ctx: Context) -> list[tuple]:
+    """(dtype, size, block, sparsities) curves in priority order."""
+    if ctx.smoke:
+        return [(torch.float16, 64, 16, (0.5, 0.9))]
+    fp16, bf16 = torch.float16, torch.bfloat16
+    if ctx.quick:
+        curves = [(fp16, 4096, b, S_QUICK) for b in (32, 16, 64)]
+        curves += [(bf16, 4096, 32, S_QUICK), (fp16, 8192, 32, (0.5, 0.9, 0.99))]
+        return curves
+    curves = []
+    for size, sparsities in ((4096, S_SMALL), (8192, S_LARGE)):
+        for dtype in (fp16, bf16):
+            curves += [(dtype, size, b, sparsities) for b in (32, 16, 64)]
+    return curves
+
+
+def row_groups_supported(device) -> bool:
+    """Whether BlockGroupCOO accepts group_size="row" (one group per block row)."""
+    try:
+        BlockGroupCOO.from_dense(torch.eye(32, device=device), block=(16, 16), group_size="row")
+        return True
+    except Exception:
+        return False
+
+
+def block_sparse(size: int, block: int, s: float, dtype, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A size x size matrix whose block x block tiles are zero with probability s (one kept at least)."""
+    nb = size // block
+    keep = torch.rand(nb, nb, device=device, generator=gen) >= s
+    if not bool(keep.any()):
+        keep[0, 0] = True
+    mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    A = torch.randn(size, size, device=device, generator=gen).to(dtype) * mask
+    return A, keep
+
+
+def run(ctx: Context) -> list[dict]:
+    gen = torch.Generator(device=ctx.device).manual_seed(2)
+    by_row = row_groups_supported(ctx.device)
+    ctx.note("group-size candidates: the paper's rule and " + (
+        'group_size="row" (one group per block row)' if by_row else
+        "the longest block row's block count (group_size=\"row\" is not available in this checkout)"))
+    try:
+        from torch.sparse._triton_ops import bsr_dense_mm
+    except ImportError as e:
+        bsr_dense_mm = None
+        ctx.note(f"TorchBSR unavailable: {e}")
+    if not ctx.cuda:
+        bsr_dense_mm = None
+        ctx.note("TorchBSR needs CUDA: only the dense anchor on this device")
+    for dtype, size, block, sparsities in plan(ctx):
+        for s in sparsities:
+            if ctx.over_budget(f"points ({dtype_name(dtype)} {size}^3)"):
+                continue
+            point(ctx, dtype, size, block, s, gen, by_row, bsr_dense_mm)
+    return ctx.rows
+
+
+def point(ctx, dtype, size, block, s, gen, by_row, bsr_dense_mm) -> None:
+    A, keep = block_sparse(size, block, s, dtype, gen, ctx.device)
+    r = rotations_for(size * size * A.element_size())
+    Bs = [torch.randn(size, size, device=ctx.device, generator=gen).to(dtype) for _ in range(r)]
+    inputs = [(B,) for B in Bs]
+    expected = A.double() @ Bs[0].double()
+    kept = float(keep.float().mean())
+    widest = int(keep.sum(1).max())
+    candidates = [None, "row" if by_row else widest]
+    best, times = None, {}
+    for g in candidates:
+        fmt = BlockGroupCOO.from_dense(A, block=(block, block), group_size=g)
+        if fmt.group_size in times:
+            continue
+        err = relative_error(fmt.spmm(Bs[0], backend=ctx.backend), expected)
+        t = ctx.bench(lambda B, f=fmt: f.spmm(B, backend=ctx.backend), inputs)
+        times[fmt.group_size] = round(t, 5)
+        if best is None or t < best[0]:
+            best = (t, fmt, err, g)
+    t_insum, fmt, err, g = best
+    size_b = A.element_size()
+    used_cols = int(keep.any(0).sum())
+    moved = int(keep.sum()) * block * block * size_b + used_cols * block * size * size_b + size * size * size_b
+    base = dict(
+        case=f"{dtype_name(dtype)} {size}^3 b{block} s={s}", dtype=dtype_name(dtype), size=size, block=block,
+        sparsity=s, actual_sparsity=round(1 - kept, 4), ideal=1 / kept, group_size=fmt.group_size,
+        group_rule="paper" if g is None else str(g), group_times_ms=times, insum_ms=t_insum, err=err,
+        bytes=moved, flops=2.0 * size**3 * kept,
+    )
+    dense_err = relative_error(A @ Bs[0], expected)
+    t_dense = ctx.bench(lambda B: A @ B, inputs)
+    ctx.add(dict(base, set=f"{dtype_name(dtype)} {size}^3 block {block} vs cuBLAS", anchor="cuBLAS",
+                 anchor_ms=t_dense, anchor_err=dense_err))
+    if bsr_dense_mm is not None:
+        try:
+            bsr = A.to_sparse_bsr((block, block))
+            bsr_err = relative_error(bsr_dense_mm(bsr, Bs[0]), expected)
+            t_bsr = ctx.bench(lambda B: bsr_dense_mm(bsr, B), inputs)
+        except Exception as e:
+            ctx.note(f"TorchBSR {dtype_name(dtype)} {size}^3 block {block} s={s}: {type(e).__name__}: {str(e)[:160]}")
+            return
+        ctx.add(dict(base, set=f"{dtype_name(dtype)} {size}^3 block {block} vs TorchBSR", anchor="TorchBSR",
+                     anchor_ms=t_bsr, anchor_err=bsr_err))
