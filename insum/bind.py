@@ -38,6 +38,7 @@ class Bound:
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
     device: torch.device
+    signature: tuple | None = None  # dtypes, shapes, strides and devices (None: not cacheable)
 
     @property
     def output_name(self) -> str:
@@ -52,6 +53,13 @@ class Bound:
 
     def variables(self, role: str) -> tuple[str, ...]:
         return tuple(v for v in self.stmt.variables() if self.roles[v] == role)
+
+    def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> Bound:
+        """The same binding for other tensors of the same signature (no checks repeated)."""
+        new = object.__new__(Bound)
+        new.__dict__.update(self.__dict__)
+        new.__dict__["tensors"] = dict(tensors)
+        return new
 
 
 def _walk(access: Access):
@@ -121,8 +129,57 @@ def _analyse(stmt: Statement) -> _Analysis:
     )
 
 
+_BOUND: dict[tuple, Bound] = {}  # (statement, signature) -> a checked binding
+_BOUND_LIMIT = 4096
+
+
+def _signature(tensors: Mapping[str, object]) -> tuple | None:
+    """What a binding depends on: names, dtypes, shapes, strides, devices (None: unhashable)."""
+    try:
+        key = tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
+        hash(key)
+    except (AttributeError, TypeError):  # not a tensor, or symbolic sizes under tracing
+        return None
+    return key
+
+
 def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
-    """Check `tensors` against `stmt`; raise an `InsumError` subclass naming what is wrong."""
+    """Check `tensors` against `stmt`; raise an `InsumError` subclass naming what is wrong.
+
+    A binding depends only on the tensors' signature (dtypes, shapes, strides, devices), so a
+    repeated signature reuses the checked binding and only re-checks output aliasing.
+    """
+    signature = _signature(tensors)
+    if signature is not None:
+        known = _BOUND.get((stmt, signature))
+        if known is not None:
+            _check_aliasing(stmt, known.value_names + known.index_names, tensors)
+            return known.with_tensors(tensors)
+    bound = _bind(stmt, tensors, signature)
+    if signature is not None:
+        if len(_BOUND) >= _BOUND_LIMIT:
+            _BOUND.clear()
+        _BOUND[(stmt, signature)] = bound
+    return bound
+
+
+def _check_aliasing(stmt: Statement, inputs: tuple[str, ...], tensors: Mapping[str, torch.Tensor]) -> None:
+    output = tensors.get(stmt.output.name)
+    if output is None or output.numel() == 0:
+        return
+    ptr = output.untyped_storage().data_ptr()  # 0 for meta (shape-only) tensors: no memory
+    if ptr == 0:
+        return
+    for name in inputs:
+        other = tensors[name]
+        if other.numel() and other.untyped_storage().data_ptr() == ptr:
+            raise InsumError(
+                f"the output {stmt.output.name} shares memory with the input {name} of '{stmt}'; "
+                "pass a separate tensor"
+            )
+
+
+def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | None) -> Bound:
     analysis = _analyse(stmt)
     uses = analysis.uses
     out_name = stmt.output.name
@@ -192,12 +249,7 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
             )
 
     if output is not None:
-        shared = [n for n in uses if _shares_memory(output, tensors[n])]
-        if shared:
-            raise InsumError(
-                f"the output {out_name} shares memory with the input {shared[0]} of '{stmt}'; "
-                "pass a separate tensor"
-            )
+        _check_aliasing(stmt, tuple(uses), tensors)
         out_shape, out_dtype = tuple(output.shape), output.dtype
     else:
         if len(analysis.output_dims) != len(stmt.output.indices):
@@ -222,6 +274,7 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
         out_shape=out_shape,
         out_dtype=out_dtype,
         device=device,
+        signature=signature,
     )
 
 
@@ -229,10 +282,3 @@ def _all_accesses(stmt: Statement):
     for access in (stmt.output, *stmt.accesses()):
         for inner, _ in _walk(access):
             yield inner
-
-
-def _shares_memory(output: torch.Tensor, other: torch.Tensor) -> bool:
-    if output.numel() == 0 or other.numel() == 0:
-        return False
-    ptr = output.untyped_storage().data_ptr()  # 0 for meta (shape-only) tensors: no memory
-    return ptr != 0 and ptr == other.untyped_storage().data_ptr()

@@ -35,7 +35,10 @@ _DTYPE_NAMES = {
     torch.int64: "int64",
 }
 _INT32_MAX = 2**31 - 1
-_KERNELS: dict[tuple, Kernel] = {}
+_KERNELS: dict[KernelSpec, Kernel] = {}
+# The spec follows from the tensor signature (dtypes, shapes, strides), so repeated calls skip it.
+_BY_SIGNATURE: dict[tuple, Kernel] = {}
+_BY_SIGNATURE_LIMIT = 4096
 
 
 class UnsupportedStatement(InsumError):
@@ -94,7 +97,8 @@ class Kernel:
         self.path = cache_dir() / "kernels" / f"insum_{self.digest}.py"
         self.fn = _load(self.path, self.source, self.digest)
         self.out_arg = f"{spec.stmt.output.name}_ptr"
-        self.tuned: dict[tuple, dict] = {}
+        self.tuned: dict[tuple, dict] = {}  # extents bucket -> configuration
+        self._launchers: dict[tuple, _Launcher] = {}  # tensor signature -> prepared launch
 
     def __repr__(self) -> str:
         return f"insum.Kernel('{self.spec.stmt}', plan={self.plan.kind}, digest={self.digest})"
@@ -109,53 +113,40 @@ class Kernel:
     # -- launching ----------------------------------------------------------------------
     def launch(self, bound: Bound, out: torch.Tensor) -> torch.Tensor:
         """Run on a bound statement, writing into `out`; returns `out`."""
-        plan = self.plan
+        launcher = self._launchers.get(bound.signature) if bound.signature is not None else None
+        if launcher is None:
+            launcher = _Launcher(self, bound)
+            if bound.signature is not None:
+                self._launchers[bound.signature] = launcher
         target = out
-        if plan.output == "atomic":
-            if out.dtype in (torch.float16, torch.bfloat16):
-                # Half-precision atomics are slow or missing: scatter into float32, then add.
+        if self.plan.output == "atomic":
+            if out.dtype in (torch.float16, torch.bfloat16) and not _half_atomics(out):
+                # Scatter into float32, then add (exact accumulation, or no half atomics here).
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-            elif not plan.stmt.accumulate:
+            elif not self.plan.stmt.accumulate:
                 out.zero_()
-        tensors = dict(bound.tensors)
-        tensors[bound.output_name] = target
-        extents = bound.extents
-        args = []
-        for arg in self.args:
-            if arg[0] == "ptr":
-                args.append(tensors[arg[1]])
-            elif arg[0] == "size":
-                args.append(extents[arg[1]])
+        if launcher.launched:
+            args = launcher.args(bound.tensors, target)
+            if launcher.config is None:
+                self._first_run(launcher, args, bound.device)
             else:
-                args.append(tensors[arg[1]].stride(arg[2]))
-        launched_vars = [v for a, v in plan.tiles if a != "K"] + list(plan.grid)
-        if all(extents[v] > 0 for v in launched_vars):
-            self._run(args, extents, bound.device)
+                self.fn[launcher.grid](*args, **launcher.config)
         if target is not out:
-            if plan.stmt.accumulate:
+            if self.plan.stmt.accumulate:
                 out.add_(target)
             else:
                 out.copy_(target)
         return out
 
-    def _grid(self, extents):
-        tiles = [(v, f"BLOCK_{a}") for a, v in self.plan.tiles if a != "K"]
-        fixed = math.prod(extents[v] for v in self.plan.grid)
-
-        def grid(meta):
-            return (fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles),)
-
-        return grid
-
-    def _run(self, args, extents, device) -> None:
-        bucket = tuple(next_power_of_2(extents[v]) for _, v in self.plan.tiles)
-        grid = self._grid(extents)
+    def _first_run(self, launcher: _Launcher, args: list, device: torch.device) -> None:
+        """Find the configuration for a new signature (tuning if needed) and run once."""
+        bucket = tuple(next_power_of_2(launcher.extents[v]) for _, v in self.plan.tiles)
         config = self.tuned.get(bucket)
         if config is None:
-            config = self._first_config(bucket, args, grid, extents, device)
-            if config is None:
-                return  # the autotuner's final run already produced the result
-        self.fn[grid](*args, **config)
+            config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device)
+        launcher.set_config(self.tuned[bucket])
+        if config is not None:  # else the autotuner's final run already produced the result
+            self.fn[launcher.grid](*args, **launcher.config)
 
     def _first_config(self, bucket, args, grid, extents, device) -> dict | None:
         """Configuration for a new bucket: interpreter, untuned, disk cache, or autotune."""
@@ -219,6 +210,71 @@ class Kernel:
         os.replace(tmp, path)
 
 
+class _Launcher:
+    """A launch prepared for one tensor signature: constant arguments, grid and config.
+
+    Sizes and strides are fixed by the signature, so a repeated call only fills in the
+    pointers.
+    """
+
+    def __init__(self, kernel: Kernel, bound: Bound):
+        plan = kernel.plan
+        self.extents = dict(bound.extents)
+        self.template: list = []
+        self.pointers: list[tuple[int, str]] = []  # (position, tensor name)
+        self.out_strides: list[tuple[int, int]] = []  # (position, output dimension)
+        out_name = bound.output_name
+        for position, arg in enumerate(kernel.args):
+            if arg[0] == "ptr":
+                self.template.append(None)
+                self.pointers.append((position, arg[1]))
+            elif arg[0] == "size":
+                self.template.append(self.extents[arg[1]])
+            elif arg[1] == out_name:  # the output may be a float32 scratch buffer: per call
+                self.template.append(None)
+                self.out_strides.append((position, arg[2]))
+            else:
+                self.template.append(bound.tensors[arg[1]].stride(arg[2]))
+        self.out_name = out_name
+        launched_vars = [v for a, v in plan.tiles if a != "K"] + list(plan.grid)
+        self.launched = all(self.extents[v] > 0 for v in launched_vars)
+        tiles = [(v, f"BLOCK_{a}") for a, v in plan.tiles if a != "K"]
+        fixed = math.prod(self.extents[v] for v in plan.grid)
+        extents = self.extents
+
+        def grid_fn(meta):
+            return (fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles),)
+
+        self.grid_fn = grid_fn
+        self.config: dict | None = None
+        self.grid: tuple[int, ...] | None = None
+
+    def set_config(self, config: dict) -> None:
+        self.config = config
+        self.grid = self.grid_fn(config)
+
+    def args(self, tensors, target: torch.Tensor) -> list:
+        args = list(self.template)
+        for position, name in self.pointers:
+            args[position] = target if name == self.out_name else tensors[name]
+        for position, dim in self.out_strides:
+            args[position] = target.stride(dim)
+        return args
+
+
+def _half_atomics(out: torch.Tensor) -> bool:
+    """Whether fp16/bf16 scatters may use atomics in their own dtype (INSUM_HALF_ATOMICS=0: never).
+
+    Native half atomics skip a float32 buffer (zero it, scatter, add: three passes over the
+    output) at the cost of rounding each contribution to the output's precision. They need
+    sm_70 for fp16 and sm_90 for bf16; the interpreter has none.
+    """
+    if out.device.type != "cuda" or _interpreting() or os.environ.get("INSUM_HALF_ATOMICS", "1") in ("", "0"):
+        return False
+    major, _ = torch.cuda.get_device_capability(out.device)
+    return major >= (9 if out.dtype == torch.bfloat16 else 7)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -246,7 +302,15 @@ def kernel_for(bound: Bound, precision: str = "tf32") -> Kernel:
         raise UnsupportedStatement(
             f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 (tensors are on {bound.device})"
         )
-    return _cached_kernel(spec_for(bound, precision))
+    if bound.signature is None:
+        return _cached_kernel(spec_for(bound, precision))
+    key = (bound.stmt, bound.signature, precision)
+    kernel = _BY_SIGNATURE.get(key)
+    if kernel is None:
+        if len(_BY_SIGNATURE) >= _BY_SIGNATURE_LIMIT:
+            _BY_SIGNATURE.clear()
+        kernel = _BY_SIGNATURE[key] = _cached_kernel(spec_for(bound, precision))
+    return kernel
 
 
 def _cached_kernel(spec: KernelSpec) -> Kernel:

@@ -107,6 +107,53 @@ def test_larger_than_one_tile(monkeypatch):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
 
 
+def test_repeated_signature_reuses_the_binding_and_launch():
+    """A second call with new tensors of the same signature skips the checks, not the work."""
+    c = case("group_coo_spmm")
+    first = build(c, seed=7, device=DEVICE)
+    insum.insum(c.stmt, backend="triton", **clone(first))
+    second = build(c, seed=8, device=DEVICE)
+    bound = bind(parse(c.stmt), second)
+    assert bound.signature is not None and bound.tensors["B"] is second["B"]
+    actual, expected = _run_both(c, second)
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+    # Same shapes, other strides: a different signature, so a fresh launch.
+    third = {name: strided(t) for name, t in build(c, seed=9, device=DEVICE).items()}
+    actual, expected = _run_both(c, third)
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
+def test_repeated_signature_still_rejects_aliased_output():
+    c = case("dense_matmul")
+    tensors = build(c, seed=10, device=DEVICE)
+    insum.insum(c.stmt, backend="triton", **clone(tensors))
+    aliased = clone(tensors)
+    aliased[c.output] = aliased["A"][:, : tensors[c.output].shape[1]]  # a view of the input A
+    with pytest.raises(insum.InsumError, match="shares memory"):
+        insum.insum(c.stmt, backend="triton", **aliased)
+
+
+@pytest.mark.parametrize("half_atomics", ["1", "0"] if CUDA else ["0"])
+@pytest.mark.parametrize("op", ["+=", "="])
+def test_half_precision_scatter_into_strided_output(monkeypatch, half_atomics, op):
+    """fp16 scatters: native half atomics (GPU) or a float32 buffer, into a transposed output."""
+    monkeypatch.setenv("INSUM_HALF_ATOMICS", half_atomics)
+    g = torch.Generator().manual_seed(11)
+    G, width, M, K, N = 23, 5, 19, 13, 21
+    t = {
+        "C": torch.randn(N, M, generator=g).to(torch.float16).t(),
+        "AM": torch.randint(0, M, (G,), generator=g, dtype=torch.int32),
+        "AK": torch.randint(0, K, (G, width), generator=g, dtype=torch.int32),
+        "AV": torch.randn(G, width, generator=g).to(torch.float16),
+        "B": torch.randn(K, N, generator=g).to(torch.float16),
+    }
+    t = {k: v.to(DEVICE) for k, v in t.items()}
+    stmt = f"C[AM[p],n] {op} AV[p,q]*B[AK[p,q],n]"
+    expected = insum.insum(stmt, backend="torch", **clone(t))
+    actual = insum.insum(stmt, backend="triton", **clone(t))
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float16))
+
+
 # ------------------------------------------------------------------ the generated source
 
 

@@ -266,13 +266,16 @@ def emit(plan: Plan) -> Source:
     mask = em.mask_for(acc_axes)
     mask_arg = f", mask={mask}" if mask else ""
     value = broadcast(Value("acc", acc_axes, 0), out_axes) if out_axes != acc_axes else "acc"
+    out_ty = f"{em.ptr[stmt.output.name]}.dtype.element_ty"
     if plan.output == "atomic":
-        em.put(0, f"tl.atomic_add(out_ptrs, {value}{mask_arg}, sem=\"relaxed\")")
+        # Into a float32 buffer, or the output's own dtype where the GPU has such atomics.
+        cast = f"({value}).to({out_ty})" if value != "acc" else f"acc.to({out_ty})"
+        em.put(0, f"tl.atomic_add(out_ptrs, {cast}{mask_arg}, sem=\"relaxed\")")
     elif stmt.accumulate:
         em.put(0, f"acc += tl.load(out_ptrs{mask_arg}).to({acc_tl})")
-        em.put(0, f"tl.store(out_ptrs, acc.to({em.ptr[stmt.output.name]}.dtype.element_ty){mask_arg})")
+        em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg})")
     else:
-        em.put(0, f"tl.store(out_ptrs, acc.to({em.ptr[stmt.output.name]}.dtype.element_ty){mask_arg})")
+        em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg})")
 
     # Assemble: signature, program-id split, prologue, loops, epilogue.
     blocks = tuple(f"BLOCK_{a}" for a, _ in plan.tiles)

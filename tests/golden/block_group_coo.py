@@ -50,4 +50,4 @@ def insum_kernel(
         acc = tl.dot(AV_val, B_val, acc, input_precision="tf32")  # [m, n]
     AM_val = tl.load(AM_ptr + i_p * stride_AM_0)  # []
     out_ptrs = C_ptr + AM_val * stride_C_0 + offs_m[:, None] * stride_C_1 + offs_n[None, :] * stride_C_2  # [m, n]
-    tl.atomic_add(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+    tl.atomic_add(out_ptrs, acc.to(C_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")

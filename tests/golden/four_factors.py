@@ -56,4 +56,4 @@ def insum_kernel(
         acc = tl.dot(lhs, W_val, acc, input_precision="tf32")  # [b, w]
     CK_val = tl.load(CK_ptr + i_p * stride_CK_0)  # []
     out_ptrs = Z_ptr + offs_b[:, None] * stride_Z_0 + offs_w[None, :] * stride_Z_1 + CK_val * stride_Z_2  # [b, w]
-    tl.atomic_add(out_ptrs, acc, mask=mask_b[:, None] & mask_w[None, :], sem="relaxed")
+    tl.atomic_add(out_ptrs, acc.to(Z_ptr.dtype.element_ty), mask=mask_b[:, None] & mask_w[None, :], sem="relaxed")

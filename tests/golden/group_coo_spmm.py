@@ -42,4 +42,4 @@ def insum_kernel(
         acc += partial  # [p, n]
     AM_val = tl.load(AM_ptr + offs_p * stride_AM_0, mask=mask_p, other=0)  # [p]
     out_ptrs = C_ptr + AM_val[:, None] * stride_C_0 + offs_n[None, :] * stride_C_1  # [p, n]
-    tl.atomic_add(out_ptrs, acc, mask=mask_p[:, None] & mask_n[None, :], sem="relaxed")
+    tl.atomic_add(out_ptrs, acc.to(C_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_n[None, :], sem="relaxed")
