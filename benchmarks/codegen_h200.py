@@ -108,13 +108,8 @@ def host_overhead() -> dict:
     from insum.parser import parse
 
     bound = bind(parse(expr), tensors)
-    args = []
-    for arg in kernel.args:
-        t = bound.tensors.get(arg[1]) if arg[0] != "size" else None
-        args.append(t if arg[0] == "ptr" else bound.extents[arg[1]] if arg[0] == "size" else t.stride(arg[2]))
-    bucket = next(iter(kernel.tuned))
-    config = kernel.tuned[bucket]
-    grid = kernel._grid(bound.extents)
+    launcher = kernel._launchers[bound.signature]  # prepared by the call above
+    args, config, grid = launcher.args(bound.tensors, C), launcher.config, launcher.grid
 
     def timed(fn, n=2000):
         for _ in range(50):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .bind import Bound, bind
-from .codegen import KERNEL_NAME, KernelSpec, configs_for, emit, prune_configs, schedule
+from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
 from .codegen.tune import next_power_of_2
 from .errors import InsumError
 from .parser import parse
@@ -87,9 +87,9 @@ def spec_for(bound: Bound, precision: str = "tf32") -> KernelSpec:
 class Kernel:
     """A generated kernel: `.source`, `.plan`, and a launcher that tunes on first use."""
 
-    def __init__(self, spec: KernelSpec):
+    def __init__(self, spec: KernelSpec, plan: Plan | None = None):
         self.spec = spec
-        self.plan = schedule(spec)
+        self.plan = plan if plan is not None else schedule(spec)
         generated = emit(self.plan)
         self.source: str = generated.text
         self.args = generated.args
