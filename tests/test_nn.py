@@ -48,8 +48,33 @@ def test_forward_matches_dense(fmt, params):
     torch.testing.assert_close(no_bias(x), x @ W.T)
 
 
+@pytest.mark.parametrize("in_features", [8, 5])
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "derived"])
 @pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
-def test_gradcheck_values_input_and_bias(fmt, params):
+def test_gradcheck_layer(fmt, params, transposed, in_features):
+    layer = layer_for(fmt, params, in_features=in_features, out_features=6, transposed_backward=transposed)
+    # CELL has no transposed plan, nor N:M where a window holds fewer than n columns
+    # (5 = 4 + 1: padded columns repeat column 4)
+    planned = fmt != "CELL" and not (fmt == "NM" and in_features % 4)
+    assert (layer._plan_kind is not None) == planned
+    values = [n for n, _ in layer.named_parameters()]
+
+    def f(x, *vals):
+        return torch.func.functional_call(layer, dict(zip(values, vals)), (x,))
+
+    x = torch.randn(3, in_features, dtype=torch.float64, requires_grad=True)
+    inputs = (x, *(p.detach().clone().requires_grad_(True) for _, p in layer.named_parameters()))
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+    # after training steps padded slots hold values too: the gradients stay exact
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p))
+    inputs = (x, *(p.detach().clone().requires_grad_(True) for _, p in layer.named_parameters()))
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
+def test_gradcheck_functional(fmt, params):
     layer = layer_for(fmt, params, in_features=7, out_features=6)
     template = layer.weight
     values = [n for n in layer._tensor_names if isinstance(getattr(layer, n), torch.nn.Parameter)]
@@ -71,7 +96,8 @@ def test_gradcheck_values_input_and_bias(fmt, params):
 def test_parameters_and_buffers():
     layer = layer_for("BlockGroupCOO", {"block": (4, 4)})
     assert {n for n, _ in layer.named_parameters()} == {"AV", "bias"}
-    assert {n for n, _ in layer.named_buffers()} == {"AM", "AK"}
+    assert {n for n, _ in layer.named_buffers()} == {"AM", "AK", "grad_TM", "grad_TS", "grad_TR"}
+    assert set(layer.state_dict()) == {"AV", "AM", "AK", "bias", "_extra_state"}  # no grad_*
     x = torch.randn(5, 12, dtype=torch.float64)
     layer(x).sum().backward()
     assert layer.AV.grad is not None and layer.AV.grad.shape == layer.AV.shape
