@@ -265,6 +265,14 @@ class Context:
         self.save()
         return row
 
+    def fail(self, row: dict, error: BaseException) -> None:
+        """Record a configuration whose insum run raised: a failed check, loudly."""
+        message = f"{type(error).__name__}: {str(error)[:300]}"
+        print(f"  <<< FAILED {row.get('set')} {row.get('case')}: {message}", flush=True)
+        self.rows.append({"study": self.study, "anchor": "-", "anchor_ms": None, "insum_ms": None, "ratio": None,
+                          "err": None, "ok": False, "error": message, **row})
+        self.save()
+
     def result(self) -> dict:
         return {
             "study": self.study,

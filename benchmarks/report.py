@@ -210,7 +210,8 @@ def write_report(results: dict, out: Path, plots: bool = True) -> Path:
         "(or `bash benchmarks/suite_h200.sh`) writes. Every number is a ratio **anchor median time / "
         "insum median time**, both measured in the same run (> 1: insum is faster). Times are "
         "`triton.testing.do_bench` medians (warm-up excluded; do_bench flushes the L2 before every "
-        "repetition) with the dense operand rotated among several copies. Each measured configuration "
+        "repetition, so they are device times: the host time per call is measured apart, under Costs) "
+        "with the dense operand rotated among several copies. Each measured configuration "
         "is checked against a float64 product (relative error ≤ 1e-3 for fp32, ≤ 1e-2 for fp16/bf16); "
         "geomeans use only configurations that passed. Roofline fraction: max(bytes / measured copy "
         "bandwidth, flops / measured tensor-core rate) divided by insum's time, with the fewest bytes a "
@@ -246,8 +247,7 @@ def write_report(results: dict, out: Path, plots: bool = True) -> Path:
         lines += ["", f"## ⚠ FAILED CHECKS: {len(failed)} configurations", ""]
         lines += ["These results disagree with the float64 reference beyond the tolerance; their times are excluded.", ""]
         lines += _table(["study", "set", "case", "relative error", "tolerance"],
-                        [[r["study"], r["set"], r.get("case"), "NaN" if r.get("err") is None else f"{r['err']:.2e}", r.get("tol")]
-                         for r in failed[:60]])
+                        [[r["study"], r["set"], r.get("case"), _error_text(r), r.get("tol", "")] for r in failed[:60]])
     bad_anchor = [r for res in results.values() for r in res.get("rows", []) if r.get("anchor_ok") is False]
     if bad_anchor:
         lines += ["", f"Anchors whose own result missed the tolerance: {len(bad_anchor)} "
@@ -278,6 +278,16 @@ def write_report(results: dict, out: Path, plots: bool = True) -> Path:
     return path
 
 
+def _check(row) -> str:
+    return "ok" if row.get("ok") else "**FAILED**"
+
+
+def _error_text(row) -> str:
+    if row.get("error"):
+        return "raised " + row["error"].replace("|", "/")[:200]
+    return "NaN" if row.get("err") is None else f"{row['err']:.2e}"
+
+
 def _figure(figures, key, caption):
     return [f"![{caption}](figures/{figures[key]})", ""] if key in figures else []
 
@@ -291,7 +301,7 @@ def section_unstructured(res, figures):
     lines += set_table(rows) + [""]
     lines += _figure(figures, "unstructured_bars", "fp32 N=128 per matrix")
     lines += _figure(figures, "unstructured_scatter", "ratio vs nonzeros")
-    main = [r for r in rows if r["dtype"] == "fp32" and r["N"] == 128 and r["anchor"] == "cuSPARSE"]
+    main = [r for r in rows if r.get("dtype") == "fp32" and r.get("N") == 128 and r.get("anchor") == "cuSPARSE"]
     if main:
         by_case = defaultdict(dict)
         meta = {}
@@ -324,13 +334,14 @@ def section_structured(res, figures):
                         [[c["dtype"], f"{c['size']}³", c["block"], c["text"], c["points"]] for c in cross]) + [""]
     lines += set_table(rows) + [""]
     lines += _figure(figures, "structured", "speed-up over dense vs sparsity")
-    dense = {(r["dtype"], r["size"], r["block"], r["sparsity"]): r for r in rows if r["anchor"] == "cuBLAS"}
-    bsr = {(r["dtype"], r["size"], r["block"], r["sparsity"]): r for r in rows if r["anchor"] == "TorchBSR"}
+    dense = {(r["dtype"], r["size"], r["block"], r["sparsity"]): r for r in rows if r.get("anchor") == "cuBLAS"}
+    bsr = {(r["dtype"], r["size"], r["block"], r["sparsity"]): r for r in rows if r.get("anchor") == "TorchBSR"}
     body = []
     for key, r in sorted(dense.items()):
         b = bsr.get(key)
         body.append([r["dtype"], r["size"], r["block"], r["sparsity"], r.get("group_size"), _ms(r["insum_ms"]),
-                     _ms(r["anchor_ms"]), _x(r["ratio"]), f"{r['ideal']:.1f}×", _pct(r["ratio"] / r["ideal"]),
+                     _ms(r["anchor_ms"]), _x(r["ratio"]), f"{r['ideal']:.1f}×",
+                     _pct(r["ratio"] / r["ideal"]) if r.get("ratio") else "n/a",
                      _ms(b["anchor_ms"]) if b else "n/a", _x(b["ratio"]) if b else "n/a", _pct(r.get("roof_frac")),
                      "ok" if r["ok"] else "**FAILED**"])
     if body:
@@ -350,10 +361,10 @@ def section_nm(res, figures):
     lines += _figure(figures, "nm", "N:M fraction of ideal")
     body = []
     for r in rows:
-        body.append([r["dtype"], r["pattern"], f"{r['sparsity']:.1%}", r["size"], r.get("vector_len"), r["anchor"],
-                     _ms(r["insum_ms"]), _ms(r["anchor_ms"]), _x(r["ratio"]),
-                     _pct(r["ratio"] / r["ideal"]) if r["anchor"] == "cuBLAS" and r.get("ratio") else "",
-                     _pct(r.get("roof_frac")), "ok" if r["ok"] else "**FAILED**"])
+        body.append([r.get("dtype"), r.get("pattern"), f"{r.get('sparsity', 0):.1%}", r.get("size"), r.get("vector_len"),
+                     r.get("anchor"), _ms(r.get("insum_ms")), _ms(r.get("anchor_ms")), _x(r.get("ratio")),
+                     _pct(r["ratio"] / r["ideal"]) if r.get("anchor") == "cuBLAS" and r.get("ratio") else "",
+                     _pct(r.get("roof_frac")), _check(r)])
     if body:
         lines += ["", "Every configuration:", ""]
         lines += _table(["dtype", "N:M", "sparsity", "size", "L", "anchor", "insum", "anchor time", "ratio",
@@ -369,8 +380,8 @@ def section_fusion(res, figures):
     lines += set_table(rows) + [""]
     lines += _figure(figures, "fusion", "fusion ablation")
     lines += _table(["statement", "case", "dtype", "anchor", "insum", "anchor time", "ratio", "roofline", "check"],
-                    [[f"`{r.get('expr', '')}`", r["case"], r["dtype"], r["anchor"], _ms(r["insum_ms"]), _ms(r["anchor_ms"]),
-                      _x(r["ratio"]), _pct(r.get("roof_frac")), "ok" if r["ok"] else "**FAILED**"] for r in rows])
+                    [[f"`{r.get('expr', '')}`", r.get("case"), r.get("dtype"), r.get("anchor"), _ms(r.get("insum_ms")),
+                      _ms(r.get("anchor_ms")), _x(r.get("ratio")), _pct(r.get("roof_frac")), _check(r)] for r in rows])
     return lines
 
 
@@ -382,8 +393,8 @@ def section_costs(res, figures):
              "torch's own conversion; host time per cached call against a bare launch of the same "
              "compiled Triton kernel (wall clock over many calls, one sync at the end).", ""]
     lines += _table(["set", "case", "insum", "anchor", "anchor time", "ratio", "check"],
-                    [[r["set"], r["case"], _ms(r["insum_ms"]), r["anchor"], _ms(r["anchor_ms"]), _x(r["ratio"]),
-                      "ok" if r["ok"] else "**FAILED**"] for r in rows])
+                    [[r.get("set"), r.get("case"), _ms(r.get("insum_ms")), r.get("anchor"), _ms(r.get("anchor_ms")),
+                      _x(r.get("ratio")), _check(r)] for r in rows])
     return lines
 
 
@@ -470,7 +481,9 @@ def _plot_unstructured_scatter(results, plt):
         ax.set_xlabel("nonzeros")
         ax.set_title(f"{dtype}: speed-up over cuSPARSE")
     axes[0].set_ylabel("cuSPARSE time / insum time")
-    axes[1].legend(fontsize=6, ncol=2)
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
     return fig
 
 

@@ -41,9 +41,10 @@ def run(ctx: Context) -> list[dict]:
     for build in builders:
         if ctx.over_budget("statements"):
             continue
-        case = build(ctx, z, gen, dev)
-        measure(ctx, case)
-        del case
+        try:
+            measure(ctx, build(ctx, z, gen, dev))
+        except Exception as e:
+            ctx.fail(dict(set="fusion vs torch.compile", case=build.__name__), e)
     return ctx.rows
 
 

@@ -53,7 +53,11 @@ def run(ctx: Context) -> list[dict]:
         for size in sizes:
             if ctx.over_budget(f"configs ({dtype_name(dtype)} {n}:{m})"):
                 continue
-            config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured)
+            try:
+                config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured)
+            except Exception as e:
+                ctx.fail(dict(set=f"{dtype_name(dtype)} {n}:{m} vs cuBLAS", case=f"{size}^3", dtype=dtype_name(dtype),
+                              pattern=f"{n}:{m}", size=size, sparsity=1 - n / m, ideal=m / n), e)
     return ctx.rows
 
 

@@ -76,7 +76,11 @@ def run(ctx: Context) -> list[dict]:
         for s in sparsities:
             if ctx.over_budget(f"points ({dtype_name(dtype)} {size}^3)"):
                 continue
-            point(ctx, dtype, size, block, s, gen, by_row, bsr_dense_mm)
+            try:
+                point(ctx, dtype, size, block, s, gen, by_row, bsr_dense_mm)
+            except Exception as e:
+                ctx.fail(dict(set=f"{dtype_name(dtype)} {size}^3 block {block} vs cuBLAS", case=f"s={s}",
+                              dtype=dtype_name(dtype), size=size, block=block, sparsity=s, ideal=1 / (1 - s)), e)
     return ctx.rows
 
 

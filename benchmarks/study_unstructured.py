@@ -6,10 +6,11 @@ graphs up to about 10M nonzeros. fp32 and fp16, N in {32, 64, 128, 256}. Configu
 run in priority order (the fp32 N=128 target set first) until the budget is spent:
 
   1. fp32, N=128, GroupCOO        vs cuSPARSE, lowering eager, lowering compiled
-  2. fp32, N=128, ELL and CELL    vs the same three
-  3. fp16, N=128, every format    vs cuSPARSE and the eager lowering
-  4. GroupCOO, N = 32, 64, 256, fp32 and fp16, vs cuSPARSE
+  2. fp32, N=128, ELL and CELL    vs cuSPARSE, lowering eager
+  3. fp16, N=128, every format    vs cuSPARSE
+  4. GroupCOO, N = 32, 64, 256, fp32 and fp16, vs cuSPARSE (a subset of the matrices)
   5. ELL and CELL likewise
+  6. the remaining lowering anchors (compiled for ELL and CELL, eager in fp16)
 
 Every result is checked against the float64 product of the same (rounded) matrix.
 """
@@ -49,26 +50,39 @@ def matrix_list(ctx: Context) -> list[tuple[str, str, object]]:
     sizes = [(256, 4)] if ctx.smoke else [(65536, 16), (1 << 20, 10)] if ctx.quick else [(65536, 16), (262144, 16), (1 << 20, 10)]
     for rows, avg in sizes:
         name = f"power-law {rows}^2 avg {avg}"
-        out.append((name, "power-law", lambda r=rows, a=avg: power_law_matrix(r, r, a, seed=0)))
+        out.append((name, "power-law", lambda r=rows, a=avg: power_law_matrix(r, r, a, seed=0, device=ctx.device)))
     return out
 
 
 def plan(ctx: Context) -> list[tuple]:
-    """(tier, dtype, N, formats, anchors) in priority order."""
+    """(tier, dtype, N, formats, anchors, every matrix or the sweep subset) in priority order."""
     if ctx.smoke:
         return [
-            (1, torch.float32, 32, ("GroupCOO",), ("cuSPARSE", "torch eager")),
-            (2, torch.float32, 32, ("ELL", "CELL"), ("cuSPARSE",)),
-            (3, torch.float16, 32, ("GroupCOO",), ("cuSPARSE", "torch eager")),
+            (1, torch.float32, 32, ("GroupCOO",), ("cuSPARSE", "torch eager"), True),
+            (2, torch.float32, 32, ("ELL", "CELL"), ("cuSPARSE",), True),
+            (3, torch.float16, 32, ("GroupCOO",), ("cuSPARSE", "torch eager"), True),
         ]
-    full = ("cuSPARSE", "torch eager", "torch.compile")
-    jobs = [(1, torch.float32, 128, ("GroupCOO",), full), (2, torch.float32, 128, ("ELL", "CELL"), full)]
-    jobs.append((3, torch.float16, 128, tuple(FORMATS), ("cuSPARSE", "torch eager")))
+    jobs = [
+        (1, torch.float32, 128, ("GroupCOO",), ("cuSPARSE", "torch eager", "torch.compile"), True),
+        (2, torch.float32, 128, ("ELL", "CELL"), ("cuSPARSE", "torch eager"), True),
+        (3, torch.float16, 128, tuple(FORMATS), ("cuSPARSE",), True),
+    ]
     other_n = (32, 256) if ctx.quick else (32, 64, 256)
     for tier, fmts in ((4, ("GroupCOO",)), (5, ("CELL", "ELL"))):
         for dtype in (torch.float32, torch.float16):
-            jobs += [(tier, dtype, n, fmts, ("cuSPARSE",)) for n in other_n]
+            jobs += [(tier, dtype, n, fmts, ("cuSPARSE",), False) for n in other_n]
+    jobs.append((6, torch.float32, 128, ("ELL", "CELL"), ("torch.compile",), True))
+    jobs.append((6, torch.float16, 128, tuple(FORMATS), ("torch eager",), False))
     return jobs
+
+
+def sweep_subset(names: list[str]) -> list[str]:
+    """The matrices of the N and dtype sweeps: every third DLMC matrix, the largest graph,
+    the two largest generated ones."""
+    dlmc = [n for n in names if "/" in n][::3]
+    graphs = [n for n in names if "/" not in n and not n.startswith("power-law")][-1:]
+    generated = [n for n in names if n.startswith("power-law")][-2:]
+    return dlmc + graphs + generated
 
 
 class Matrices:
@@ -124,8 +138,12 @@ def run(ctx: Context) -> list[dict]:
     mats = Matrices(ctx)
     gen = torch.Generator(device=ctx.device).manual_seed(1)
     cusparse: dict = {}  # (matrix, dtype, N) -> (ms, err) or the reason it is unavailable
-    for tier, dtype, N, formats, anchors in plan(ctx):
-        for name in mats.names():
+    everything = mats.names()
+    subset = sweep_subset(everything)
+    for tier, dtype, N, formats, anchors, every in plan(ctx):
+        for name in list(everything if every else subset):
+            if name not in mats.loaders:
+                continue
             if ctx.over_budget(f"tier {tier} ({dtype_name(dtype)} N={N} {'/'.join(formats)})"):
                 continue
             try:
@@ -145,7 +163,11 @@ def run(ctx: Context) -> list[dict]:
                     if fmt not in ctx.notes:
                         ctx.note(f"{name}: {fmt}")
                     continue
-                measure(ctx, name, mats.loaders[name][0], csr, fmt, fmt_name, dtype, N, anchors, entry)
+                try:
+                    measure(ctx, name, mats.loaders[name][0], csr, fmt, fmt_name, dtype, N, anchors, entry)
+                except Exception as e:
+                    ctx.fail(dict(set=f"{fmt_name} {dtype_name(dtype)} N={N} vs {anchors[0]}", case=name,
+                                  format=fmt_name, dtype=dtype_name(dtype), N=N), e)
     return ctx.rows
 
 
@@ -159,7 +181,8 @@ def measure(ctx, name, kind, csr, fmt, fmt_name, dtype, N, anchors, entry) -> No
     base = dict(
         case=name, kind=kind, format=fmt_name, dtype=dtype_name(dtype), N=N,
         shape=list(csr.shape), nnz=csr._nnz(), insum_ms=t_insum, err=err, bytes=moved, flops=flops,
-        padding=round(fmt.padding_ratio, 4), params={k: v for k, v in fmt._describe().items() if k != "tuned"},
+        padding=round(fmt.padding_ratio, 4),
+        params={k: v for k, v in fmt.params.items() if k not in ("buckets", "tuned_seconds")},
     )
     for anchor in anchors:
         try:
