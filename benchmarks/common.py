@@ -204,9 +204,9 @@ class Context:
     def time_left(self) -> float:
         return self.budget_s - self.elapsed()
 
-    def over_budget(self, what: str) -> bool:
-        """True (and the skip counted under `what`) once the study's budget is spent."""
-        if self.time_left() > 0:
+    def over_budget(self, what: str, slack: float = 0.0) -> bool:
+        """True (and the skip counted under `what`) once the budget (plus `slack` s) is spent."""
+        if self.time_left() + slack > 0:
             return False
         self.skipped[what] = self.skipped.get(what, 0) + 1
         return True
