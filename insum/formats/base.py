@@ -5,9 +5,11 @@ indirect Einsum that multiplies it with a dense matrix; `spmm` just runs that st
 through the public `insum()`. Formats never import the code generator or the runtime, so
 packing, inspecting and converting need neither Triton nor a GPU.
 
-All packing is vectorised torch code on the input's device: coordinates are sorted once
-(row-major, duplicates summed) and every format derives its tensors from them with
-`bincount` / `cumsum` / scatter, never with a Python loop over rows or nonzeros.
+All packing is vectorised torch code on the input's device, never a Python loop over rows
+or nonzeros. On a GPU its time is host syncs (anything whose size or value the host reads)
+and kernel launches, so a packer works from the row pointer with `cumsum` / gathers, reads
+every size it needs in ONE sync (`Coords.read`), and counts are kept in check by tests
+(`opcount.count_ops`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -59,15 +62,22 @@ def format_class(name: str) -> type[SparseFormat]:
 
 @dataclass(frozen=True)
 class Coords:
-    """A matrix as sorted, duplicate-free coordinates: the common input of every packer.
+    """A matrix as row-major coordinates: the common input of every packer.
 
-    rows and cols are int64 and sorted row-major; vals has the matrix's floating dtype.
+    rows and cols are int64; vals has the matrix's floating dtype. `crow` is the row
+    pointer (M + 1) when the source had one. `unchecked` is None when the coordinates are
+    known to be sorted and duplicate-free; otherwise (a CSR tensor, whose invariants torch
+    does not enforce) it is a device scalar, positive iff they are. Packers read it in
+    their one host sync (`read`) instead of paying a sync of its own, and start again
+    from `canonical()` when it fails.
     """
 
     shape: tuple[int, int]
     rows: torch.Tensor
     cols: torch.Tensor
     vals: torch.Tensor
+    crow: torch.Tensor | None = None
+    unchecked: torch.Tensor | None = None
 
     @property
     def nnz(self) -> int:
@@ -81,9 +91,56 @@ class Coords:
     def dtype(self) -> torch.dtype:
         return self.vals.dtype
 
+    @cached_property
+    def row_ptr(self) -> torch.Tensor:
+        """Row pointer (int64, M + 1): row r holds entries row_ptr[r] .. row_ptr[r+1] - 1."""
+        if self.crow is not None:
+            return self.crow
+        bounds = torch.arange(self.shape[0] + 1, device=self.device)
+        return torch.searchsorted(self.rows, bounds)
+
+    @cached_property
+    def counts(self) -> torch.Tensor:
+        """Entries per row (int64, length M), without bincount (which syncs on a GPU)."""
+        return self.row_ptr.diff()
+
     def row_counts(self) -> torch.Tensor:
         """Nonzeros per row (int64, length M)."""
-        return torch.bincount(self.rows, minlength=self.shape[0])
+        return self.counts
+
+    def read(self, *tensors: torch.Tensor) -> list[int] | None:
+        """The integer values of `tensors`, flattened and concatenated, in ONE host sync.
+
+        Returns None when the coordinates turn out not to be canonical: the caller then
+        packs `self.canonical()` instead (its device work so far is discarded).
+        """
+        parts = [t.reshape(-1) for t in tensors]
+        if self.unchecked is not None:
+            parts.insert(0, self.unchecked.reshape(1))
+        if not parts:
+            return []
+        parts = [p if p.dtype == torch.int64 else p.long() for p in parts]
+        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        if self.unchecked is not None and values.pop(0) <= 0:
+            return None
+        return values
+
+    def checked(self) -> Coords:
+        """These coordinates if canonical (one sync when unverified), else `canonical()`."""
+        if self.unchecked is None:
+            return self
+        if self.read() is None:
+            return self.canonical()
+        return Coords(self.shape, self.rows, self.cols, self.vals, self.crow)
+
+    def canonical(self) -> Coords:
+        """Sorted row-major with duplicates summed (torch's coalesce rule)."""
+        K = max(self.shape[1], 1)
+        key, order = torch.sort(self.rows * K + self.cols, stable=True)
+        vals = self.vals[order]
+        key, inverse = torch.unique_consecutive(key, return_inverse=True)
+        summed = torch.zeros(key.numel(), dtype=vals.dtype, device=vals.device)
+        return Coords(self.shape, key // K, key % K, summed.index_add_(0, inverse, vals))
 
 
 def check_values(dtype: torch.dtype) -> None:
@@ -94,18 +151,14 @@ def check_values(dtype: torch.dtype) -> None:
         )
 
 
-def _canonical(shape: tuple[int, int], rows, cols, vals) -> Coords:
-    """Sort row-major and sum duplicates, skipping the sort when already canonical."""
+def _unchecked(shape: tuple[int, int], rows, cols, vals, crow=None) -> Coords:
+    """Coordinates whose canonical check is left on the device for the packer's one sync."""
     rows, cols = rows.long(), cols.long()
-    key = rows * max(shape[1], 1) + cols
-    if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
-        key, order = torch.sort(key, stable=True)
-        vals = vals[order]
-        key, inverse = torch.unique_consecutive(key, return_inverse=True)
-        summed = torch.zeros(key.numel(), dtype=vals.dtype, device=vals.device)
-        vals = summed.index_add_(0, inverse, vals)
-        rows, cols = key // max(shape[1], 1), key % max(shape[1], 1)
-    return Coords(shape, rows, cols, vals)
+    check = None
+    if cols.numel() > 1:
+        # Strictly increasing row-major keys: sorted and duplicate-free.
+        check = torch.add(cols, rows, alpha=max(shape[1], 1)).diff().min()
+    return Coords(shape, rows, cols, vals, crow, check)
 
 
 def coords_of(A: torch.Tensor) -> Coords:
@@ -113,7 +166,8 @@ def coords_of(A: torch.Tensor) -> Coords:
 
     Dense matrices and BSR/BSC blocks keep their nonzero elements only (zeros inside a
     stored block are block padding); COO and CSR keep every stored entry, explicit zeros
-    included, because the caller chose to store them.
+    included, because the caller chose to store them. A CSR tensor costs no host sync:
+    its rows come from the row pointer and its check waits for the packer's sync.
     """
     if not isinstance(A, torch.Tensor):
         raise InsumTypeError(f"expected a torch.Tensor, got {type(A).__name__}")
@@ -136,16 +190,19 @@ def coords_of(A: torch.Tensor) -> Coords:
     if layout == torch.sparse_csr:
         if A.values().dim() != 1:
             raise InsumShapeError("batched or hybrid sparse CSR tensors are not supported")
-        crow = A.crow_indices().long()
-        rows = torch.repeat_interleave(torch.arange(shape[0], device=A.device), crow.diff())
-        return _canonical(shape, rows, A.col_indices(), A.values())
+        crow, cols = A.crow_indices().long(), A.col_indices()
+        counts = crow.diff()
+        rows = torch.repeat_interleave(counts, output_size=cols.numel())
+        coords = _unchecked(shape, rows, cols, A.values(), crow)
+        coords.__dict__["counts"] = counts  # the cached property, already computed
+        return coords
     if layout == torch.sparse_bsr:
         blocks = A.values()
         if blocks.dim() != 3:
             raise InsumShapeError("batched or hybrid sparse BSR tensors are not supported")
         nb, bm, bk = blocks.shape
         crow = A.crow_indices().long()
-        brow = torch.repeat_interleave(torch.arange(crow.numel() - 1, device=A.device), crow.diff())
+        brow = torch.repeat_interleave(crow.diff(), output_size=nb)
         rows = brow.view(nb, 1, 1) * bm + torch.arange(bm, device=A.device).view(1, bm, 1)
         cols = A.col_indices().long().view(nb, 1, 1) * bk + torch.arange(bk, device=A.device).view(
             1, 1, bk
@@ -153,7 +210,7 @@ def coords_of(A: torch.Tensor) -> Coords:
         rows, cols = rows.expand(nb, bm, bk).reshape(-1), cols.expand(nb, bm, bk).reshape(-1)
         vals = blocks.reshape(-1)
         keep = vals != 0
-        return _canonical(shape, rows[keep], cols[keep], vals[keep])
+        return _unchecked(shape, rows[keep], cols[keep], vals[keep]).checked()
     if layout in (torch.sparse_csc, torch.sparse_bsc):
         coo = A.to_sparse_coo().coalesce()
         rows, cols = coo.indices()
@@ -200,6 +257,12 @@ def round_pow2(x: float) -> int:
     return 1 if x <= 1 else 1 << round(math.log2(x))
 
 
+def _group_size_rule(nnz: int, nonempty: int, longest_pow2: int) -> int:
+    if nonempty == 0:
+        return 1
+    return min(round_pow2(math.sqrt(nnz / nonempty)), longest_pow2)
+
+
 def default_group_size(counts: torch.Tensor) -> int:
     """The InSum paper's group size: minimise gathers plus scatters (paper §4.2).
 
@@ -208,49 +271,66 @@ def default_group_size(counts: torch.Tensor) -> int:
     g = sqrt(nnz / R). Rounded to the nearest power of two (Triton's tiles are powers of
     two) and capped at the longest row, beyond which a larger g only adds padding.
     """
-    nonempty = int((counts > 0).sum())
-    if nonempty == 0:
-        return 1
-    nnz = int(counts.sum())
-    return min(round_pow2(math.sqrt(nnz / nonempty)), next_pow2(int(counts.max())))
+    nnz, nonempty, longest = torch.stack(
+        [counts.sum(), (counts > 0).sum(), counts.max() if counts.numel() else counts.sum()]
+    ).tolist()
+    return _group_size_rule(nnz, nonempty, next_pow2(longest))
 
 
-@dataclass(frozen=True)
-class Grouping:
-    """Nonzeros (sorted by row) split into fixed-size groups along rows."""
+class GroupCounts:
+    """Groups per row for every power-of-two group size the paper's rule can pick.
 
-    group_row: torch.Tensor  # [G] row of each group, non-decreasing
-    group: torch.Tensor  # [nnz] group of each nonzero
-    slot: torch.Tensor  # [nnz] position inside its group
-    size: int  # groups G
-
-
-def group_along_rows(rows: torch.Tensor, n_rows: int, group_size: int) -> Grouping:
-    """Split each row's run of nonzeros into ceil(n_i / g) groups of g slots, vectorised."""
-    device = rows.device
-    counts = torch.bincount(rows, minlength=n_rows)
-    groups_per_row = (counts + group_size - 1) // group_size
-    group_start = torch.cumsum(groups_per_row, 0) - groups_per_row
-    row_start = torch.cumsum(counts, 0) - counts
-    within = torch.arange(rows.numel(), device=device) - row_start[rows]
-    group = group_start[rows] + within // group_size
-    slot = within % group_size
-    group_row = torch.repeat_interleave(torch.arange(n_rows, device=device), groups_per_row)
-    return Grouping(group_row, group, slot, int(group_row.numel()))
-
-
-def first_in_group(
-    group: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, n_groups: int
-) -> torch.Tensor:
-    """values of each group's first member (slot 0), 0 for empty groups.
-
-    Padding with it keeps the padded index valid and re-reads a row of B that the group
-    reads anyway. Each group has one slot 0, so the scatter is deterministic.
+    Computed on the device before the packer's one sync (`values`), so that the rule and
+    the padded size G, which the host must know to allocate, cost no sync of their own.
     """
-    first = torch.zeros(n_groups, dtype=values.dtype, device=values.device)
-    leading = slot == 0
-    first[group[leading]] = values[leading]
-    return first
+
+    def __init__(self, counts: torch.Tensor, width: int):
+        # Exponents 0 .. bit_length(width): the last exceeds any row (at most `width`
+        # entries), so it counts the non-empty rows, and the rule's g <= next_pow2(width).
+        shifts = torch.arange(max(width, 1).bit_length() + 1, device=counts.device)
+        # ceil(c / 2^e) = -((-c) >> e): kept negated, the host flips the sums.
+        self.neg_groups = (-counts).unsqueeze(0) >> shifts.unsqueeze(1)
+        self.values = self.neg_groups.sum(1)
+
+    def choose(self, host: list[int]) -> tuple[int, int]:
+        """(g, G) by the paper's rule from `values` read back."""
+        groups = [-v for v in host]
+        nnz, nonempty = groups[0], groups[-1]  # g = 1: one group per entry
+        longest = next(e for e, n in enumerate(groups) if n == nonempty)
+        g = _group_size_rule(nnz, nonempty, 1 << longest)
+        return g, groups[g.bit_length() - 1]
+
+    def per_row(self, g: int) -> torch.Tensor:
+        """Groups in each row for a power-of-two g."""
+        return self.neg_groups[g.bit_length() - 1].neg()
+
+
+def grouped_slots(
+    idx: torch.Tensor, end: torch.Tensor, pad: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx [G, g], valid [G, g]) for groups of consecutive entries idx[j, 0] ... < end[j].
+
+    A padded slot's idx becomes its group's `pad` (default: its first entry), so that the
+    column gathered there re-reads a row of B that the group reads anyway.
+    """
+    valid = idx < end.unsqueeze(1)
+    return torch.where(valid, idx, idx[:, :1] if pad is None else pad.unsqueeze(1)), valid
+
+
+def pack_row_groups(
+    crow: torch.Tensor, per_row: torch.Tensor, g: int, G: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut each row's entries into per_row[r] groups of g slots, by gathers, no sync.
+
+    Returns (group_row [G], idx [G, g], valid [G, g], base [M]); group j (global) of row r
+    holds entries base[r] + j*g onwards. Groups are ordered by row and never empty.
+    """
+    cum = torch.cumsum(per_row, 0)
+    base = torch.sub(crow[:-1], cum - per_row, alpha=g)
+    group_row = torch.repeat_interleave(per_row, output_size=G)
+    slots = torch.arange(G * g, device=crow.device).view(G, g)  # j*g + q
+    idx, valid = grouped_slots(slots + base[group_row].unsqueeze(1), crow[1:][group_row])
+    return group_row, idx, valid, base
 
 
 def normalise_device(device: torch.device | str) -> torch.device:

@@ -14,19 +14,26 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import InsumError
 from .base import (
     Coords,
+    GroupCounts,
     SparseFormat,
     check_positive_int,
-    default_group_size,
-    first_in_group,
-    group_along_rows,
+    grouped_slots,
     index_dtype_for,
+    next_pow2,
+    pack_row_groups,
+    tune,
 )
 
 __all__ = ["BlockGroupCOO"]
+
+#: Block grids up to this many cells find their nonzero blocks with a dense occupancy map
+#: (a fill, a scatter and a cumsum); larger, sparser grids sort the nonzeros' block keys.
+BITMAP_CELLS = 1 << 22
 
 
 def _block_of(block: int | tuple[int, int]) -> tuple[int, int]:
@@ -37,23 +44,57 @@ def _block_of(block: int | tuple[int, int]) -> tuple[int, int]:
     return check_positive_int("block bm", block[0]), check_positive_int("block bk", block[1])
 
 
+def _block_ranks(
+    br: torch.Tensor, bc: torch.Tensor, MB: int, KB: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each nonzero's block numbered from 1 in row-major block order, and blocks per block row.
+
+    Sync-free either way: the number of blocks is read later, with the packer's other sizes.
+    """
+    nnz, device = br.numel(), br.device
+    if nnz == 0:
+        return br, torch.zeros(MB, dtype=torch.int64, device=device)
+    key = torch.add(bc, br, alpha=KB)
+    if MB * KB <= max(BITMAP_CELLS, 4 * nnz):
+        occupied = torch.zeros(MB * KB, dtype=torch.bool, device=device).index_fill_(0, key, True)
+        return occupied.cumsum(0)[key], occupied.view(MB, KB).sum(1)
+    ordered, order = torch.sort(key)
+    new = F.pad(ordered.diff().sign(), (1, 0), value=1)  # 1 where a block starts
+    rank = torch.empty_like(order).scatter_(0, order, new.cumsum(0))
+    per_row = torch.zeros(MB, dtype=torch.int64, device=device)
+    return rank, per_row.index_add_(0, ordered // KB, new)
+
+
 class BlockGroupCOO(SparseFormat):
     """Block-grouped COO: AM[G] block rows, AK[G, g] block columns, AV[G, g, bm, bk] blocks.
 
     block: (bm, bk) or one integer for square blocks; default (16, 16), the smallest
     tile `tl.dot` accepts. `from_torch` of a BSR tensor defaults to its own blocksize.
-    group_size: blocks per group; None for the paper's rule applied to block rows.
+    group_size: blocks per group; None for the paper's rule applied to block rows;
+    "row" for Block-ELL: one group per block row, as wide as the longest block row (zero
+    blocks pad the others, empty block rows get an all-padding group), so each output
+    block has one owner: there is no AM, the statement indexes C directly
+    (`row_expression`) and the kernel stores without atomics; "tune" times the rule's
+    value, its power-of-two neighbours and "row" with real SpMMs (B with `tune_cols`
+    columns, `backend` as given) and keeps the fastest.
     pad: allow sizes that are not multiples of the block (zero padding); with pad=False
     such a matrix raises InsumError.
+
+    `fmt.expression` is the statement of this instance: `expression` for groups,
+    `row_expression` for group_size="row".
 
     >>> A = torch.zeros(4, 4); A[0, 0] = 1.0; A[3, 2] = 2.0
     >>> F = BlockGroupCOO.from_dense(A, block=2, group_size=1)
     >>> F.AM.tolist(), F.AK.tolist(), tuple(F.AV.shape)
     ([0, 1], [[0], [1]], (2, 1, 2, 2))
+    >>> E = BlockGroupCOO.from_dense(A, block=2, group_size="row")
+    >>> E.expression, E.AK.tolist()
+    ('C[p,m,n] += AV[p,q,m,k]*B[AK[p,q],k,n]', [[0], [1]])
     """
 
     name = "blockgroupcoo"
     expression = "C[AM[p],m,n] += AV[p,q,m,k]*B[AK[p,q],k,n]"
+    row_expression = "C[p,m,n] += AV[p,q,m,k]*B[AK[p,q],k,n]"
     _value_names = ("AV",)
 
     @classmethod
@@ -69,9 +110,11 @@ class BlockGroupCOO(SparseFormat):
         coords: Coords,
         *,
         block: int | tuple[int, int] = (16, 16),
-        group_size: int | None = None,
+        group_size: int | str | None = None,
         pad: bool = True,
         index_dtype: torch.dtype | None = None,
+        tune_cols: int = 128,
+        backend: str = "auto",
     ) -> BlockGroupCOO:
         bm, bk = _block_of(block)
         M, K = coords.shape
@@ -80,29 +123,92 @@ class BlockGroupCOO(SparseFormat):
                 f"block ({bm}, {bk}) does not divide the matrix shape ({M}, {K}); pass pad=True "
                 "to pad it with zeros"
             )
+        if isinstance(group_size, str) and group_size not in ("row", "tune"):
+            raise InsumError(
+                f"group_size must be an integer >= 1, None, 'row' or 'tune', got {group_size!r}"
+            )
+        if group_size == "tune":
+            return cls._tuned(coords, (bm, bk), index_dtype, tune_cols, backend)
+        if group_size is not None and group_size != "row":
+            check_positive_int("group_size", group_size)
         MB, KB = -(-M // bm), -(-K // bk)
         itype = index_dtype_for(MB, KB, requested=index_dtype)
         device = coords.device
+        params = dict(block=(bm, bk), group_size=group_size, pad=pad, index_dtype=index_dtype)
 
-        # Nonzero blocks, row-major: unique block keys and each nonzero's block.
-        key = (coords.rows // bm) * KB + coords.cols // bk
-        keys, which = torch.unique(key, sorted=True, return_inverse=True)
-        blocks = torch.zeros(keys.numel(), bm, bk, dtype=coords.dtype, device=device)
-        blocks[which, coords.rows % bm, coords.cols % bk] = coords.vals
-        block_rows, block_cols = keys // KB, keys % KB
+        rows, cols = coords.rows, coords.cols
+        br = torch.div(rows, bm, rounding_mode="floor")
+        bc = torch.div(cols, bk, rounding_mode="floor")
+        rank, counts = _block_ranks(br, bc, MB, KB)  # rank: 1-based block of each nonzero
 
-        if group_size is None:
-            group_size = default_group_size(torch.bincount(block_rows, minlength=MB))
-        check_positive_int("group_size", group_size)
-        grouping = group_along_rows(block_rows, MB, group_size)
-        G, g = grouping.size, group_size
-        AK = first_in_group(grouping.group, grouping.slot, block_cols, G).unsqueeze(1).repeat(1, g)
-        AK[grouping.group, grouping.slot] = block_cols
-        AV = torch.zeros(G, g, bm, bk, dtype=coords.dtype, device=device)
-        AV[grouping.group, grouping.slot] = blocks
-        tensors = {"AM": grouping.group_row.to(itype), "AK": AK.to(itype), "AV": AV}
-        params = {"block": (bm, bk), "group_size": g, "blocks": int(keys.numel())}
-        return cls._packed(coords, tensors, itype, params)
+        # The one host sync: the number of blocks and the padded group count.
+        if group_size == "row":
+            host = coords.read(counts.sum(), counts.max() if MB else counts.sum())
+            if host is not None:
+                blocks, g, G = host[0], max(host[1], 1), MB
+        elif group_size is None:
+            rule = GroupCounts(counts, KB)
+            host = coords.read(rule.values)
+            if host is not None:
+                (g, G), blocks = rule.choose(host), -host[0]
+                per_row = rule.per_row(g)
+        else:
+            g = group_size
+            per_row = torch.div(counts + (g - 1), g, rounding_mode="floor")
+            host = coords.read(counts.sum(), per_row.sum())
+            if host is not None:
+                blocks, G = host
+        if host is None:
+            return cls._pack(coords.canonical(), **params)
+
+        # Block columns by rank; slot 0 holds column 0, the padding of empty block rows.
+        columns = torch.zeros(blocks + 1, dtype=torch.int64, device=device)
+        columns.index_put_((rank,), bc)
+        crow = F.pad(counts, (1, 0), value=1).cumsum(0)  # 1-based block row pointer
+        if group_size == "row":
+            first = crow[:-1]
+            slots = first.unsqueeze(1) + torch.arange(g, device=device)
+            idx, _ = grouped_slots(slots, crow[1:], torch.where(counts > 0, first, 0))
+            slot = torch.add(rank - first[br], br, alpha=g)  # group br, slot rank - first
+            tensors = {}
+        else:
+            group_row, idx, _, base = pack_row_groups(crow, per_row, g, G)
+            slot = rank - base[br]  # group * g + slot, as base[r] + j*g starts group j
+            tensors = {"AM": group_row.to(itype)}
+        # Each nonzero's place in AV viewed flat: (slot, row in block, column in block).
+        inner = torch.add(torch.sub(cols, bc, alpha=bk), torch.sub(rows, br, alpha=bm), alpha=bk)
+        AV = torch.zeros(G * g * bm * bk, dtype=coords.dtype, device=device)
+        AV.index_put_((torch.add(inner, slot, alpha=bm * bk),), coords.vals)
+        tensors["AK"] = columns[idx].to(itype)
+        tensors["AV"] = AV.view(G, g, bm, bk)
+        chosen = {"block": (bm, bk), "group_size": group_size or g, "blocks": blocks}
+        fmt = cls._packed(coords, tensors, itype, chosen)
+        if group_size == "row":
+            fmt.expression = cls.row_expression
+        return fmt
+
+    @classmethod
+    def _tuned(
+        cls, coords: Coords, block: tuple[int, int], index_dtype, tune_cols: int, backend: str
+    ) -> BlockGroupCOO:
+        coords = coords.checked()
+
+        def build(g: int | str | None) -> BlockGroupCOO:
+            return cls._pack(coords, block=block, group_size=g, index_dtype=index_dtype)
+
+        g0, widest = build(None).group_size, build("row").group_size
+        candidates = sorted({max(1, g0 // 2), g0, min(next_pow2(widest), 2 * g0)}) + ["row"]
+        generator = torch.Generator(device=coords.device).manual_seed(0)
+        B = torch.randn(
+            coords.shape[1],
+            check_positive_int("tune_cols", tune_cols),
+            generator=generator,
+            dtype=coords.dtype,
+            device=coords.device,
+        )
+        best, times = tune(candidates, build, B, backend)
+        best.params["tuned_seconds"] = times
+        return best
 
     @property
     def block(self) -> tuple[int, int]:
@@ -122,7 +228,8 @@ class BlockGroupCOO(SparseFormat):
         (bm, bk), (Mp, Kp) = self.block, self.padded_shape
         G, g = self.AK.shape
         tiles = torch.zeros(Mp // bm, Kp // bk, bm, bk, dtype=self.dtype, device=self.device)
-        rows = self.AM.long().unsqueeze(1).expand(G, g)
+        owner = self.AM.long() if "AM" in self._tensors else torch.arange(G, device=self.device)
+        rows = owner.unsqueeze(1).expand(G, g)
         tiles.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
         dense = tiles.permute(0, 2, 1, 3).reshape(Mp, Kp)
         return dense[: self.shape[0], : self.shape[1]].contiguous()
@@ -144,8 +251,13 @@ class BlockGroupCOO(SparseFormat):
         return C.view(Mp, N)[: self.shape[0]]
 
     def _describe(self) -> dict[str, Any]:
-        return {
-            "block": self.block,
-            "group_size": self.group_size,
-            "blocks": self.params.get("blocks"),
-        }
+        shown = {"block": self.block, "group_size": self.group_size}
+        if self.params.get("group_size") == "row":
+            shown["group_size"] = "row"
+            shown["width"] = self.group_size
+        shown["blocks"] = self.params.get("blocks")
+        if "tuned_seconds" in self.params:
+            shown["tuned"] = {
+                g: f"{t * 1e6:.0f}us" for g, t in self.params["tuned_seconds"].items()
+            }
+        return shown

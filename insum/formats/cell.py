@@ -156,7 +156,7 @@ def cell_cost(
     check_positive_int("max_width", max_width)
     if max_width & (max_width - 1):
         raise InsumError(f"max_width must be a power of two, got {max_width}")
-    seg = _Segments(coords_of(A), partitions)
+    seg = _Segments(coords_of(A).checked(), partitions)
     exp = max_width.bit_length() - 1
     cap = torch.full((partitions,), exp, dtype=torch.int64, device=seg.length.device)
     return seg.cost(cap, dense_cols).tolist()
@@ -206,6 +206,7 @@ class CELL(SparseFormat):
         device = coords.device
         if search not in _SEARCHES:
             raise InsumError(f"unknown search {search!r}; choose one of {', '.join(_SEARCHES)}")
+        coords = coords.checked()
         seg = _Segments(coords, partitions)
         if max_width is None:
             cap_exp = _SEARCHES[search](seg, dense_cols)

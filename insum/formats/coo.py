@@ -30,6 +30,8 @@ class COO(SparseFormat):
     @classmethod
     def _pack(cls, coords: Coords, *, index_dtype: torch.dtype | None = None) -> COO:
         itype = index_dtype_for(*coords.shape, requested=index_dtype)
+        if coords.read() is None:  # the one sync: is a CSR input canonical?
+            coords = coords.canonical()
         tensors = {
             "AM": coords.rows.to(itype),
             "AK": coords.cols.to(itype),

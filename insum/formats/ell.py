@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .base import Coords, SparseFormat, first_in_group, index_dtype_for
+from .base import Coords, SparseFormat, grouped_slots, index_dtype_for
 
 __all__ = ["ELL"]
 
@@ -34,16 +34,20 @@ class ELL(SparseFormat):
     def _pack(cls, coords: Coords, *, index_dtype: torch.dtype | None = None) -> ELL:
         M, K = coords.shape
         itype = index_dtype_for(M, K, requested=index_dtype)
-        counts = coords.row_counts()
-        width = max(int(counts.max()) if M else 0, 1)  # a zero-width tensor helps no kernel
-        row_start = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(coords.nnz, device=coords.device) - row_start[coords.rows]
-        pad = first_in_group(coords.rows, slot, coords.cols, M)
-        AK = pad.unsqueeze(1).repeat(1, width)
-        AK[coords.rows, slot] = coords.cols
-        AV = torch.zeros(M, width, dtype=coords.dtype, device=coords.device)
-        AV[coords.rows, slot] = coords.vals
-        return cls._packed(coords, {"AK": AK.to(itype), "AV": AV}, itype)
+        counts, crow = coords.counts, coords.row_ptr
+        host = coords.read(counts.max() if M else counts.sum())  # the one sync: W
+        if host is None:
+            return cls._pack(coords.canonical(), index_dtype=index_dtype)
+        width = max(host[0], 1)  # a zero-width tensor helps no kernel
+        # Empty rows point at a padding entry past the end: column 0, value 0.
+        nnz = coords.nnz
+        pad = torch.where(counts > 0, crow[:-1], nnz)
+        slots = crow[:-1].unsqueeze(1) + torch.arange(width, device=coords.device)
+        idx, valid = grouped_slots(slots, crow[1:], pad)
+        cols = torch.nn.functional.pad(coords.cols, (0, 1))
+        vals = torch.nn.functional.pad(coords.vals, (0, 1))
+        AV = torch.where(valid, vals[idx], 0)
+        return cls._packed(coords, {"AK": cols[idx].to(itype), "AV": AV}, itype)
 
     @property
     def width(self) -> int:

@@ -14,13 +14,13 @@ import torch
 from ..errors import InsumError
 from .base import (
     Coords,
+    GroupCounts,
     SparseFormat,
     check_positive_int,
     default_group_size,
-    first_in_group,
-    group_along_rows,
     index_dtype_for,
     next_pow2,
+    pack_row_groups,
     tune,
 )
 
@@ -58,29 +58,43 @@ class GroupCOO(SparseFormat):
         tune_cols: int = 128,
         backend: str = "auto",
     ) -> GroupCOO:
-        if group_size is None:
-            group_size = default_group_size(coords.row_counts())
-        elif group_size == "tune":
+        if group_size == "tune":
             return cls._tuned(coords, index_dtype, tune_cols, backend)
-        elif isinstance(group_size, str):
+        if isinstance(group_size, str):
             raise InsumError(
                 f"group_size must be an integer >= 1, None or 'tune', got {group_size!r}"
             )
-        check_positive_int("group_size", group_size)
+        if group_size is not None:
+            check_positive_int("group_size", group_size)
         M, K = coords.shape
         itype = index_dtype_for(M, K, requested=index_dtype)
-        grouping = group_along_rows(coords.rows, M, group_size)
-        G, g = grouping.size, group_size
-        pad = first_in_group(grouping.group, grouping.slot, coords.cols, G)
-        AK = pad.unsqueeze(1).repeat(1, g)
-        AK[grouping.group, grouping.slot] = coords.cols
-        AV = torch.zeros(G, g, dtype=coords.dtype, device=coords.device)
-        AV[grouping.group, grouping.slot] = coords.vals
-        tensors = {"AM": grouping.group_row.to(itype), "AK": AK.to(itype), "AV": AV}
+        counts = coords.counts
+        # The one host sync: the group count G (and, by default, the rule's inputs).
+        if group_size is None:
+            rule = GroupCounts(counts, K)
+            host = coords.read(rule.values)
+            if host is None:
+                return cls._pack(coords.canonical(), index_dtype=index_dtype)
+            g, G = rule.choose(host)
+            per_row = rule.per_row(g)
+        else:
+            g = group_size
+            per_row = torch.div(counts + (g - 1), g, rounding_mode="floor")
+            host = coords.read(per_row.sum())
+            if host is None:
+                return cls._pack(coords.canonical(), group_size=g, index_dtype=index_dtype)
+            G = host[0]
+        group_row, idx, valid, _ = pack_row_groups(coords.row_ptr, per_row, g, G)
+        tensors = {
+            "AM": group_row.to(itype),
+            "AK": coords.cols[idx].to(itype),
+            "AV": torch.where(valid, coords.vals[idx], 0),
+        }
         return cls._packed(coords, tensors, itype, {"group_size": g})
 
     @classmethod
     def _tuned(cls, coords: Coords, index_dtype, tune_cols: int, backend: str) -> GroupCOO:
+        coords = coords.checked()
         counts = coords.row_counts()
         g0 = default_group_size(counts)
         cap = next_pow2(int(counts.max())) if coords.nnz else 1

@@ -130,6 +130,7 @@ class NM(SparseFormat):
         index_dtype: torch.dtype | None = None,
     ) -> NM:
         """from_torch: the stored entries are the pattern (checked like from_mask)."""
+        coords = coords.checked()
         dense = torch.zeros(coords.shape, dtype=coords.dtype, device=coords.device)
         dense[coords.rows, coords.cols] = coords.vals
         mask = torch.zeros(coords.shape, dtype=torch.bool, device=coords.device)
