@@ -20,6 +20,7 @@ import torch
 
 from .bind import Bound, bind
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
+from .codegen.schedule import NARROW
 from .codegen.tune import next_power_of_2
 from .errors import InsumError
 from .parser import parse
@@ -75,12 +76,14 @@ def spec_for(bound: Bound, precision: str = "tf32") -> KernelSpec:
     }
     if bound.output_name not in bound.tensors and math.prod(bound.out_shape) > _INT32_MAX:
         wide.add(bound.output_name)
+    narrow = {v for v, role in bound.roles.items() if role != "reduced" and bound.extents[v] < NARROW}
     return KernelSpec(
         stmt=bound.stmt,
         roles=tuple(bound.roles.items()),
         dtypes=tuple(sorted(dtypes.items())),
         wide=frozenset(wide),
         precision=precision,
+        narrow=frozenset(narrow),
     )
 
 

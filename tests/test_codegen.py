@@ -170,6 +170,45 @@ def test_block_group_coo_has_one_dot_and_no_reshape():
         assert forbidden not in source
 
 
+@pytest.mark.parametrize("dtype, dense_on_m", [(torch.float16, True), (torch.bfloat16, True), (torch.float32, False)], ids=str)
+def test_narrow_block_rows_go_on_n(dtype, dense_on_m):
+    """32-row blocks cannot fill a 64-row tensor-core tile: 16-bit kernels put the dense
+    columns (n) on M and the block rows (m) on N."""
+    meta = {"device": "meta"}
+    tensors = {
+        "C": torch.empty(16, 32, 256, dtype=dtype, **meta),
+        "AM": torch.empty(40, dtype=torch.int32, **meta),
+        "AV": torch.empty(40, 4, 32, 32, dtype=dtype, **meta),
+        "AK": torch.empty(40, 4, dtype=torch.int32, **meta),
+        "B": torch.empty(16, 32, 256, dtype=dtype, **meta),
+    }
+    spec = spec_for(bind(parse("C[AM[p], m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]"), tensors))
+    assert "m" in spec.narrow and "n" not in spec.narrow
+    plan = schedule(spec)
+    assert plan.kind == "dot"
+    assert (plan.axis_var("M"), plan.axis_var("N")) == (("n", "m") if dense_on_m else ("m", "n"))
+    source = emit(plan).text
+    assert source.count("tl.dot(") == 1 and "tl.trans" not in source and "reshape" not in source
+
+
+def test_narrow_orientation_runs_correctly():
+    """The swapped orientation (n on M) on a 16-bit-free path: force it through the plan."""
+    import dataclasses
+
+    c = case("block_group_coo")
+    tensors = build(c, seed=12, device=DEVICE)
+    bound = bind(parse(c.stmt), tensors)
+    spec = spec_for(bound, "ieee")
+    plan = schedule(spec)
+    m, k, n = plan.axis_var("M"), plan.axis_var("K"), plan.axis_var("N")
+    swapped = dataclasses.replace(plan, tiles=(("M", n), ("K", k), ("N", m)), left=plan.right, right=plan.left)
+    expected = insum.insum(c.stmt, backend="torch", **clone(tensors))
+    poisoned = clone(tensors)
+    bound = bind(parse(c.stmt), poisoned)
+    actual = Kernel(spec, swapped).launch(bound, bound.output())
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
 @pytest.mark.parametrize("stmt_id", ["ell_spmm", "dense_matmul", "sddmm", "embedding", "transposed_out"])
 def test_single_owner_outputs_emit_no_atomics(stmt_id):
     kernel = _kernel(stmt_id)

@@ -21,6 +21,9 @@ __all__ = ["KernelSpec", "Plan", "schedule", "AXES"]
 
 AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
 HALF = ("fp16", "bf16")
+# Hopper's warp-group MMA needs 64 rows of M per tile: a variable with a smaller extent (the
+# rows of one 32 x 32 block) goes on N instead when the statement allows it.
+NARROW = 64
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class KernelSpec:
     dtypes: tuple[tuple[str, str], ...]  # (tensor, "fp16" | "bf16" | "fp32" | "fp64" | "int32" | "int64")
     wide: frozenset[str] = frozenset()  # tensors whose element offsets may exceed 2**31 - 1
     precision: str = "tf32"  # float32 tl.dot: "tf32" or "ieee"
+    narrow: frozenset[str] = frozenset()  # output-side variables with extents below NARROW
 
     def role(self, var: str) -> str:
         return dict(self.roles)[var]
@@ -96,11 +100,15 @@ def _output_candidates(stmt: Statement, roles: dict[str, str]) -> list[str]:
     return list(dict.fromkeys(direct + scattered))
 
 
-def _dot_split(stmt: Statement, roles: dict[str, str], outside: list[str], reduced: list[str]):
-    """Find (M, N, K, left, right) such that left factors lack N and right factors lack M."""
+def _dot_split(stmt: Statement, outside: list[str], reduced: list[str], narrow: frozenset[str]):
+    """Find (M, N, K, left, right) such that left factors lack N and right factors lack M.
+
+    Among the splits, the first whose M variable is not narrow wins: tensor cores want tall
+    tiles, and N takes any width."""
     accesses = [(i, f) for i, f in enumerate(stmt.factors) if isinstance(f, Access)]
     ms = sorted(outside, key=lambda v: not _direct_in(v, [f for _, f in accesses]))
     ks = sorted(reduced, key=lambda v: not _direct_in(v, [f for _, f in accesses]))
+    splits = []
     for n in outside:
         right = [i for i, f in accesses if n in f.variables()]
         left = [i for i, f in accesses if n not in f.variables()]
@@ -111,10 +119,10 @@ def _dot_split(stmt: Statement, roles: dict[str, str], outside: list[str], reduc
         for m in ms:
             if m == n or m in right_vars or m not in left_vars:
                 continue
-            for k in ks:
-                if k in left_vars and k in right_vars:
-                    return m, n, k, tuple(left), tuple(right)
-    return None
+            k = next((k for k in ks if k in left_vars and k in right_vars), None)
+            if k is not None:
+                splits.append((m, n, k, tuple(left), tuple(right)))
+    return next((s for s in splits if s[0] not in narrow), splits[0] if splits else None)
 
 
 def schedule(spec: KernelSpec) -> Plan:
@@ -126,12 +134,15 @@ def schedule(spec: KernelSpec) -> Plan:
     value_dtypes = [spec.dtype(f.name) for f in stmt.accesses()]
     acc_dtype = "fp64" if "fp64" in value_dtypes or spec.dtype(stmt.output.name) == "fp64" else "fp32"
 
-    split = _dot_split(stmt, roles, outside, reduced) if acc_dtype == "fp32" else None
+    dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF else "fp32"
+    # Measured with 16-bit operands; tf32 warp-group MMA wants K-major operands, which
+    # moving the dense columns onto M would make transposed.
+    narrow = spec.narrow if dot_dtype in HALF else frozenset()
+    split = _dot_split(stmt, outside, reduced, narrow) if acc_dtype == "fp32" else None
     if split is not None:
         m, n, k, left, right = split
         tiles = {"M": m, "K": k, "N": n}
         kind = "dot"
-        dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF else "fp32"
     else:
         kind, left, right, dot_dtype = "reduce", (), (), None
         tiles = {}
