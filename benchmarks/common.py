@@ -352,9 +352,10 @@ class Lowering:
 
     _compiled_cache: dict = {}
 
-    def __init__(self, expr: str, names: tuple[str, ...]):
+    def __init__(self, expr: str, names: tuple[str, ...], dynamic: bool | None = None):
         from insum.parser import parse
 
+        self.dynamic = dynamic  # torch.compile's: None recompiles dynamic on a second shape
         self.expr = expr
         self.stmt = parse(expr)
         self.names = tuple(names)
@@ -378,10 +379,10 @@ class Lowering:
         return self._call(self._run, tensors)
 
     def compiled(self, **tensors):
-        key = (self.expr, self.names)
+        key = (self.expr, self.names, self.dynamic)
         fn = Lowering._compiled_cache.get(key)
         if fn is None:
-            fn = Lowering._compiled_cache[key] = torch.compile(self._run)
+            fn = Lowering._compiled_cache[key] = torch.compile(self._run, dynamic=self.dynamic)
         return self._call(fn, tensors)
 
     def _call(self, fn, tensors):
@@ -418,18 +419,19 @@ def allow_many_recompiles() -> None:
             setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
 
 
-def lowered_spmm(fmt, B_dtype: torch.dtype, compiled: bool):
+def lowered_spmm(fmt, B_dtype: torch.dtype, compiled: bool, dynamic: bool | None = None):
     """`fmt @ B` through the torch lowering of the format's statement(s): a callable of B.
 
     Mirrors each format's `spmm` (the accumulator and output views), so that the anchor
     computes exactly what `fmt @ B` computes, with the generated kernel swapped out.
+    `dynamic` goes to torch.compile (True: one compilation for many matrices).
     """
     name = type(fmt).__name__
     acc = torch.float32 if B_dtype in (torch.float16, torch.bfloat16) else B_dtype
     run = "compiled" if compiled else "eager"
 
     def statement(expr, tensors):
-        lowering = Lowering(expr, tuple(sorted(tensors)) + ("B", "C"))
+        lowering = Lowering(expr, tuple(sorted(tensors)) + ("B", "C"), dynamic=dynamic)
         return getattr(lowering, run)
 
     if name in ("GroupCOO", "ELL", "COO"):

@@ -303,7 +303,7 @@ def section_unstructured(res, figures):
     rows = res.get("rows", [])
     lines = ["GroupCOO, ELL and CELL `fmt @ B` (the generated kernel) against cuSPARSE (`torch` CSR @ dense) "
              "and against the torch reference lowering of the same statement (eager, and under "
-             "`torch.compile`, bounds checks off). Matrices: DLMC pruned weights (a spread of the "
+             "`torch.compile` with dynamic shapes, one compilation for every matrix; bounds checks off). Matrices: DLMC pruned weights (a spread of the "
              "subset in ../shared/data), the Planetoid citation graphs, generated power-law graphs.", ""]
     lines += set_table(rows) + [""]
     lines += _figure(figures, "unstructured_bars", "fp32 N=128 per matrix")

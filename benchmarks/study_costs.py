@@ -287,7 +287,7 @@ def child(smoke: bool) -> None:
         timings = {}
         runs = [("", lambda f=fmt, b=B: f.spmm(b, backend=backend))]
         if not smoke:  # torch.compile of the lowering: the anchor (too slow for the smoke run)
-            lowered = lowered_spmm(fmt, B.dtype, compiled=True)
+            lowered = lowered_spmm(fmt, B.dtype, compiled=True, dynamic=False)
             runs.append(("compile_", lambda f=lowered, b=B: f(b)))
         for key, fn in runs:
             sync()

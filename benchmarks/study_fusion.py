@@ -72,7 +72,7 @@ def _statement_case(ctx, name, expr, dtype, fixed, rotated, out_shape, out_dtype
     """A case for a bare statement: `rotated` is a list of dicts (one per input set)."""
     out_name = expr.split("[")[0].strip()
     names = tuple(sorted(set(fixed) | set(rotated[0]))) + (out_name,)
-    lowering = Lowering(expr, names)
+    lowering = Lowering(expr, names, dynamic=False)
     device = ctx.device
 
     def ours(tensors):
@@ -104,7 +104,7 @@ def spmm_groupcoo(ctx, z, gen, dev):
     return dict(
         name="GroupCOO SpMM", expr=fmt.expression, dtype="fp32", inputs=[(B,) for B in Bs],
         ours=lambda B: fmt.spmm(B, backend=ctx.backend), expected=csr.to(torch.float64) @ Bs[0].double(),
-        anchors={a: lowered_spmm(fmt, torch.float32, compiled=a == "torch.compile") for a in ANCHORS},
+        anchors={a: lowered_spmm(fmt, torch.float32, compiled=a == "torch.compile", dynamic=False) for a in ANCHORS},
         flops=flops, bytes=moved, shapes=f"{z['rows']}^2, {csr._nnz()} nnz, N={z['N']}",
     )
 
@@ -119,7 +119,7 @@ def spmm_blockgroupcoo(ctx, z, gen, dev):
     return dict(
         name="BlockGroupCOO SpMM", expr=fmt.expression, dtype="fp16", inputs=[(B,) for B in Bs],
         ours=lambda B: fmt.spmm(B, backend=ctx.backend), expected=A.double() @ Bs[0].double(),
-        anchors={a: lowered_spmm(fmt, torch.float16, compiled=a == "torch.compile") for a in ANCHORS},
+        anchors={a: lowered_spmm(fmt, torch.float16, compiled=a == "torch.compile", dynamic=False) for a in ANCHORS},
         flops=2.0 * size**3 * kept, bytes=moved, shapes=f"{size}^3, block {block}, s={z['s']}, g={fmt.group_size}",
     )
 

@@ -110,5 +110,8 @@ def config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured) 
         except Exception as e:
             ctx.note(f"cuSPARSELt {dtype_name(dtype)} {size}^3: {type(e).__name__}: {str(e)[:160]}")
             return
+        kind = type(sparse).__name__  # torch falls back to CUTLASS where cuSPARSELt is missing
+        if "CUSPARSELT" not in kind.upper():
+            ctx.note(f"to_sparse_semi_structured gave {kind}, not cuSPARSELt")
         ctx.add(dict(base, set=f"{dtype_name(dtype)} 2:4 vs cuSPARSELt", anchor="cuSPARSELt",
-                     anchor_ms=t_lt, anchor_err=lt_err))
+                     anchor_ms=t_lt, anchor_err=lt_err, anchor_impl=kind))
