@@ -2,8 +2,12 @@
 
     from insum import insum
     insum("C[AM[p],n] += AV[p,q] * B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)
+
+Differentiable (`insum.autograd`), traceable by torch.compile (`insum.library`), and
+`insum.nn.SparseLinear` for models.
 """
 
+from . import autograd, library  # noqa: F401  (registers the torch.library operators)
 from .api import explain, insum
 from .errors import InsumError, InsumShapeError, InsumSyntaxError, InsumTypeError
 from .parser import parse
@@ -28,8 +32,8 @@ def __getattr__(name):
         from .runtime import compile
 
         return compile
-    if name == "formats":
+    if name in ("formats", "nn"):
         import importlib
 
-        return importlib.import_module(".formats", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(name)
