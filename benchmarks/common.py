@@ -292,7 +292,7 @@ class Context:
         if status is not None:
             self.status = status
             self.finished = time.perf_counter()
-        text = json.dumps(self.result(), indent=1, default=_json_default)
+        text = json.dumps(_finite(self.result()), indent=1, default=_json_default)
         for folder in filter(None, (self.out, self.copy_to)):
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".{self.study}.json.tmp"
@@ -306,13 +306,22 @@ def _fmt_ms(ms) -> str:
     return f"{ms * 1e3:7.1f}us" if ms < 1 else f"{ms:7.3f}ms"
 
 
+def _finite(value):
+    """NaN and infinities become None, so that the files are strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _json_default(value):
     if isinstance(value, (torch.dtype, torch.device, Path)):
         return str(value)
     if isinstance(value, torch.Size):
         return list(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
     raise TypeError(f"cannot serialise {type(value).__name__}")
 
 

@@ -160,6 +160,8 @@ def _median(values):
 def _ms(v):
     if v is None:
         return "n/a"
+    if v >= 1000:
+        return f"{v / 1e3:.1f} s"
     return f"{v * 1e3:.1f} µs" if v < 1 else f"{v:.3f} ms"
 
 

@@ -153,7 +153,7 @@ def packing_matrices(ctx: Context) -> list[tuple[str, object]]:
 
         out.append(("pubmed", lambda: load_mtx(graph)))
     rows = 65536 if ctx.quick else 262144
-    out.append((f"power-law {rows}^2 avg 16", lambda: power_law_matrix(rows, rows, 16, seed=0)))
+    out.append((f"power-law {rows}^2 avg 16", lambda: power_law_matrix(rows, rows, 16, seed=0, device=ctx.device)))
     return out
 
 
@@ -256,7 +256,7 @@ def child_cases(smoke: bool, device) -> list[dict]:
     """The statements whose first call is timed: a reduce plan and a tl.dot plan."""
     gen = torch.Generator(device=device).manual_seed(9)
     rows = 256 if smoke else 65536
-    csr = power_law_matrix(rows, rows, 4 if smoke else 16, seed=0).to(device)
+    csr = power_law_matrix(rows, rows, 4 if smoke else 16, seed=0, device=device)
     B = torch.randn(rows, 16 if smoke else 128, device=device, generator=gen)
     cases = [dict(name=f"GroupCOO SpMM fp32 ({rows}^2, {csr._nnz()} nnz, N={B.shape[1]})", dtype="fp32",
                   fmt=GroupCOO.from_torch(csr), B=B, expected=csr.to(torch.float64) @ B.double())]

@@ -97,7 +97,7 @@ def _statement_case(ctx, name, expr, dtype, fixed, rotated, out_shape, out_dtype
 
 
 def spmm_groupcoo(ctx, z, gen, dev):
-    csr = power_law_matrix(z["rows"], z["rows"], z["avg"], seed=5).to(dev)
+    csr = power_law_matrix(z["rows"], z["rows"], z["avg"], seed=5, device=dev)
     fmt = GroupCOO.from_torch(csr)
     Bs = [torch.randn(z["rows"], z["N"], device=dev, generator=gen) for _ in range(2)]
     moved, flops = traffic(csr, z["N"], torch.float32)
@@ -125,7 +125,7 @@ def spmm_blockgroupcoo(ctx, z, gen, dev):
 
 
 def sddmm(ctx, z, gen, dev):
-    csr = power_law_matrix(z["sddmm_rows"], z["sddmm_rows"], z["avg"], seed=6).to(dev)
+    csr = power_law_matrix(z["sddmm_rows"], z["sddmm_rows"], z["avg"], seed=6, device=dev)
     R = csr.shape[0]
     AM = torch.repeat_interleave(torch.arange(R, device=dev), csr.crow_indices().diff()).int()
     AK = csr.col_indices().int()
