@@ -31,79 +31,82 @@ from .base import Coords, SparseFormat, check_positive_int, coords_of, index_dty
 __all__ = ["CELL", "cell_cost"]
 
 
-def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """Elementwise smallest power of two >= x (x >= 1, int64)."""
-    w = torch.pow(2, torch.ceil(torch.log2(x.double()))).long()
-    w = torch.where(w < x, w * 2, w)
-    return torch.where((w // 2) >= x, w // 2, w)
-
-
 class _Segments:
-    """Each (partition, row)'s run of nonzeros: the unit that buckets and folding place."""
+    """Each (partition, row)'s run of nonzeros as a dense (P, M) grid of cells, and the
+    cost model over every maximum width, all sync-free.
+
+    The grid replaces a sort and `unique` over the nonzeros: a cell's run starts at
+    `start[p, r]` in the row-major coordinates (columns are sorted within a row). The cost
+    tables hold, per width exponent e (rows) and partition (columns), LiteForm's terms,
+    so that choosing every partition's width is one argmin, not a loop of evaluations.
+    """
 
     def __init__(self, coords: Coords, partitions: int):
         M, K = coords.shape
-        self.part_width = max(-(-K // partitions), 1)
-        part = coords.cols // self.part_width
-        key = part * M + coords.rows
-        key, order = torch.sort(key, stable=True)  # coordinates are row-major already
-        self.rows, self.cols, self.vals = coords.rows[order], coords.cols[order], coords.vals[order]
-        keys, self.length = torch.unique_consecutive(key, return_counts=True)
-        self.part, self.row = keys // max(M, 1), keys % max(M, 1)
-        self.start = torch.cumsum(self.length, 0) - self.length
-        self.of_nz = torch.repeat_interleave(
-            torch.arange(keys.numel(), device=key.device), self.length
-        )
-        self.within = torch.arange(key.numel(), device=key.device) - self.start[self.of_nz]
-        self.partitions, self.K = partitions, K
-        self.natural = _pow2_ceil(self.length)  # bucket width before folding
-        exponent = torch.log2(self.natural.double()).long()
-        # Distinct columns per bucket under any cap, from two small histograms: distinct
-        # (natural bucket exponent, column) pairs, and each column's widest exponent.
-        span = max(K, 1)
-        self.n_exp = int(exponent.max()) + 2 if exponent.numel() else 2
-        pairs = torch.unique(exponent[self.of_nz] * span + self.cols)
-        pair_exp, pair_part = pairs // span, (pairs % span) // self.part_width
-        self.pair_hist = torch.bincount(
-            pair_part * self.n_exp + pair_exp, minlength=partitions * self.n_exp
-        )
-        self.pair_hist = self.pair_hist.view(partitions, self.n_exp)
-        col_top = torch.full((span,), -1, dtype=torch.int64, device=key.device)
-        col_top.scatter_reduce_(0, pairs % span, pair_exp, reduce="amax")
-        used = col_top >= 0
-        col_part = torch.arange(span, device=key.device)[used] // self.part_width
-        self.top_hist = torch.bincount(
-            col_part * self.n_exp + col_top[used], minlength=partitions * self.n_exp
-        )
-        self.top_hist = self.top_hist.view(partitions, self.n_exp)
+        P = self.partitions = partitions
+        pw = self.part_width = max(-(-K // P), 1)
+        device = coords.device
+        if P == 1:
+            crow = coords.row_ptr
+            self.start, self.end = crow[:-1].view(1, M), crow[1:].view(1, M)
+            count = coords.counts.view(1, M)
+        else:
+            stride = P * pw  # row r, partition p starts at key r*stride + p*pw
+            key = torch.add(coords.cols, coords.rows, alpha=stride)
+            bounds = torch.arange(0, (P + 1) * pw, pw, device=device).unsqueeze(1)
+            pos = torch.searchsorted(key, bounds + torch.arange(0, M * stride, stride, device=device))
+            self.start, self.end = pos[:-1], pos[1:]
+            count = pos.diff(dim=0)
+        # A cell holds at most pw entries. Clamping keeps every index below in range for an
+        # unverified CSR input too (unsorted or duplicated; its result is then discarded).
+        E = self.E = (pw - 1).bit_length() + 2  # width exponents 0 .. E-1, E-1 above any
+        # Natural bucket exponent ceil(log2(count)) (0 for empty cells), exactly, by frexp.
+        self.natural = torch.frexp((count - 1).clamp(0, pw - 1).double()).exponent
+        self.neg_count = -count
 
-    def widths(self, cap_exp: torch.Tensor) -> torch.Tensor:
-        """Bucket width of each segment when partition p folds rows longer than 2^cap_exp[p]."""
-        return torch.minimum(self.natural, torch.pow(2, cap_exp[self.part]))
+        # Distinct columns per bucket under any cap, from an occupancy map of (natural
+        # exponent, column) pairs and each column's widest exponent.
+        if P == 1:
+            exp_nz = self.natural[0][coords.rows]
+        else:
+            part = torch.div(coords.cols, pw, rounding_mode="floor")
+            exp_nz = self.natural.view(-1)[torch.add(coords.rows, part, alpha=M)]
+        Kp = P * pw
+        pairs = torch.zeros(E * Kp, dtype=torch.bool, device=device)
+        pairs.index_fill_(0, torch.add(coords.cols, exp_nz, alpha=Kp), True)
+        col_top = torch.full((Kp,), -1, dtype=exp_nz.dtype, device=device)
+        col_top.scatter_reduce_(0, coords.cols, exp_nz, reduce="amax")
+        self.caps = torch.arange(E, device=device)
+        pair_hist = pairs.view(E, P, pw).sum(2)
+        top_hist = (col_top.view(1, P, pw) == self.caps.view(E, 1, 1)).sum(2)
+        # Below the cap every natural bucket keeps its columns; at or above they merge.
+        below = pair_hist - top_hist
+        distinct = torch.cumsum(below, 0) - below + top_hist.sum(0)
 
-    def cost(self, cap_exp: torch.Tensor, dense_cols: int) -> torch.Tensor:
-        """LiteForm eq. (7) summed over each partition's buckets: one cost per partition.
+        # Folded rows and their slots under each cap: ceil(count / 2^e) = -((-count) >> e).
+        width_exp = torch.minimum(self.natural.unsqueeze(0), self.caps.view(E, 1, 1))
+        neg_folds = self.neg_count.unsqueeze(0) >> width_exp
+        neg_slots = (neg_folds << width_exp).sum(2)
+        # cost = 2 * slots + J * (folds + distinct), kept as its two parts.
+        self._per_j = distinct - neg_folds.sum(2)
+        self._neg_slots = neg_slots
+
+    def table(self, dense_cols: int) -> torch.Tensor:
+        """LiteForm eq. (7) for every cap exponent (rows) and partition (columns), int64.
 
         cost(bucket) = 2 I1 W + |set(CI)| J + I1 J, with I1 the bucket's (folded) rows, W
         its width, |set(CI)| its distinct columns and J the dense operand's columns.
         """
-        width = self.widths(cap_exp)
-        folds = -(-self.length // width)
-        P = self.partitions
-        per_row = torch.zeros(P, dtype=torch.float64, device=width.device)
-        per_row.index_add_(0, self.part, (folds * (2 * width + dense_cols)).double())
-        # A column keeps its distinct buckets below the cap; those at or above it merge.
-        exps = torch.arange(self.n_exp, device=width.device).view(1, -1)
-        below = exps < cap_exp.view(-1, 1)
-        narrow = (self.pair_hist * below).sum(1)
-        capped = (self.top_hist * ~below).sum(1)
-        return per_row + (narrow + capped).double() * dense_cols
+        return torch.sub(self._per_j * dense_cols, self._neg_slots, alpha=2)
+
+    def cost(self, cap_exp: torch.Tensor, dense_cols: int) -> torch.Tensor:
+        """The cost of each partition when partition p folds rows longer than 2^cap_exp[p]."""
+        caps = cap_exp.to(self.caps.device).clamp(max=self.E - 1).view(1, -1)
+        return self.table(dense_cols).gather(0, caps).view(-1).double()
 
     def natural_exp(self) -> torch.Tensor:
         """Per partition, the exponent of the widest bucket before any folding."""
-        top = torch.zeros(self.partitions, dtype=torch.int64, device=self.length.device)
-        top.scatter_reduce_(0, self.part, self.natural, reduce="amax")
-        return torch.log2(top.clamp(min=1).double()).long()
+        return self.natural.amax(1).long()
 
 
 def _search_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
@@ -113,12 +116,15 @@ def _search_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
     2^(mid+1): if the wider one is cheaper the optimum lies right of mid, else at or left.
     It assumes the cost is unimodal in the width, which the distinct-column term breaks
     (folding a long row pays off only once it merges into a bucket sharing its columns).
+    A fixed number of steps (enough for E exponents) keeps it free of host syncs.
     """
+    table = seg.table(dense_cols)
     hi = seg.natural_exp()
     lo = torch.zeros_like(hi)
-    while bool((lo < hi).any()):
+    for _ in range(seg.E.bit_length()):
         mid = (lo + hi) // 2
-        wider_is_cheaper = seg.cost(mid, dense_cols) > seg.cost(mid + 1, dense_cols)
+        wider_is_cheaper = table.gather(0, mid.view(1, -1)) > table.gather(0, mid.view(1, -1) + 1)
+        wider_is_cheaper = wider_is_cheaper.view(-1)
         active = lo < hi
         lo = torch.where(active & wider_is_cheaper, mid + 1, lo)
         hi = torch.where(active & ~wider_is_cheaper, mid, hi)
@@ -126,21 +132,16 @@ def _search_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
 
 
 def _scan_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
-    """The cost model's true minimum: evaluate every power of two up to the widest row.
+    """The cost model's true minimum: every power of two up to the partition's widest row.
 
-    That is log2(longest row) + 1 evaluations of an O(rows) model, cheap enough to skip
-    the binary search's unimodality assumption. Ties go to the wider width (fewer folds).
+    One argmin over the (exponent, partition) table, without the binary search's
+    unimodality assumption. Ties go to the wider width (fewer folds).
     """
-    top = seg.natural_exp()
-    exps = range(int(top.max()) + 1 if top.numel() else 1)
-    costs = torch.stack(
-        [seg.cost(torch.minimum(top, torch.full_like(top, e)), dense_cols) for e in exps]
-    )
-    best = costs.min(dim=0).values
-    chosen = torch.zeros_like(top)
-    for e in exps:  # ascending: the last exponent reaching the minimum wins
-        chosen = torch.where(costs[e] <= best, torch.minimum(top, torch.full_like(top, e)), chosen)
-    return chosen
+    caps = seg.caps.view(-1, 1)
+    # Integer costs: cost * E - e orders by cost, then by the wider width.
+    key = seg.table(dense_cols) * seg.E - caps
+    key = torch.where(caps <= seg.natural_exp(), key, torch.iinfo(torch.int64).max)
+    return key.argmin(0)
 
 
 _SEARCHES = {"scan": _scan_widths, "binary": _search_widths}
@@ -157,8 +158,7 @@ def cell_cost(
     if max_width & (max_width - 1):
         raise InsumError(f"max_width must be a power of two, got {max_width}")
     seg = _Segments(coords_of(A).checked(), partitions)
-    exp = max_width.bit_length() - 1
-    cap = torch.full((partitions,), exp, dtype=torch.int64, device=seg.length.device)
+    cap = torch.full((partitions,), max_width.bit_length() - 1, dtype=torch.int64)
     return seg.cost(cap, dense_cols).tolist()
 
 
@@ -206,7 +206,6 @@ class CELL(SparseFormat):
         device = coords.device
         if search not in _SEARCHES:
             raise InsumError(f"unknown search {search!r}; choose one of {', '.join(_SEARCHES)}")
-        coords = coords.checked()
         seg = _Segments(coords, partitions)
         if max_width is None:
             cap_exp = _SEARCHES[search](seg, dense_cols)
@@ -218,48 +217,73 @@ class CELL(SparseFormat):
                 (partitions,), max_width.bit_length() - 1, dtype=torch.int64, device=device
             )
 
-        # Folded rows: segment s becomes folds[s] bucket rows of width[s].
-        width = seg.widths(cap_exp)
-        folds = -(-seg.length // width)
-        fold_start = torch.cumsum(folds, 0) - folds
-        of_fold = torch.repeat_interleave(torch.arange(width.numel(), device=device), folds)
-        fold_index = torch.arange(of_fold.numel(), device=device) - fold_start[of_fold]
-        fold_width, fold_row = width[of_fold], seg.row[of_fold]
-        # Pad a folded row with its own first column.
-        fold_pad = seg.cols[seg.start[of_fold] + fold_index * fold_width]
-        nz_width = width[seg.of_nz]
-        nz_fold = fold_start[seg.of_nz] + seg.within // nz_width
-        nz_slot = seg.within % nz_width
-
-        tensors: dict[str, torch.Tensor] = {}
-        widths = torch.unique(width).tolist()  # one statement each: a handful at most
-        for w in widths:
-            chosen = fold_width == w
-            position = torch.cumsum(chosen, 0) - 1  # row within this width's statement
-            rows = int(chosen.sum())
-            CI = fold_pad[chosen].unsqueeze(1).repeat(1, w)
-            V = torch.zeros(rows, w, dtype=coords.dtype, device=device)
-            mine = nz_width == w
-            target = position[nz_fold[mine]]
-            CI[target, nz_slot[mine]] = seg.cols[mine]
-            V[target, nz_slot[mine]] = seg.vals[mine]
-            tensors[f"RI_{w}"] = fold_row[chosen].to(itype)
-            tensors[f"CI_{w}"] = CI.to(itype)
-            tensors[f"V_{w}"] = V
-
-        exp = torch.log2(width.double()).long() if width.numel() else width
-        n_exp = int(exp.max()) + 1 if width.numel() else 1
-        per_bucket = torch.zeros(partitions * n_exp, dtype=torch.int64, device=device)
-        per_bucket.index_add_(0, seg.part * n_exp + exp, folds)
-        nonzero_buckets = per_bucket.nonzero().flatten().tolist()
-        counts = per_bucket[nonzero_buckets].tolist()
-        buckets = [(b // n_exp, 1 << (b % n_exp), c) for b, c in zip(nonzero_buckets, counts)]
+        # Cell (p, r) becomes folds[p, r] bucket rows of width 2^width_exp[p, r].
+        E = seg.E
+        width_exp = torch.minimum(seg.natural, cap_exp.view(-1, 1))
+        folds = -(seg.neg_count >> width_exp)
+        bucket = width_exp + torch.arange(0, partitions * E, E, device=device).view(-1, 1)
+        per_bucket = torch.zeros(partitions * E, dtype=torch.int64, device=device)
+        per_bucket.index_add_(0, bucket.view(-1), folds.view(-1))
+        host = coords.read(cap_exp, per_bucket)  # the one sync
+        if host is None:
+            return cls._pack(
+                coords.canonical(),
+                partitions=partitions,
+                max_width=max_width,
+                dense_cols=dense_cols,
+                search=search,
+                index_dtype=index_dtype,
+            )
+        caps, per_bucket = host[:partitions], host[partitions:]
+        buckets = [
+            (p, 1 << e, per_bucket[p * E + e])
+            for p in range(partitions)
+            for e in range(E)
+            if per_bucket[p * E + e]
+        ]
+        rows_of = [sum(per_bucket[p * E + e] for p in range(partitions)) for e in range(E)]
         params = {
             "partitions": partitions,
-            "max_widths": [1 << e for e in cap_exp.tolist()],
+            "max_widths": [1 << e for e in caps],
             "dense_cols": dense_cols,
             "buckets": buckets,
         }
+        R = sum(rows_of)
+        if R == 0:
+            return cls._packed(coords, {}, itype, params)
+        S = sum(n << e for e, n in enumerate(rows_of))
+
+        # Bucket rows ordered by width, then partition, row and fold: each width's
+        # statement is one contiguous slice. All by gathers from the cell grid.
+        order = torch.sort(width_exp.view(-1), stable=True).indices
+        cell_folds = folds.view(-1)[order]
+        which = torch.repeat_interleave(cell_folds, output_size=R)
+        fold = torch.arange(R, device=device) - (torch.cumsum(cell_folds, 0) - cell_folds)[which]
+        cell = order[which]
+        row_exp = width_exp.view(-1)[cell]
+        row_width = 1 << row_exp
+        first = seg.start.reshape(-1)[cell] + (fold << row_exp)  # pad with its first column
+        end = seg.end.reshape(-1)[cell]
+        RI = (cell if partitions == 1 else cell % M).to(itype)
+        # Slots: row_width[j] consecutive slots per bucket row, all widths in one array.
+        slot_row = torch.repeat_interleave(row_width, output_size=S)
+        slot_start = torch.cumsum(row_width, 0) - row_width
+        first = first[slot_row]
+        idx = first + (torch.arange(S, device=device) - slot_start[slot_row])
+        valid = idx < end[slot_row]
+        idx = torch.where(valid, idx, first)
+        CI = coords.cols[idx].to(itype)
+        V = torch.where(valid, coords.vals[idx], 0)
+
+        tensors: dict[str, torch.Tensor] = {}
+        row, slot = 0, 0
+        for e, n in enumerate(rows_of):
+            if n:
+                w = 1 << e
+                tensors[f"RI_{w}"] = RI[row : row + n]
+                tensors[f"CI_{w}"] = CI[slot : slot + n * w].view(n, w)
+                tensors[f"V_{w}"] = V[slot : slot + n * w].view(n, w)
+                row, slot = row + n, slot + n * w
         return cls._packed(coords, tensors, itype, params)
 
     def _is_value(self, name: str) -> bool:
