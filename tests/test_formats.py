@@ -76,6 +76,8 @@ CONFIGS = [
     (BlockGroupCOO, {"block": (4, 8), "group_size": 2}),
     (BlockGroupCOO, {"block": 1}),
     (BlockGroupCOO, {"block": (5, 3), "group_size": 1}),
+    (BlockGroupCOO, {"group_size": "row"}),  # Block-ELL
+    (BlockGroupCOO, {"block": (4, 3), "group_size": "row"}),
     (CELL, {}),  # widths by the cost model
     (CELL, {"partitions": 3}),
     (CELL, {"max_width": 2}),  # heavy folding
@@ -114,7 +116,11 @@ def test_padding_is_zero_valued_with_valid_indices(config):
             assert int(t.min()) >= 0, name
     if isinstance(fmt, BlockGroupCOO):
         bm, bk = fmt.block
-        assert int(fmt.AK.max()) < -(-A.shape[1] // bk) and int(fmt.AM.max()) < -(-A.shape[0] // bm)
+        assert int(fmt.AK.max()) < -(-A.shape[1] // bk)
+        if "AM" in fmt.tensors:
+            assert int(fmt.AM.max()) < -(-A.shape[0] // bm)
+        else:  # Block-ELL: one group per block row
+            assert fmt.AK.shape[0] == -(-A.shape[0] // bm)
     else:
         for name, t in fmt.tensors.items():
             if name.startswith(("AK", "CI")):
@@ -223,6 +229,7 @@ def test_spmm_runs_the_expression_through_insum():
         (lambda A: BlockGroupCOO.from_dense(A, block=0), "block"),
         (lambda A: BlockGroupCOO.from_dense(A, block=(2, 2, 2)), "block"),
         (lambda A: BlockGroupCOO.from_dense(A, group_size=-1), "group_size"),
+        (lambda A: BlockGroupCOO.from_dense(A, group_size="rows"), "'row' or 'tune'"),
         (lambda A: CELL.from_dense(A, max_width=3), "power of two"),
         (lambda A: CELL.from_dense(A, partitions=0), "partitions"),
         (lambda A: CELL.from_dense(A, partitions=30), "partitions"),
@@ -600,7 +607,8 @@ def test_formats_never_import_codegen_or_runtime():
 
 
 @pytest.mark.parametrize(
-    "module", ["base", "coo", "groupcoo", "ell", "blockgroupcoo", "cell", "nm", "io", "synthetic"]
+    "module",
+    ["base", "coo", "groupcoo", "ell", "blockgroupcoo", "cell", "nm", "io", "synthetic", "opcount"],
 )
 def test_docstring_examples(module):
     import doctest

@@ -30,6 +30,8 @@ CONFIGS = [
     (ELL, {}),
     (BlockGroupCOO, {}),
     (BlockGroupCOO, {"block": (16, 32), "group_size": 2}),
+    (BlockGroupCOO, {"group_size": "row"}),  # Block-ELL: direct output, no atomics
+    (BlockGroupCOO, {"block": (16, 32), "group_size": "row"}),
     (CELL, {}),
     (CELL, {"partitions": 3, "max_width": 4}),
 ]

@@ -54,7 +54,9 @@ class _Segments:
             stride = P * pw  # row r, partition p starts at key r*stride + p*pw
             key = torch.add(coords.cols, coords.rows, alpha=stride)
             bounds = torch.arange(0, (P + 1) * pw, pw, device=device).unsqueeze(1)
-            pos = torch.searchsorted(key, bounds + torch.arange(0, M * stride, stride, device=device))
+            pos = torch.searchsorted(
+                key, bounds + torch.arange(0, M * stride, stride, device=device)
+            )
             self.start, self.end = pos[:-1], pos[1:]
             count = pos.diff(dim=0)
         # A cell holds at most pw entries. Clamping keeps every index below in range for an

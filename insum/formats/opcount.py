@@ -11,7 +11,7 @@ tests and benchmarks can bound them on any machine.
     ...     x = torch.arange(5)
     ...     n = int(x.sum())
     >>> c.ops, c.syncs
-    (3, 1)
+    (2, 1)
 """
 
 from __future__ import annotations
