@@ -218,6 +218,7 @@ class _SparseLinearFunction(torch.autograd.Function):
 
 
 def _format(fmt_cls, shape, meta, tensors) -> SparseFormat:
+    """A format object over `tensors` (dtype and device from its values)."""
     values = [t for n, t in tensors.items() if fmt_cls._is_value(fmt_cls, n)]
     anchor = values[0] if values else next(iter(tensors.values()))
     return fmt_cls(
@@ -444,18 +445,7 @@ class SparseLinear(nn.Module):
     def weight(self) -> SparseFormat:
         """The weight as a format object over this layer's current tensors (not a copy)."""
         tensors = {name: getattr(self, name) for name in self._tensor_names}
-        values = [t for n, t in tensors.items() if self._format_cls._is_value(self._format_cls, n)]
-        anchor = values[0] if values else next(iter(tensors.values()))
-        meta = self._format_meta
-        return self._format_cls(
-            (self.out_features, self.in_features),
-            tensors,
-            nnz=meta["nnz"],
-            dtype=anchor.dtype,
-            index_dtype=meta["index_dtype"],
-            device=anchor.device,
-            params=meta["params"],
-        )
+        return _format(self._format_cls, (self.out_features, self.in_features), self._format_meta, tensors)
 
     @property
     def format(self) -> str:
