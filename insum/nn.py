@@ -166,7 +166,10 @@ def _linear_plan(fmt: SparseFormat) -> tuple[str, dict[str, torch.Tensor]] | Non
         return "scalar", _transpose_slots(rows, t["AK"], K, itype)
     if name == "blockgroupcoo":
         bk = t["AV"].shape[3]
-        rows = t["AM"].unsqueeze(1).expand_as(t["AK"])
+        AM = t.get("AM")  # absent when each block row is one group (group_size="row")
+        if AM is None:
+            AM = torch.arange(t["AK"].shape[0], device=t["AK"].device)
+        rows = AM.unsqueeze(1).expand_as(t["AK"])
         return "block", _transpose_slots(rows, t["AK"], -(-K // bk), itype)
     if name == "nm":
         AK = t["AK"].long()
@@ -221,7 +224,7 @@ def _format(fmt_cls, shape, meta, tensors) -> SparseFormat:
     """A format object over `tensors` (dtype and device from its values)."""
     values = [t for n, t in tensors.items() if fmt_cls._is_value(fmt_cls, n)]
     anchor = values[0] if values else next(iter(tensors.values()))
-    return fmt_cls(
+    fmt = fmt_cls(
         shape,
         tensors,
         nnz=meta["nnz"],
@@ -230,6 +233,9 @@ def _format(fmt_cls, shape, meta, tensors) -> SparseFormat:
         device=anchor.device,
         params=meta["params"],
     )
+    if meta["expression"] != fmt_cls.expression:  # a variant's statement (Block-ELL rows)
+        fmt.expression = meta["expression"]
+    return fmt
 
 
 def _grad_x(fmt, kind, plan, dyt, backend, precision) -> torch.Tensor:
@@ -413,7 +419,12 @@ class SparseLinear(nn.Module):
         for name in getattr(self, "_tensor_names", ()):
             delattr(self, name)
         self._format_cls = type(fmt)
-        self._format_meta = {"nnz": fmt.nnz, "index_dtype": fmt.index_dtype, "params": dict(fmt.params)}
+        self._format_meta = {
+            "nnz": fmt.nnz,
+            "index_dtype": fmt.index_dtype,
+            "params": dict(fmt.params),
+            "expression": fmt.expression,
+        }
         names = []
         for name, tensor in fmt.tensors.items():
             if fmt._is_value(name):
@@ -499,6 +510,7 @@ class SparseLinear(nn.Module):
             "nnz": meta["nnz"],
             "index_dtype": str(meta["index_dtype"]),
             "params": dict(meta["params"]),
+            "expression": meta["expression"],
             "tensors": list(self._tensor_names),
         }
 
@@ -557,4 +569,5 @@ class SparseLinear(nn.Module):
             "nnz": int(state["nnz"]),
             "index_dtype": _DTYPES[state["index_dtype"]],
             "params": dict(state["params"]),
+            "expression": state.get("expression", cls.expression),
         }

@@ -23,8 +23,9 @@ FORMATS = [
     ("BlockGroupCOO", {"block": (4, 4)}),
     ("NM", {"n": 2, "m": 4, "vector_len": 4}),
     ("CELL", {"max_width": 2}),
+    ("BlockGroupCOO", {"block": (4, 4), "group_size": "row"}),  # Block-ELL: no AM
 ]
-IDS = [name for name, _ in FORMATS]
+IDS = [name for name, _ in FORMATS[:-1]] + ["BlockELL"]
 
 
 def layer_for(fmt: str, params: dict, *, in_features: int = 12, out_features: int = 10, seed: int = 0, **kwargs):
@@ -81,10 +82,7 @@ def test_gradcheck_functional(fmt, params):
 
     def f(x, bias, *vals):
         tensors = {**template.tensors, **dict(zip(values, vals))}
-        fmt_obj = type(template)(
-            template.shape, tensors, nnz=template.nnz, dtype=torch.float64,
-            index_dtype=template.index_dtype, device=template.device, params=template.params,
-        )
+        fmt_obj = inn._format(type(template), template.shape, layer._format_meta, tensors)
         return inn.sparse_linear(x, fmt_obj, bias, backend="torch")
 
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
