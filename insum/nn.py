@@ -111,6 +111,9 @@ def magnitude_prune(
 _GRAD_X = {
     "scalar": "DX[TM[p], n] += WT[TS[p, q]] * DY[TR[p, q], n]",
     "block": "DX[TM[p], k, n] += WT[TS[p, q], m, k] * DY[TR[p, q], m, n]",
+    # one group per column (for ELL and Block-ELL, whose forward has one group per row)
+    "scalar_row": "DX[c, n] += WT[TS[c, q]] * DY[TR[c, q], n]",
+    "block_row": "DX[c, k, n] += WT[TS[c, q], m, k] * DY[TR[c, q], m, n]",
     "nm": "DX[k, n] += WT[IU[rb, k], l] * DY[rb, l, n]",
 }
 
@@ -124,9 +127,12 @@ def _group_size(counts: torch.Tensor) -> int:
     return max(1, min(g, 1 << (int(longest) - 1).bit_length()))
 
 
-def _transpose_slots(rows: torch.Tensor, cols: torch.Tensor, n_cols: int, itype: torch.dtype):
+def _transpose_slots(
+    rows: torch.Tensor, cols: torch.Tensor, n_cols: int, itype: torch.dtype, by_column: bool = False
+) -> dict[str, torch.Tensor]:
     """Slots (row, col) grouped by column: TM[G] column, TS[G, g] slot, TR[G, g] row.
 
+    by_column: one group per column (G = n_cols, g = the longest column, no TM).
     Padded entries point at slot S (one past the last: the zero slot) and row 0.
     """
     rows, cols = rows.reshape(-1).long(), cols.reshape(-1).long()
@@ -135,8 +141,11 @@ def _transpose_slots(rows: torch.Tensor, cols: torch.Tensor, n_cols: int, itype:
     order = torch.argsort(cols * (int(rows.max()) + 1 if S else 1) + rows, stable=True)
     sorted_cols = cols[order]
     counts = torch.bincount(sorted_cols, minlength=n_cols)
-    g = _group_size(counts) if S else 1
-    groups_per_col = (counts + g - 1) // g
+    if by_column:
+        g = max(int(counts.max()) if S else 1, 1)
+    else:
+        g = _group_size(counts) if S else 1
+    groups_per_col = (counts + g - 1) // g if not by_column else torch.ones_like(counts)
     group_start = torch.cumsum(groups_per_col, 0) - groups_per_col
     col_start = torch.cumsum(counts, 0) - counts
     within = torch.arange(S, device=device) - col_start[sorted_cols]
@@ -148,6 +157,8 @@ def _transpose_slots(rows: torch.Tensor, cols: torch.Tensor, n_cols: int, itype:
     TS[group, slot] = order
     TR = torch.zeros((G, g), dtype=torch.int64, device=device)
     TR[group, slot] = rows[order]
+    if by_column:
+        return {"TS": TS.to(itype), "TR": TR.to(itype)}
     return {"TM": TM.to(itype), "TS": TS.to(itype), "TR": TR.to(itype)}
 
 
@@ -163,14 +174,16 @@ def _linear_plan(fmt: SparseFormat) -> tuple[str, dict[str, torch.Tensor]] | Non
         return "scalar", _transpose_slots(rows, t["AK"], K, itype)
     if name == "ell":
         rows = torch.arange(t["AK"].shape[0], device=t["AK"].device).unsqueeze(1).expand_as(t["AK"])
-        return "scalar", _transpose_slots(rows, t["AK"], K, itype)
+        return "scalar_row", _transpose_slots(rows, t["AK"], K, itype, by_column=True)
     if name == "blockgroupcoo":
         bk = t["AV"].shape[3]
         AM = t.get("AM")  # absent when each block row is one group (group_size="row")
-        if AM is None:
+        by_column = AM is None
+        if by_column:
             AM = torch.arange(t["AK"].shape[0], device=t["AK"].device)
         rows = AM.unsqueeze(1).expand_as(t["AK"])
-        return "block", _transpose_slots(rows, t["AK"], -(-K // bk), itype)
+        plan = _transpose_slots(rows, t["AK"], -(-K // bk), itype, by_column=by_column)
+        return ("block_row" if by_column else "block"), plan
     if name == "nm":
         AK = t["AK"].long()
         RB, U = AK.shape
@@ -250,6 +263,16 @@ def _grad_x(fmt, kind, plan, dyt, backend, precision) -> torch.Tensor:
         WT = torch.cat([AV.reshape(-1), AV.new_zeros(1)])
         DX = torch.zeros(K, N, dtype=acc, device=dyt.device)
         return insum(_GRAD_X[kind], DX=DX, WT=WT, DY=dyt, backend=backend, precision=precision, **plan)
+    if kind == "scalar_row":  # every output row has one owner: allocated, no atomics
+        WT = torch.cat([AV.reshape(-1), AV.new_zeros(1)])
+        return insum(_GRAD_X[kind], WT=WT, DY=dyt, backend=backend, precision=precision, **plan)
+    if kind == "block_row":
+        _, _, bm, bk = AV.shape
+        Mp, Kp = -(-M // bm) * bm, -(-K // bk) * bk
+        WT = torch.cat([AV.reshape(-1, bm, bk), AV.new_zeros(1, bm, bk)])
+        DY = _padded_rows(dyt, Mp).reshape(Mp // bm, bm, N)
+        DX = insum(_GRAD_X[kind], WT=WT, DY=DY, backend=backend, precision=precision, **plan)
+        return DX.reshape(Kp, N)[:K]
     if kind == "block":
         _, _, bm, bk = AV.shape
         Mp, Kp = -(-M // bm) * bm, -(-K // bk) * bk
