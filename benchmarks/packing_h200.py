@@ -1,8 +1,11 @@
-"""Packing time on a CUDA GPU: GroupCOO, BlockGroupCOO and CELL from CSR, side by side with
-`to_sparse_csr()` of the same matrix from dense (from COO when dense does not fit), do_bench
-medians.
+"""Packing time on a CUDA GPU: every packer from CSR, side by side with `to_sparse_csr()` of the
+same matrix from dense (from COO when dense does not fit), do_bench medians, and each
+packer's launched ops / host syncs (counted by insum.formats.opcount, once per matrix).
 
     python -m benchmarks.packing_h200 [--data DIR]
+
+Packing on a GPU costs about one launch per op and a full queue drain per host sync, so the
+ops/syncs table explains the times table.
 """
 
 from __future__ import annotations
@@ -10,9 +13,40 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from insum.formats import CELL, BlockGroupCOO, GroupCOO, load_smtx, power_law_matrix
+import torch
+
+from insum.formats import (
+    CELL,
+    COO,
+    ELL,
+    BlockGroupCOO,
+    GroupCOO,
+    load_smtx,
+    power_law_matrix,
+)
+from insum.formats.opcount import count_ops
 
 from .common import median_ms
+
+PACKERS = [
+    ("COO", COO, {}),
+    ("GroupCOO", GroupCOO, {}),
+    ("ELL", ELL, {}),
+    ("BlockGC", BlockGroupCOO, {}),
+    ("B-ELL", BlockGroupCOO, {"group_size": "row"}),
+    ("CELL", CELL, {}),
+]
+MAX_SLOTS = 2**28  # skip ELL / Block-ELL when their padded value tensor would exceed this
+
+
+def _too_big(name: str, csr: torch.Tensor) -> bool:
+    M, K = csr.shape
+    longest = int(csr.crow_indices().diff().max()) if M else 0
+    if name == "ELL":
+        return M * longest > MAX_SLOTS
+    if name == "B-ELL":  # at most 16 rows' worth of blocks per 16-row block row
+        return -(-M // 16) * min(-(-K // 16), 16 * longest) * 256 > MAX_SLOTS
+    return False
 
 
 def main() -> None:
@@ -20,18 +54,41 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path(".data"))
     args = parser.parse_args()
     files = sorted(args.data.glob("dlmc/*/magnitude_pruning/*/*.smtx.gz"))[::25]
-    matrices = [(f"{p.parts[-4]}/{p.parts[-2]}/{p.name[:-8][:40]}", load_smtx(p).cuda()) for p in files]
+    matrices = [
+        (f"{p.parts[-4]}/{p.parts[-2]}/{p.name[:-8][:40]}", load_smtx(p).cuda()) for p in files
+    ]
     for rows, avg in [(65536, 16), (262144, 32)]:
-        matrices.append((f"power-law {rows}x{rows} avg {avg}", power_law_matrix(rows, rows, avg, seed=0, device="cuda")))
-    print(f"{'matrix':52s} {'nnz':>9s} {'to_csr ms':>9s} {'GroupCOO':>9s} {'BlockGC':>9s} {'CELL':>9s}")
+        matrices.append(
+            (
+                f"power-law {rows}x{rows} avg {avg}",
+                power_law_matrix(rows, rows, avg, seed=0, device="cuda"),
+            )
+        )
+    names = [name for name, _, _ in PACKERS]
+    print("times in ms (ratio to to_sparse_csr)")
+    print(f"{'matrix':58s} {'nnz':>9s} {'to_csr':>7s} " + " ".join(f"{n:>15s}" for n in names))
+    counts = []
     for name, csr in matrices:
         dense = csr.to_dense() if csr.shape[0] * csr.shape[1] <= 2**30 else None
-        coo = csr.to_sparse_coo()
-        source = dense if dense is not None else coo  # dense where it fits, else a COO tensor
+        source = dense if dense is not None else csr.to_sparse_coo()
         t_csr = median_ms(lambda c=source: c.to_sparse_csr())
-        times = [median_ms(lambda c=csr, f=f: f.from_torch(c)) for f in (GroupCOO, BlockGroupCOO, CELL)]
-        print(f"{name:52s} {csr._nnz():9d} {t_csr:9.3f} " + " ".join(f"{t:9.3f}" for t in times)
-              + "   ratios " + " ".join(f"{t / t_csr:.1f}x" for t in times), flush=True)
+        cells, tallies = [], []
+        for label, cls, params in PACKERS:
+            if _too_big(label, csr):
+                cells.append(f"{'-':>15s}")
+                tallies.append("-")
+                continue
+            t = median_ms(lambda c=csr, f=cls, p=params: f.from_torch(c, **p))
+            cells.append(f"{t:7.3f} ({t / t_csr:4.1f}x)")
+            with count_ops() as counted:
+                cls.from_torch(csr, **params)
+            tallies.append(f"{counted.ops}/{counted.syncs}")
+        counts.append((name, tallies))
+        print(f"{name:58s} {csr._nnz():9d} {t_csr:7.3f} " + " ".join(cells), flush=True)
+    print("\nops launched / host syncs per packer (from CSR)")
+    print(f"{'matrix':58s} " + " ".join(f"{n:>9s}" for n in names))
+    for name, tallies in counts:
+        print(f"{name:58s} " + " ".join(f"{t:>9s}" for t in tallies))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@ BUDGET = [
     (ELL, {}, 21),
     (BlockGroupCOO, {}, 46),
     (BlockGroupCOO, {"group_size": 2}, 46),
-    (BlockGroupCOO, {"group_size": "row"}, 40),
-    (CELL, {}, 82),
-    (CELL, {"partitions": 3}, 92),
-    (CELL, {"max_width": 8}, 75),
+    (BlockGroupCOO, {"group_size": "row"}, 39),
+    (CELL, {}, 75),
+    (CELL, {"partitions": 3}, 84),
+    (CELL, {"max_width": 8}, 70),
 ]
 
 

@@ -59,11 +59,13 @@ class _Segments:
             )
             self.start, self.end = pos[:-1], pos[1:]
             count = pos.diff(dim=0)
-        # A cell holds at most pw entries. Clamping keeps every index below in range for an
-        # unverified CSR input too (unsorted or duplicated; its result is then discarded).
-        E = self.E = (pw - 1).bit_length() + 2  # width exponents 0 .. E-1, E-1 above any
-        # Natural bucket exponent ceil(log2(count)) (0 for empty cells), exactly, by frexp.
-        self.natural = torch.frexp((count - 1).clamp(0, pw - 1).double()).exponent
+        # A cell holds at most pw <= 2^(E-2) entries: width exponents 0 .. E-1, the last
+        # above any cell. An unverified CSR input (unsorted or duplicated, its result then
+        # discarded) may exceed that, but the exponents stay below E, so indices stay valid.
+        E = self.E = (pw - 1).bit_length() + 2
+        self.caps = torch.arange(E, device=device)
+        # Natural bucket exponent ceil(log2(count)) (0 for empty cells), exactly.
+        self.natural = torch.bucketize(count, 1 << self.caps[:-1])
         self.neg_count = -count
 
         # Distinct columns per bucket under any cap, from an occupancy map of (natural
@@ -78,7 +80,6 @@ class _Segments:
         pairs.index_fill_(0, torch.add(coords.cols, exp_nz, alpha=Kp), True)
         col_top = torch.full((Kp,), -1, dtype=exp_nz.dtype, device=device)
         col_top.scatter_reduce_(0, coords.cols, exp_nz, reduce="amax")
-        self.caps = torch.arange(E, device=device)
         pair_hist = pairs.view(E, P, pw).sum(2)
         top_hist = (col_top.view(1, P, pw) == self.caps.view(E, 1, 1)).sum(2)
         # Below the cap every natural bucket keeps its columns; at or above they merge.
@@ -87,19 +88,20 @@ class _Segments:
 
         # Folded rows and their slots under each cap: ceil(count / 2^e) = -((-count) >> e).
         width_exp = torch.minimum(self.natural.unsqueeze(0), self.caps.view(E, 1, 1))
-        neg_folds = self.neg_count.unsqueeze(0) >> width_exp
-        neg_slots = (neg_folds << width_exp).sum(2)
+        self.neg_folds = self.neg_count.unsqueeze(0) >> width_exp  # (E, P, M)
         # cost = 2 * slots + J * (folds + distinct), kept as its two parts.
-        self._per_j = distinct - neg_folds.sum(2)
-        self._neg_slots = neg_slots
+        self._per_j = distinct - self.neg_folds.sum(2)
+        self._neg_slots = (self.neg_folds << width_exp).sum(2)
 
-    def table(self, dense_cols: int) -> torch.Tensor:
-        """LiteForm eq. (7) for every cap exponent (rows) and partition (columns), int64.
+    def table(self, dense_cols: int, scale: int = 1) -> torch.Tensor:
+        """LiteForm eq. (7) for every cap exponent (rows) and partition (columns), int64,
+        times `scale`.
 
         cost(bucket) = 2 I1 W + |set(CI)| J + I1 J, with I1 the bucket's (folded) rows, W
-        its width, |set(CI)| its distinct columns and J the dense operand's columns.
+        its width, |set(CI)| its distinct columns and J the dense operand's columns. Above
+        a partition's widest natural bucket the cost stays at its value there.
         """
-        return torch.sub(self._per_j * dense_cols, self._neg_slots, alpha=2)
+        return torch.sub(self._per_j * (dense_cols * scale), self._neg_slots, alpha=2 * scale)
 
     def cost(self, cap_exp: torch.Tensor, dense_cols: int) -> torch.Tensor:
         """The cost of each partition when partition p folds rows longer than 2^cap_exp[p]."""
@@ -108,7 +110,7 @@ class _Segments:
 
     def natural_exp(self) -> torch.Tensor:
         """Per partition, the exponent of the widest bucket before any folding."""
-        return self.natural.amax(1).long()
+        return self.natural.amax(1)
 
 
 def _search_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
@@ -121,7 +123,7 @@ def _search_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
     A fixed number of steps (enough for E exponents) keeps it free of host syncs.
     """
     table = seg.table(dense_cols)
-    hi = seg.natural_exp()
+    hi = seg.natural_exp().clamp(max=seg.E - 2)  # (only an unverified input reaches E - 1)
     lo = torch.zeros_like(hi)
     for _ in range(seg.E.bit_length()):
         mid = (lo + hi) // 2
@@ -139,11 +141,10 @@ def _scan_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
     One argmin over the (exponent, partition) table, without the binary search's
     unimodality assumption. Ties go to the wider width (fewer folds).
     """
-    caps = seg.caps.view(-1, 1)
-    # Integer costs: cost * E - e orders by cost, then by the wider width.
-    key = seg.table(dense_cols) * seg.E - caps
-    key = torch.where(caps <= seg.natural_exp(), key, torch.iinfo(torch.int64).max)
-    return key.argmin(0)
+    # Integer costs: cost * E - e orders by cost, then by the wider width. Caps above the
+    # widest natural bucket cost the same as it, and name it.
+    key = seg.table(dense_cols, scale=seg.E) - seg.caps.view(-1, 1)
+    return torch.minimum(key.argmin(0), seg.natural_exp())
 
 
 _SEARCHES = {"scan": _scan_widths, "binary": _search_widths}
@@ -222,11 +223,11 @@ class CELL(SparseFormat):
         # Cell (p, r) becomes folds[p, r] bucket rows of width 2^width_exp[p, r].
         E = seg.E
         width_exp = torch.minimum(seg.natural, cap_exp.view(-1, 1))
-        folds = -(seg.neg_count >> width_exp)
-        bucket = width_exp + torch.arange(0, partitions * E, E, device=device).view(-1, 1)
-        per_bucket = torch.zeros(partitions * E, dtype=torch.int64, device=device)
-        per_bucket.index_add_(0, bucket.view(-1), folds.view(-1))
-        host = coords.read(cap_exp, per_bucket)  # the one sync
+        # Bucket rows per (width, partition), negated: seg.neg_folds[e] holds -folds for
+        # every cell whose width is 2^e.
+        chosen = width_exp.unsqueeze(1) == seg.caps.view(1, -1, 1)
+        neg_rows = (chosen * seg.neg_folds.transpose(0, 1)).sum(2)  # (P, E)
+        host = coords.read(cap_exp, neg_rows)  # the one sync
         if host is None:
             return cls._pack(
                 coords.canonical(),
@@ -236,7 +237,7 @@ class CELL(SparseFormat):
                 search=search,
                 index_dtype=index_dtype,
             )
-        caps, per_bucket = host[:partitions], host[partitions:]
+        caps, per_bucket = host[:partitions], [-n for n in host[partitions:]]
         buckets = [
             (p, 1 << e, per_bucket[p * E + e])
             for p in range(partitions)
@@ -258,6 +259,7 @@ class CELL(SparseFormat):
         # Bucket rows ordered by width, then partition, row and fold: each width's
         # statement is one contiguous slice. All by gathers from the cell grid.
         order = torch.sort(width_exp.view(-1), stable=True).indices
+        folds = -(seg.neg_count >> width_exp)
         cell_folds = folds.view(-1)[order]
         which = torch.repeat_interleave(cell_folds, output_size=R)
         fold = torch.arange(R, device=device) - (torch.cumsum(cell_folds, 0) - cell_folds)[which]
