@@ -26,6 +26,7 @@ CONFIGS = [
     (ELL, {}),
     (BlockGroupCOO, {"block": 16}),
     (BlockGroupCOO, {"block": (32, 16), "group_size": 2}),
+    (BlockGroupCOO, {"block": 16, "group_size": "row"}),
     (CELL, {}),
     (CELL, {"partitions": 4}),
 ]

@@ -24,7 +24,7 @@ BUDGET = [
     (COO, {}, 10),
     (GroupCOO, {}, 28),
     (GroupCOO, {"group_size": 8}, 26),
-    (ELL, {}, 21),
+    (ELL, {}, 19),
     (BlockGroupCOO, {}, 46),
     (BlockGroupCOO, {"group_size": 2}, 46),
     (BlockGroupCOO, {"group_size": "row"}, 39),

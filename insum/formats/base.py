@@ -67,7 +67,7 @@ class Coords:
     rows and cols are int64; vals has the matrix's floating dtype. `crow` is the row
     pointer (M + 1) when the source had one. `unchecked` is None when the coordinates are
     known to be sorted and duplicate-free; otherwise (a CSR tensor, whose invariants torch
-    does not enforce) it is a device scalar, positive iff they are. Packers read it in
+    checks only on request) it is a device scalar, positive iff they are. Packers read it in
     their one host sync (`read`) instead of paying a sync of its own, and start again
     from `canonical()` when it fails.
     """

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .base import Coords, SparseFormat, grouped_slots, index_dtype_for
+from .base import Coords, SparseFormat, index_dtype_for
 
 __all__ = ["ELL"]
 
@@ -39,15 +39,17 @@ class ELL(SparseFormat):
         if host is None:
             return cls._pack(coords.canonical(), index_dtype=index_dtype)
         width = max(host[0], 1)  # a zero-width tensor helps no kernel
-        # Empty rows point at a padding entry past the end: column 0, value 0.
-        nnz = coords.nnz
-        pad = torch.where(counts > 0, crow[:-1], nnz)
-        slots = crow[:-1].unsqueeze(1) + torch.arange(width, device=coords.device)
-        idx, valid = grouped_slots(slots, crow[1:], pad)
-        cols = torch.nn.functional.pad(coords.cols, (0, 1))
-        vals = torch.nn.functional.pad(coords.vals, (0, 1))
-        AV = torch.where(valid, vals[idx], 0)
-        return cls._packed(coords, {"AK": cols[idx].to(itype), "AV": AV}, itype)
+        # Scatter the entries into padded rows (padding can dwarf nnz: gathering every slot
+        # would cost more). A row's pad is its first (smallest) column, 0 when empty.
+        rows, cols = coords.rows, coords.cols
+        slot = torch.arange(coords.nnz, device=coords.device) - crow[rows]
+        pad = torch.zeros(M, dtype=torch.int64, device=coords.device)
+        pad.scatter_reduce_(0, rows, cols, reduce="amin", include_self=False)
+        AK = pad.unsqueeze(1).repeat(1, width)
+        AK[rows, slot] = cols
+        AV = torch.zeros(M, width, dtype=coords.dtype, device=coords.device)
+        AV[rows, slot] = coords.vals
+        return cls._packed(coords, {"AK": AK.to(itype), "AV": AV}, itype)
 
     @property
     def width(self) -> int:
