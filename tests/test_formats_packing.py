@@ -202,3 +202,12 @@ def test_block_group_size_tune_includes_row():
     best = min(times, key=times.get)
     assert fmt.params["group_size"] == best
     assert torch.equal(fmt.to_dense(), A) and "tuned" in repr(fmt)
+
+
+def test_block_group_size_tune_skips_row_when_padding_explodes():
+    A = torch.zeros(512, 512)
+    A[0] = 1.0  # one full block row of 64 blocks, 63 block rows of one block
+    A[8::8, 0] = 1.0
+    fmt = BlockGroupCOO.from_dense(A, block=8, group_size="tune", tune_cols=2)
+    assert "row" not in fmt.params["tuned_seconds"]
+    assert torch.equal(fmt.to_dense(), A)

@@ -75,8 +75,9 @@ class BlockGroupCOO(SparseFormat):
     blocks pad the others, empty block rows get an all-padding group), so each output
     block has one owner: there is no AM, the statement indexes C directly
     (`row_expression`) and the kernel stores without atomics; "tune" times the rule's
-    value, its power-of-two neighbours and "row" with real SpMMs (B with `tune_cols`
-    columns, `backend` as given) and keeps the fastest.
+    value, its power-of-two neighbours and "row" (unless it would store over 4x the
+    rule's blocks) with real SpMMs (B with `tune_cols` columns, `backend` as given) and
+    keeps the fastest.
     pad: allow sizes that are not multiples of the block (zero padding); with pad=False
     such a matrix raises InsumError.
 
@@ -196,8 +197,16 @@ class BlockGroupCOO(SparseFormat):
         def build(g: int | str | None) -> BlockGroupCOO:
             return cls._pack(coords, block=block, group_size=g, index_dtype=index_dtype)
 
-        g0, widest = build(None).group_size, build("row").group_size
-        candidates = sorted({max(1, g0 // 2), g0, min(next_pow2(widest), 2 * g0)}) + ["row"]
+        rule = build(None)
+        g0, (bm, _) = rule.group_size, block
+        # Blocks per block row, from the rule's groups: a padded slot repeats slot 0.
+        per_group = (rule.AK != rule.AK[:, :1]).sum(1) + 1
+        per_row = torch.zeros(rule.padded_shape[0] // bm, dtype=torch.int64, device=coords.device)
+        per_row.index_add_(0, rule.AM.long(), per_group)
+        widest = int(per_row.max()) if per_row.numel() else 0
+        candidates = sorted({max(1, g0 // 2), g0, min(next_pow2(widest), 2 * g0)})
+        if per_row.numel() * max(widest, 1) <= 4 * max(rule.AK.numel(), 1):
+            candidates.append("row")  # unless Block-ELL would store 4x the rule's blocks
         generator = torch.Generator(device=coords.device).manual_seed(0)
         B = torch.randn(
             coords.shape[1],
