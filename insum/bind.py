@@ -133,14 +133,18 @@ _BOUND: dict[tuple, Bound] = {}  # (statement, signature) -> a checked binding
 _BOUND_LIMIT = 4096
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _signature(tensors: Mapping[str, object]) -> tuple | None:
-    """What a binding depends on: names, dtypes, shapes, strides, devices (None: unhashable)."""
-    try:
-        key = tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
-        hash(key)
-    except (AttributeError, TypeError):  # not a tensor, or symbolic sizes under tracing
+    """What a binding depends on: names, dtypes, shapes, strides, devices.
+
+    None (not cached) for anything but plain tensors: fake and functional tensors seen while
+    tracing, non-tensors (which `_bind` rejects).
+    """
+    if any(type(t) not in _PLAIN for t in tensors.values()):
         return None
-    return key
+    return tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
 
 
 def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
