@@ -22,10 +22,8 @@ from .base import (
     GroupCounts,
     SparseFormat,
     check_positive_int,
-    grouped_slots,
     index_dtype_for,
     next_pow2,
-    pack_row_groups,
     tune,
 )
 
@@ -162,25 +160,29 @@ class BlockGroupCOO(SparseFormat):
         if host is None:
             return cls._pack(coords.canonical(), **params)
 
-        # Block columns by rank; slot 0 holds column 0, the padding of empty block rows.
-        columns = torch.zeros(blocks + 1, dtype=torch.int64, device=device)
-        columns.index_put_((rank,), bc)
+        # Every nonzero's block slot (group * g + position): its block's rank minus the
+        # rank its group row starts at, plus the groups before. All scatters over nonzeros.
         crow = F.pad(counts, (1, 0), value=1).cumsum(0)  # 1-based block row pointer
         if group_size == "row":
-            first = crow[:-1]
-            slots = first.unsqueeze(1) + torch.arange(g, device=device)
-            idx, _ = grouped_slots(slots, crow[1:], torch.where(counts > 0, first, 0))
-            slot = torch.add(rank - first[br], br, alpha=g)  # group br, slot rank - first
+            group = br
+            slot = torch.add(rank - crow[:-1][br], br, alpha=g)
             tensors = {}
         else:
-            group_row, idx, _, base = pack_row_groups(crow, per_row, g, G)
-            slot = rank - base[br]  # group * g + slot, as base[r] + j*g starts group j
-            tensors = {"AM": group_row.to(itype)}
+            cum = torch.cumsum(per_row, 0)
+            base = torch.sub(crow[:-1], cum - per_row, alpha=g)  # group j starts at base + j*g
+            slot = rank - base[br]
+            group = torch.div(slot, g, rounding_mode="floor")
+            tensors = {"AM": torch.repeat_interleave(per_row, output_size=G).to(itype)}
+        # Pad a group with its first (smallest) block column; an empty block row with 0.
+        pad = torch.zeros(G, dtype=torch.int64, device=device)
+        pad.scatter_reduce_(0, group, bc, reduce="amin", include_self=False)
+        AK = pad.unsqueeze(1).repeat(1, g)
+        AK.view(-1).index_put_((slot,), bc)
         # Each nonzero's place in AV viewed flat: (slot, row in block, column in block).
         inner = torch.add(torch.sub(cols, bc, alpha=bk), torch.sub(rows, br, alpha=bm), alpha=bk)
         AV = torch.zeros(G * g * bm * bk, dtype=coords.dtype, device=device)
         AV.index_put_((torch.add(inner, slot, alpha=bm * bk),), coords.vals)
-        tensors["AK"] = columns[idx].to(itype)
+        tensors["AK"] = AK.to(itype)
         tensors["AV"] = AV.view(G, g, bm, bk)
         chosen = {"block": (bm, bk), "group_size": group_size or g, "blocks": blocks}
         fmt = cls._packed(coords, tensors, itype, chosen)
