@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
 
 from insum import insum
-from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, SparseFormat
+from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO
 
 SPMM = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -191,11 +191,6 @@ def test_compile_format_spmm_with_changing_nnz(fmt_cls, params):
     assert counter.frame_count == len(structures)
 
 
-@pytest.mark.xfail(
-    not hasattr(SparseFormat, "__torch_function__"),
-    reason="dynamo traces `fmt @ B` as B.matmul(fmt): SparseFormat needs a __torch_function__",
-    strict=True,
-)
 def test_compile_format_matmul_operator():
     compiled = torch.compile(lambda fmt, B: (fmt @ B) * 2, backend="aot_eager", fullgraph=True)
     A = torch.randn(10, 8) * (torch.rand(10, 8) < 0.5)

@@ -348,9 +348,13 @@ def value_dtype_of(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Scatters accumulate half-precision outputs in float32, then round once."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+def overwrite(expression: str) -> str:
+    """The statement with `=` for `+=`: the output needs no zero fill (single-owner outputs
+    are stored once; scattered ones are zeroed by the runtime only where it must).
+
+    Plain string work, so that torch.compile traces it."""
+    output, product = expression.split("+=", 1)
+    return f"{output.rstrip()} = {product.lstrip()}"
 
 
 # --------------------------------------------------------------------------- the base class
@@ -537,16 +541,27 @@ class SparseFormat:
         if self.nnz == 0 or M == 0 or N == 0:
             C = torch.zeros(M, N, dtype=out_dtype, device=B.device)
         else:
-            # Both factors in the promoted dtype: the kernel sees one value dtype.
-            compute = out_dtype
-            C = self._spmm(
-                B.to(compute).contiguous(), compute, accumulate_dtype(out_dtype), backend, precision
-            )
-            C = C.to(out_dtype)
+            # Both factors and the output in the promoted dtype: the kernel sees one value
+            # dtype and accumulates half precision in float32 itself.
+            C = self._spmm(B.to(out_dtype).contiguous(), out_dtype, backend, precision)
         return C.squeeze(1) if vector else C
 
     def __matmul__(self, B: torch.Tensor) -> torch.Tensor:
         return self.spmm(B)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """`fmt @ B` under torch.compile: dynamo hands it over as `B.matmul(fmt)` (operands
+        swapped) or `Tensor.__rmatmul__`; both are the format's SpMM."""
+        if (
+            len(args) == 2
+            and not kwargs
+            and isinstance(args[0], torch.Tensor)
+            and isinstance(args[1], SparseFormat)
+            and (func is torch.Tensor.__rmatmul__ or (func is torch.Tensor.matmul and torch.compiler.is_compiling()))
+        ):
+            return args[1].spmm(args[0])
+        return NotImplemented
 
     def _values(self, compute: torch.dtype) -> dict[str, torch.Tensor]:
         """Tensors with value tensors converted to the compute dtype (no copy when equal)."""
@@ -555,9 +570,7 @@ class SparseFormat:
     def _is_value(self, name: str) -> bool:
         return name in self._value_names
 
-    def _spmm(
-        self, B: torch.Tensor, compute: torch.dtype, acc: torch.dtype, backend: str, precision: str
-    ) -> torch.Tensor:
+    def _spmm(self, B: torch.Tensor, dtype: torch.dtype, backend: str, precision: str) -> torch.Tensor:
         raise NotImplementedError
 
     @staticmethod

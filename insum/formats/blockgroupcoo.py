@@ -24,6 +24,7 @@ from .base import (
     check_positive_int,
     index_dtype_for,
     next_pow2,
+    overwrite,
     tune,
 )
 
@@ -245,19 +246,19 @@ class BlockGroupCOO(SparseFormat):
         dense = tiles.permute(0, 2, 1, 3).reshape(Mp, Kp)
         return dense[: self.shape[0], : self.shape[1]].contiguous()
 
-    def _spmm(self, B, compute, acc, backend, precision) -> torch.Tensor:
+    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
         (bm, bk), (Mp, Kp) = self.block, self.padded_shape
         N = B.shape[1]
         if Kp != B.shape[0]:
             B = torch.cat([B, B.new_zeros(Kp - B.shape[0], N)])
-        C = torch.zeros(Mp // bm, bm, N, dtype=acc, device=B.device)
+        C = torch.empty(Mp // bm, bm, N, dtype=dtype, device=B.device)
         self._run(
-            self.expression,
+            overwrite(self.expression),
             backend,
             precision,
             C=C,
             B=B.view(Kp // bk, bk, N),
-            **self._values(compute),
+            **self._values(dtype),
         )
         return C.view(Mp, N)[: self.shape[0]]
 

@@ -324,8 +324,9 @@ class CELL(SparseFormat):
             dense.index_put_((rows, t["CI"].long()), t["V"], accumulate=True)
         return dense
 
-    def _spmm(self, B, compute, acc, backend, precision) -> torch.Tensor:
-        C = torch.zeros(self.shape[0], B.shape[1], dtype=acc, device=B.device)
+    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
+        # Buckets add into shared rows: start from zeros and accumulate.
+        C = torch.zeros(self.shape[0], B.shape[1], dtype=dtype, device=B.device)
         for expression, t in self.statements():
             self._run(
                 expression,
@@ -335,7 +336,7 @@ class CELL(SparseFormat):
                 B=B,
                 RI=t["RI"],
                 CI=t["CI"],
-                V=t["V"].to(compute),
+                V=t["V"].to(dtype),
             )
         return C
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .base import Coords, SparseFormat, index_dtype_for
+from .base import Coords, SparseFormat, index_dtype_for, overwrite
 
 __all__ = ["COO"]
 
@@ -43,9 +43,9 @@ class COO(SparseFormat):
         dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         return dense.index_put_((self.AM.long(), self.AK.long()), self.AV, accumulate=True)
 
-    def _spmm(self, B, compute, acc, backend, precision) -> torch.Tensor:
-        C = torch.zeros(self.shape[0], B.shape[1], dtype=acc, device=B.device)
-        return self._run(self.expression, backend, precision, C=C, B=B, **self._values(compute))
+    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
+        C = torch.empty(self.shape[0], B.shape[1], dtype=dtype, device=B.device)
+        return self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
 
     def _describe(self) -> dict[str, Any]:
         return {}

@@ -20,6 +20,7 @@ from .base import (
     default_group_size,
     index_dtype_for,
     next_pow2,
+    overwrite,
     pack_row_groups,
     tune,
 )
@@ -129,9 +130,9 @@ class GroupCOO(SparseFormat):
         rows = self.AM.long().unsqueeze(1).expand(G, g)
         return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
 
-    def _spmm(self, B, compute, acc, backend, precision) -> torch.Tensor:
-        C = torch.zeros(self.shape[0], B.shape[1], dtype=acc, device=B.device)
-        return self._run(self.expression, backend, precision, C=C, B=B, **self._values(compute))
+    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
+        C = torch.empty(self.shape[0], B.shape[1], dtype=dtype, device=B.device)
+        return self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
 
     def _describe(self) -> dict[str, Any]:
         shown = {"group_size": self.group_size, "groups": self.groups}

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InsumError, InsumShapeError
-from .base import Coords, SparseFormat, check_positive_int, check_values, index_dtype_for
+from .base import Coords, SparseFormat, check_positive_int, check_values, index_dtype_for, overwrite
 
 __all__ = ["NM"]
 
@@ -191,10 +191,10 @@ class NM(SparseFormat):
         dense.index_put_((blocks, self.AK.long()), self.AV.transpose(1, 2), accumulate=True)
         return dense.transpose(1, 2).reshape(RB * L, K)[:R].contiguous()
 
-    def _spmm(self, B, compute, acc, backend, precision) -> torch.Tensor:
+    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
         RB, L, _ = self.AV.shape
-        C = torch.zeros(RB, L, B.shape[1], dtype=acc, device=B.device)
-        self._run(self.expression, backend, precision, C=C, B=B, **self._values(compute))
+        C = torch.empty(RB, L, B.shape[1], dtype=dtype, device=B.device)
+        self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
         return C.view(RB * L, -1)[: self.shape[0]]
 
     def _describe(self) -> dict[str, Any]:
