@@ -325,8 +325,10 @@ class CELL(SparseFormat):
         return dense
 
     def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
-        # Buckets add into shared rows: start from zeros and accumulate.
-        C = torch.zeros(self.shape[0], B.shape[1], dtype=dtype, device=B.device)
+        # Buckets add into shared rows: accumulate from zeros, half precision in float32
+        # so that the output is rounded once rather than once per bucket.
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        C = torch.zeros(self.shape[0], B.shape[1], dtype=wide, device=B.device)
         for expression, t in self.statements():
             self._run(
                 expression,
@@ -338,7 +340,7 @@ class CELL(SparseFormat):
                 CI=t["CI"],
                 V=t["V"].to(dtype),
             )
-        return C
+        return C.to(dtype)
 
     def _describe(self) -> dict[str, Any]:
         return {
