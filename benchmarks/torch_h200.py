@@ -372,14 +372,14 @@ def mlp_benchmark(quick: bool, budget: float, forward: bool) -> None:
     models = {  # by importance: the budget cuts from the end
         "dense (cuBLAS)": lambda: dense,
         "BlockGroupCOO 90% 32x32": lambda: sparse("BlockGroupCOO", True, block=(32, 32)),
-        "NM 2:4 L=16": lambda: sparse("NM", True, n=2, m=4, vector_len=16),
+        "NM 2:4 L=128": lambda: sparse("NM", True, n=2, m=4, vector_len=128),
         "Block-ELL 90% 32x32 (row groups)": lambda: sparse(
             "BlockGroupCOO", True, block=(32, 32), group_size="row"
         ),
     }
     if not quick:  # the plain derived input gradient (scatters), for comparison
         models["BlockGroupCOO 90%, derived dx"] = lambda: sparse("BlockGroupCOO", False, block=(32, 32))
-        models["NM 2:4 L=16, derived dx"] = lambda: sparse("NM", False, n=2, m=4, vector_len=16)
+        models["NM 2:4 L=128, derived dx"] = lambda: sparse("NM", False, n=2, m=4, vector_len=128)
     x = torch.randn(batch, width, device=DEVICE, dtype=dtype)
     gy = torch.randn(batch, width, device=DEVICE, dtype=dtype)
     print(f"\nMLP {layers} x {width}, batch {batch}, {dtype}: do_bench median, ms", flush=True)
