@@ -26,6 +26,7 @@ also runs as a plain script (`python notebooks/formats.py`), with figures left u
 
 # %%
 import importlib.util
+import io
 import json
 import math
 import os
@@ -52,6 +53,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from PIL import Image as PILImage  # noqa: E402
 
 import insum  # noqa: E402
 from insum.formats import (  # noqa: E402
@@ -68,7 +71,7 @@ from insum.formats.cell import cell_cost  # noqa: E402
 
 try:
     from IPython import get_ipython
-    from IPython.display import Markdown, display
+    from IPython.display import Image, Markdown, display
 except ImportError:
     get_ipython = None
 if get_ipython is None or get_ipython() is None:  # a plain script: print markdown as text
@@ -81,8 +84,23 @@ if get_ipython is None or get_ipython() is None:  # a plain script: print markdo
 
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+
+
+def show(fig):
+    """Display a figure as a palette PNG (128 colours look the same and keep the notebook
+    small); a plain script just closes it."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    if get_ipython is not None and get_ipython() is not None:
+        image = PILImage.open(buffer).convert("RGB").quantize(128, method=PILImage.Quantize.FASTOCTREE)
+        packed = io.BytesIO()
+        image.save(packed, format="png", optimize=True)
+        display(Image(data=packed.getvalue(), format="png"))
+
+
 torch.manual_seed(0)
-plt.rcParams.update({"figure.dpi": 72, "savefig.dpi": 72, "font.size": 9})
+plt.rcParams.update({"figure.dpi": 80, "font.size": 9})
 
 # Slot maps: white = not stored, blues = real entries (alternating per group), red = padding.
 SLOT_CMAP = ListedColormap(["white", "#3b6fb6", "#9cc0ea", "#d9453d"])
@@ -146,7 +164,7 @@ for (key, A), ax_spy, ax_hist in zip(MATRICES.items(), axes[0::2], axes[1::2]):
         fontsize=9,
     )
 fig.tight_layout()
-plt.show()
+show(fig)
 print("DLMC matrix:", TITLES["DLMC"])
 
 # %% [markdown]
@@ -209,7 +227,7 @@ def draw_slot_maps(maps, suptitle, xmax=None):
     fig.legend(handles=SLOT_LEGEND, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(suptitle, fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    plt.show()
+    show(fig)
 
 
 maps = row_slot_maps(A_dlmc, gs=[None, 16])
@@ -306,7 +324,7 @@ fig.legend(handles=SLOT_LEGEND, loc="lower right", ncol=3, fontsize=8, frameon=F
 fig.suptitle("block-sparse 256 x 256, 16 x 16 blocks: colour = group (one scatter each; "
              "dark = entry, light = zero stored in the block)", fontsize=10)
 fig.tight_layout(rect=(0, 0.05, 1, 1))
-plt.show()
+show(fig)
 
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.3))
 for ax, (name, fmt) in zip(axes[:2], [("block-sparse", grouped), ("DLMC (unstructured)", BlockGroupCOO.from_torch(A_dlmc, block=16))]):
@@ -327,7 +345,7 @@ ax.set_xlabel(f"group_size (default rule: {grouped.group_size})")
 ax.set_title("block-sparse: block slots vs groups", fontsize=9)
 ax.legend(fontsize=8)
 fig.tight_layout()
-plt.show()
+show(fig)
 
 # %% [markdown]
 # ### CELL (LiteForm's Composable Ellpack)
@@ -394,7 +412,7 @@ def draw_cell(A, partitions, title):
     ax.set_title("cost model; circle = chosen max_width", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    plt.show()
+    show(fig)
     return fmt
 
 
@@ -452,7 +470,7 @@ ax.set_title(f"AK {tuple(nm.AK.shape)}: one index row per row block\n(shared by 
 ax.set_xlabel("u (kept vector)")
 ax.set_ylabel("row block rb")
 fig.tight_layout()
-plt.show()
+show(fig)
 print(nm)
 
 # %% [markdown]
@@ -593,7 +611,7 @@ for (key, A), (ax_pad, ax_ops) in zip(MATRICES.items(), axes):
         ax.set_title(f"{key}: default g={s['default']} (green), sqrt(nnz/R)={s['optimum']:.1f} (dashed); "
                      f"measured min of gathers+scatters at g={best}", fontsize=8)
 fig.tight_layout()
-plt.show()
+show(fig)
 print("\n".join(summary))
 
 # %% [markdown]
@@ -689,6 +707,13 @@ for name, data in studies.items():
           f"{env.get('date')}, commit {env.get('commit')}")
 
 
+def ratio_axis(axis):
+    """A log axis of ratios labelled 0.5x, 1x, 2x, ... rather than powers of ten."""
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def geomean(values):
     return float(np.exp(np.mean(np.log(values)))) if len(values) else float("nan")
 
@@ -712,23 +737,29 @@ def plot_study(name, data):
         summary.append(f"| {s} | {anchor} | {len(ratios)} | {g:.3g}x | {ratios.min():.3g}x | {ratios.max():.3g}x |")
     ax.axvline(1.0, color="k", lw=1)
     ax.set_xscale("log")
+    ratio_axis(ax.xaxis)
     ax.set_yticks(range(len(sets)), sets, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ratio = anchor time / insum time  (> 1: insum faster; red bar: geomean)")
     device = data.get("env", {}).get("device", "?")
     ax.set_title(f"{name}: {len(rows)} checked configurations on {device}"
-                 + (f" ({failed} failed checks left out)" if failed else ""), fontsize=9)
+                 + (f" ({failed} failed check(s) left out)" if failed else ""), fontsize=9)
     fig.tight_layout()
-    plt.show()
+    show(fig)
     display(Markdown("\n".join(summary)))
 
 
 def plot_sparsity(name, data):
-    """Ratio against sparsity per set, one panel per anchor (structured and N:M sweep it)."""
+    """Ratio against sparsity per set, one panel per anchor that was swept (structured)."""
     rows = [r for r in data["rows"] if r.get("ok") and r.get("ratio") and r.get("sparsity") is not None]
     if len({r["sparsity"] for r in rows}) < 2:
         return
-    anchors = list(dict.fromkeys(r["anchor"] for r in rows))
+    # Anchors with a sweep: some set measured at two sparsities or more.
+    swept = {(r["anchor"], r["set"]) for r in rows if any(
+        o["set"] == r["set"] and o["sparsity"] != r["sparsity"] for o in rows)}
+    anchors = list(dict.fromkeys(a for a, _ in swept))
+    if not anchors:
+        return
     fig, axes = plt.subplots(1, len(anchors), figsize=(6.5 * len(anchors), 3.8), squeeze=False)
     for ax, anchor in zip(axes[0], anchors):
         mine = [r for r in rows if r["anchor"] == anchor]
@@ -740,31 +771,34 @@ def plot_sparsity(name, data):
             ax.plot(grid, 1 / (1 - grid), "k:", label="ideal 1 / (1 - s)")
         ax.axhline(1.0, color="k", lw=1)
         ax.set_yscale("log")
+        ratio_axis(ax.yaxis)
         ax.set_xlabel("sparsity")
         ax.set_ylabel(f"{anchor} time / insum time")
         ax.set_title(f"{name}: against {anchor}", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    plt.show()
+    show(fig)
 
 
-def cost_table(data):
-    """The costs study's rows as they are (many have no anchor ratio)."""
+def rows_table(data):
+    """Every row as it is: the fusion study's cases are different statements, and many of
+    the costs study's rows have no anchor ratio."""
     def ms(value):
         return "-" if value is None else f"{value:.4g}"
 
-    lines = ["| set | case | insum ms | anchor | anchor ms | ratio |", "|---|---|---:|---|---:|---:|"]
+    lines = ["| set | case | insum ms | anchor | anchor ms | ratio | check |",
+             "|---|---|---:|---|---:|---:|---|"]
     for r in data["rows"]:
         lines.append(f"| {r.get('set')} | {r.get('case')} | {ms(r.get('insum_ms'))} | {r.get('anchor')} | "
-                     f"{ms(r.get('anchor_ms'))} | {ms(r.get('ratio'))} |")
+                     f"{ms(r.get('anchor_ms'))} | {ms(r.get('ratio'))} | {'ok' if r.get('ok') else 'FAILED'} |")
     display(Markdown("\n".join(lines)))
 
 
 for name, data in studies.items():
     plot_study(name, data)
-    if name in ("structured", "nm"):
+    if name == "structured":
         plot_sparsity(name, data)
-    if name == "costs":
-        cost_table(data)
+    if name in ("fusion", "costs"):
+        rows_table(data)
     for note in data.get("notes", []):
         print(f"  note ({name}): {note}")
