@@ -115,3 +115,20 @@ def config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured) 
             ctx.note(f"to_sparse_semi_structured gave {kind}, not cuSPARSELt")
         ctx.add(dict(base, set=f"{dtype_name(dtype)} 2:4 vs cuSPARSELt", anchor="cuSPARSELt",
                      anchor_ms=t_lt, anchor_err=lt_err, anchor_impl=kind))
+        # torch's other 2:4 kernel (CUTLASS): a second view of the same hardware feature,
+        # without cuSPARSELt's per-call setup.
+        from torch.sparse import SparseSemiStructuredTensor
+
+        forced = SparseSemiStructuredTensor._FORCE_CUTLASS
+        try:
+            SparseSemiStructuredTensor._FORCE_CUTLASS = True
+            cutlass = to_sparse_semi_structured(pruned)
+            cutlass_err = relative_error(cutlass @ Bs[0], expected)
+            t_cutlass = ctx.bench(lambda B: cutlass @ B, inputs)
+        except Exception as e:
+            ctx.note(f"CUTLASS 2:4 {dtype_name(dtype)} {size}^3: {type(e).__name__}: {str(e)[:160]}")
+            return
+        finally:
+            SparseSemiStructuredTensor._FORCE_CUTLASS = forced
+        ctx.add(dict(base, set=f"{dtype_name(dtype)} 2:4 vs CUTLASS 2:4", anchor="CUTLASS 2:4",
+                     anchor_ms=t_cutlass, anchor_err=cutlass_err, anchor_impl=type(cutlass).__name__))
