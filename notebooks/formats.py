@@ -719,27 +719,38 @@ def geomean(values):
 
 
 def plot_study(name, data):
+    """Every checked ratio per set (sets grouped by anchor), coloured by sparsity where the
+    study records it, with the geomean; then the per-set summary as a table."""
     rows = [r for r in data["rows"] if r.get("ok") and r.get("ratio")]
     failed = sum(not r.get("ok") for r in data["rows"])
     if not rows:
         print(f"{name}: no row with a checked ratio ({failed} failed checks)")
         return
-    sets = list(dict.fromkeys(r["set"] for r in rows))
-    fig, ax = plt.subplots(figsize=(11, 0.42 * len(sets) + 1.3))
+    anchors = list(dict.fromkeys(r["anchor"] for r in rows))
+    sets = sorted(dict.fromkeys(r["set"] for r in rows),
+                  key=lambda s: anchors.index(next(r["anchor"] for r in rows if r["set"] == s)))
+    by_sparsity = all(r.get("sparsity") is not None for r in rows) and len({r["sparsity"] for r in rows}) > 1
+    fig, ax = plt.subplots(figsize=(11, 0.3 * len(sets) + 1.3))
     summary = ["| set | anchor | configs | geomean ratio | min | max |", "|---|---|---:|---:|---:|---:|"]
     for y, s in enumerate(sets):
-        ratios = np.array([r["ratio"] for r in rows if r["set"] == s])
+        mine = [r for r in rows if r["set"] == s]
+        ratios = np.array([r["ratio"] for r in mine])
         jitter = (np.random.default_rng(y).random(len(ratios)) - 0.5) * 0.35
-        ax.scatter(ratios, y + jitter, s=14, alpha=0.7, color="#3b6fb6")
+        if by_sparsity:
+            dots = ax.scatter(ratios, y + jitter, s=14, c=[r["sparsity"] for r in mine], cmap="viridis",
+                              vmin=min(r["sparsity"] for r in rows), vmax=max(r["sparsity"] for r in rows))
+        else:
+            ax.scatter(ratios, y + jitter, s=14, alpha=0.7, color="#3b6fb6")
         g = geomean(ratios)
-        ax.plot([g, g], [y - 0.3, y + 0.3], color="#d9453d", lw=2.5)
-        anchor = next(r["anchor"] for r in rows if r["set"] == s)
-        summary.append(f"| {s} | {anchor} | {len(ratios)} | {g:.3g}x | {ratios.min():.3g}x | {ratios.max():.3g}x |")
+        ax.plot([g, g], [y - 0.35, y + 0.35], color="#d9453d", lw=2.5)
+        summary.append(f"| {s} | {mine[0]['anchor']} | {len(ratios)} | {g:.3g}x | {ratios.min():.3g}x | {ratios.max():.3g}x |")
+    if by_sparsity:
+        fig.colorbar(dots, ax=ax, label="sparsity", fraction=0.03, pad=0.01)
     ax.axvline(1.0, color="k", lw=1)
     ax.set_xscale("log")
     ratio_axis(ax.xaxis)
     ax.set_yticks(range(len(sets)), sets, fontsize=8)
-    ax.invert_yaxis()
+    ax.set_ylim(len(sets) - 0.5, -0.5)
     ax.set_xlabel("ratio = anchor time / insum time  (> 1: insum faster; red bar: geomean)")
     device = data.get("env", {}).get("device", "?")
     ax.set_title(f"{name}: {len(rows)} checked configurations on {device}"
@@ -750,31 +761,35 @@ def plot_study(name, data):
 
 
 def plot_sparsity(name, data):
-    """Ratio against sparsity per set, one panel per anchor that was swept (structured)."""
+    """Ratio against sparsity per set: one panel per (anchor, dtype) that was swept."""
     rows = [r for r in data["rows"] if r.get("ok") and r.get("ratio") and r.get("sparsity") is not None]
-    if len({r["sparsity"] for r in rows}) < 2:
+    # Sets measured at two sparsities or more, by (anchor, first word of the set: the dtype).
+    sets = {}
+    for r in rows:
+        sets.setdefault(r["set"], set()).add(r["sparsity"])
+    swept = [s for s, sparsities in sets.items() if len(sparsities) > 1]
+    if not swept:
         return
-    # Anchors with a sweep: some set measured at two sparsities or more.
-    swept = {(r["anchor"], r["set"]) for r in rows if any(
-        o["set"] == r["set"] and o["sparsity"] != r["sparsity"] for o in rows)}
-    anchors = list(dict.fromkeys(a for a, _ in swept))
-    if not anchors:
-        return
-    fig, axes = plt.subplots(1, len(anchors), figsize=(6.5 * len(anchors), 3.8), squeeze=False)
-    for ax, anchor in zip(axes[0], anchors):
-        mine = [r for r in rows if r["anchor"] == anchor]
-        for s in dict.fromkeys(r["set"] for r in mine):
-            pts = sorted((r["sparsity"], r["ratio"]) for r in mine if r["set"] == s)
-            ax.plot(*zip(*pts), "o-", ms=4, label=s)
-        if anchor == "cuBLAS":
-            grid = np.linspace(min(r["sparsity"] for r in mine), max(r["sparsity"] for r in mine), 50)
+    anchor_of = {r["set"]: r["anchor"] for r in rows}
+    anchors = list(dict.fromkeys(anchor_of[s] for s in swept))
+    dtypes = list(dict.fromkeys(s.split()[0] for s in swept))
+    fig, axes = plt.subplots(len(anchors), len(dtypes), figsize=(5.2 * len(dtypes), 3.4 * len(anchors)),
+                             squeeze=False, sharex=True)
+    for (i, anchor), (j, dtype) in ((a, d) for a in enumerate(anchors) for d in enumerate(dtypes)):
+        ax = axes[i, j]
+        mine = [s for s in swept if anchor_of[s] == anchor and s.split()[0] == dtype]
+        for s in mine:
+            pts = sorted((r["sparsity"], r["ratio"]) for r in rows if r["set"] == s)
+            ax.plot(*zip(*pts), "o-", ms=3, label=s.replace(f" vs {anchor}", ""))
+        if anchor == "cuBLAS" and mine:
+            grid = np.linspace(min(min(sets[s]) for s in mine), max(max(sets[s]) for s in mine), 50)
             ax.plot(grid, 1 / (1 - grid), "k:", label="ideal 1 / (1 - s)")
         ax.axhline(1.0, color="k", lw=1)
         ax.set_yscale("log")
         ratio_axis(ax.yaxis)
         ax.set_xlabel("sparsity")
-        ax.set_ylabel(f"{anchor} time / insum time")
-        ax.set_title(f"{name}: against {anchor}", fontsize=9)
+        ax.set_ylabel(f"{anchor} / insum")
+        ax.set_title(f"{name}, {dtype}: against {anchor}", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     show(fig)
@@ -800,5 +815,8 @@ for name, data in studies.items():
         plot_sparsity(name, data)
     if name in ("fusion", "costs"):
         rows_table(data)
-    for note in data.get("notes", []):
+    notes = list(dict.fromkeys(data.get("notes", [])))  # studies repeat a note per config
+    for note in notes[:8]:
         print(f"  note ({name}): {note}")
+    if len(notes) > 8:
+        print(f"  ... and {len(notes) - 8} more notes in {name}.json")
