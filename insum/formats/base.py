@@ -598,6 +598,18 @@ def time_spmm(fmt: SparseFormat, B: torch.Tensor, backend: str, reps: int = 5) -
     return sorted(times)[len(times) // 2]
 
 
+def tuning_operand(coords: Coords, tune_cols: int) -> torch.Tensor:
+    """The dense B that `group_size="tune"` times SpMMs with: seeded, so tuning repeats."""
+    generator = torch.Generator(device=coords.device).manual_seed(0)
+    return torch.randn(
+        coords.shape[1],
+        check_positive_int("tune_cols", tune_cols),
+        generator=generator,
+        dtype=coords.dtype,
+        device=coords.device,
+    )
+
+
 def tune(
     candidates: list[int], build: Callable[[int], SparseFormat], B: torch.Tensor, backend: str
 ) -> tuple[SparseFormat, dict[int, float]]:

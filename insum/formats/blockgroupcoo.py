@@ -26,6 +26,7 @@ from .base import (
     next_pow2,
     overwrite,
     tune,
+    tuning_operand,
 )
 
 __all__ = ["BlockGroupCOO"]
@@ -210,14 +211,7 @@ class BlockGroupCOO(SparseFormat):
         candidates = sorted({max(1, g0 // 2), g0, min(next_pow2(widest), 2 * g0)})
         if per_row.numel() * max(widest, 1) <= 4 * max(rule.AK.numel(), 1):
             candidates.append("row")  # unless Block-ELL would store 4x the rule's blocks
-        generator = torch.Generator(device=coords.device).manual_seed(0)
-        B = torch.randn(
-            coords.shape[1],
-            check_positive_int("tune_cols", tune_cols),
-            generator=generator,
-            dtype=coords.dtype,
-            device=coords.device,
-        )
+        B = tuning_operand(coords, tune_cols)
         best, times = tune(candidates, build, B, backend)
         best.params["tuned_seconds"] = times
         return best

@@ -23,6 +23,7 @@ from .base import (
     overwrite,
     pack_row_groups,
     tune,
+    tuning_operand,
 )
 
 __all__ = ["GroupCOO"]
@@ -100,14 +101,7 @@ class GroupCOO(SparseFormat):
         g0 = default_group_size(counts)
         cap = next_pow2(int(counts.max())) if coords.nnz else 1
         candidates = sorted({max(1, g0 // 2), g0, min(cap, 2 * g0)})
-        generator = torch.Generator(device=coords.device).manual_seed(0)
-        B = torch.randn(
-            coords.shape[1],
-            check_positive_int("tune_cols", tune_cols),
-            generator=generator,
-            dtype=coords.dtype,
-            device=coords.device,
-        )
+        B = tuning_operand(coords, tune_cols)
 
         def build(g: int) -> GroupCOO:
             return cls._pack(coords, group_size=g, index_dtype=index_dtype)
