@@ -543,7 +543,7 @@ class SparseFormat:
         else:
             # Both factors and the output in the promoted dtype: the kernel sees one value
             # dtype and accumulates half precision in float32 itself.
-            C = self._spmm(B.to(out_dtype).contiguous(), out_dtype, backend, precision)
+            C = self._spmm(B.to(out_dtype), out_dtype, backend, precision)  # any strides
         return C.squeeze(1) if vector else C
 
     def __matmul__(self, B: torch.Tensor) -> torch.Tensor:
