@@ -430,13 +430,19 @@ def mlp_benchmark(quick: bool, budget: float, forward: bool) -> None:
                 fn()
                 row[key] = bench(fn, params)
             if DEVICE.type == "cuda":  # the eager step replayed as CUDA graphs: no host time
-                graphed = torch.cuda.make_graphed_callables(model, (x.clone(),))
+                try:
+                    graphed = torch.cuda.make_graphed_callables(model, (x.clone(),))
 
-                def graphed_step(graphed=graphed):
-                    graphed(x).backward(gy)
+                    def graphed_step(graphed=graphed):
+                        graphed(x).backward(gy)
 
-                graphed_step()
-                row["graphed_step"] = bench(graphed_step, params)
+                    graphed_step()
+                    row["graphed_step"] = bench(graphed_step, params)
+                except Exception as e:  # noqa: BLE001 - keep the eager and compiled numbers
+                    row["graphed_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    FAILURES.append(f"graphed {name}")
+                    print(f"{name}: graph capture FAILED {row['graphed_error']}", flush=True)
+                    torch.cuda.synchronize()
             row["setup_s"] = time.perf_counter() - start
             nan = float("nan")
             if dense_step is None:
