@@ -55,11 +55,10 @@ def sparse_linear(
         )
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
-    # W x^T, then the bias as a column while the result is still contiguous.
-    yt = weight.spmm(x2.t(), backend=backend, precision=precision)
+    y = weight.spmm(x2.t(), backend=backend, precision=precision).t()
     if bias is not None:
-        yt = yt + bias[:, None]
-    return yt.t().reshape(*lead, out_features)
+        y = y + bias
+    return y.reshape(*lead, out_features)
 
 
 functional = types.ModuleType(__name__ + ".functional", "Functional forms: sparse_linear.")
@@ -201,7 +200,7 @@ def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class _SparseLinearFunction(torch.autograd.Function):
-    """y^T = W x^T for a planned format: the forward SpMM, the derived value gradients,
+    """y = x W^T for a planned format: the forward SpMM, the derived value gradients,
     and the input gradient through the transposed pattern."""
 
     @staticmethod
@@ -211,16 +210,17 @@ class _SparseLinearFunction(torch.autograd.Function):
         fmt = _format(fmt_cls, shape, meta, fmt_tensors)
         ctx.layer_info = layer_info
         ctx.save_for_backward(x2, *tensors)
-        return fmt.spmm(x2.t(), backend=backend, precision=precision)  # y^T: out x batch
+        return fmt.spmm(x2.t(), backend=backend, precision=precision).t()
 
     @staticmethod
-    def backward(ctx, dyt):
+    def backward(ctx, dy):
         fmt_cls, shape, meta, names, kind, plan_names, value_grads, backend, precision = ctx.layer_info
         x2, *tensors = ctx.saved_tensors
         fmt_tensors = dict(zip(names, tensors[: len(names)]))
         plan = dict(zip(plan_names, tensors[len(names):]))
         fmt = _format(fmt_cls, shape, meta, fmt_tensors)
         needs = ctx.needs_input_grad
+        dyt = dy.t()
         dx = None
         if needs[1]:
             dx = _grad_x(fmt, kind, plan, dyt, backend, precision).t().to(x2.dtype)
@@ -505,10 +505,10 @@ class SparseLinear(nn.Module):
             self.precision,
         )
         tensors = [getattr(self, n) for n in self._tensor_names + self._plan_names]
-        yt = _SparseLinearFunction.apply(info, x.reshape(-1, self.in_features), *tensors)
+        y = _SparseLinearFunction.apply(info, x.reshape(-1, self.in_features), *tensors)
         if self.bias is not None:
-            yt = yt + self.bias[:, None]  # a column, while y^T is contiguous
-        return yt.t().reshape(*x.shape[:-1], self.out_features)
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def to_dense(self) -> torch.Tensor:
         """W as a dense (out_features x in_features) tensor."""
