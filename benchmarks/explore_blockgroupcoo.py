@@ -4,8 +4,8 @@
 
 For fp16 A (size x size, random blocks kept with probability 1 - s) times dense B, side by
 side in one run: dense cuBLAS, TorchBSR, and the generated kernel with
-  groups+half      grouped blocks, scattered with native fp16 atomics (the default)
-  groups+fp32buf   the same, scattered through a float32 buffer (INSUM_HALF_ATOMICS=0)
+  groups           grouped blocks, `fmt @ B` (native fp16 atomics, or a float32 output
+                   when many groups share a block row)
   row              one group per block row (Block-ELL): a plain store, no atomics
   row+swapped      the same with the dense columns on the dot's M axis (n x k @ k x m), so
                    the tensor-core tile is 64..256 rows tall instead of the block's 32
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import torch
 
@@ -79,11 +78,7 @@ def one_sparsity(s: float, size: int, block: int, gen: torch.Generator, roof: di
     record("TorchBSR", lambda B: bsr_dense_mm(bsr, B), lambda: bsr_dense_mm(bsr, Bs[0]))
     for g in (None, 8, 32):
         fmt = BlockGroupCOO.from_dense(A, block=(block, block), group_size=g)
-        for half in ("1", "0"):
-            os.environ["INSUM_HALF_ATOMICS"] = half
-            label = f"groups g={fmt.group_size} " + ("+half" if half == "1" else "+fp32buf")
-            record(label, lambda B, f=fmt: f @ B, lambda f=fmt: f @ Bs[0])
-    os.environ["INSUM_HALF_ATOMICS"] = "1"
+        record(f"groups g={fmt.group_size}", lambda B, f=fmt: f @ B, lambda f=fmt: f @ Bs[0])
     ell = block_ell(keep, A, block)
     C = torch.empty(nb, block, size, device="cuda", dtype=torch.float16)
 

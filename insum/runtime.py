@@ -124,7 +124,7 @@ class Kernel:
         target = out
         if self.plan.output == "atomic":
             if out.dtype in (torch.float16, torch.bfloat16) and not _half_atomics(out):
-                # Scatter into float32, then add once: one rounding per output element.
+                # No half-precision atomics here: scatter into float32, then add once.
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
             elif not self.plan.stmt.accumulate:
                 out.zero_()
@@ -266,14 +266,15 @@ class _Launcher:
 
 
 def _half_atomics(out: torch.Tensor) -> bool:
-    """Whether fp16/bf16 scatters use atomics in their own dtype (INSUM_HALF_ATOMICS=1).
+    """Whether fp16/bf16 scatters add in the output's dtype with native atomics.
 
-    Off by default: each contribution is then rounded to half precision, and outputs with
-    hundreds of contributions (power-law rows) drift past 1e-2 relative error, while the
-    float32 buffer (zero it, scatter, add) measured no slower on BlockGroupCOO. Needs sm_70
-    for fp16 and sm_90 for bf16; the interpreter has none.
+    They do wherever the GPU has them (sm_70 for fp16, sm_90 for bf16), like torch's
+    `index_put_(accumulate=True)`: each contribution is rounded to the output's precision.
+    For float32 accumulation pass a float32 output (the formats do when many contributions
+    meet in one row). Elsewhere (the interpreter has none) a float32 buffer is scattered
+    into and added to the output once.
     """
-    if out.device.type != "cuda" or _interpreting() or os.environ.get("INSUM_HALF_ATOMICS", "0") in ("", "0"):
+    if out.device.type != "cuda" or _interpreting():
         return False
     major, _ = torch.cuda.get_device_capability(out.device)
     return major >= (9 if out.dtype == torch.bfloat16 else 7)

@@ -28,7 +28,7 @@ from insum.formats import (
     format_class,
     power_law_matrix,
 )
-from insum.formats.base import default_group_size
+from insum.formats.base import HALF_FAN_IN, accumulation_dtype, default_group_size
 
 
 def _random(rows, cols, density, seed, dtype=torch.float64):
@@ -616,3 +616,41 @@ def test_docstring_examples(module):
 
     result = doctest.testmod(importlib.import_module(f"insum.formats.{module}"))
     assert result.failed == 0
+
+
+# --------------------------------------------------------------------------- fan-in
+
+
+def test_fan_in_is_the_most_groups_in_one_output_row():
+    A = torch.zeros(6, 40)
+    A[0, :37] = 1.0
+    A[2, :5] = 2.0
+    A[4, 3] = 3.0
+    assert COO.from_dense(A).params["fan_in"] == 37
+    assert GroupCOO.from_dense(A, group_size=4).params["fan_in"] == 10  # ceil(37 / 4)
+    rule = GroupCOO.from_dense(A)
+    assert rule.params["fan_in"] == -(-37 // rule.group_size)
+    # Block row 0 holds 10 blocks of 2x4 (columns 0..39): groups of 2 give 5.
+    assert BlockGroupCOO.from_dense(A, block=(2, 4), group_size=2).params["fan_in"] == 5
+    assert BlockGroupCOO.from_dense(A, block=(2, 4), group_size="row").params["fan_in"] == 1
+    assert GroupCOO.from_dense(torch.zeros(3, 4)).params["fan_in"] == 0
+
+
+def test_accumulation_dtype_by_fan_in():
+    assert accumulation_dtype(torch.float16, HALF_FAN_IN) == torch.float16
+    assert accumulation_dtype(torch.bfloat16, HALF_FAN_IN + 1) == torch.float32
+    assert accumulation_dtype(torch.float16, None) == torch.float32  # unknown: the safe side
+    assert accumulation_dtype(torch.float32, 10**6) == torch.float32
+
+
+def test_half_output_with_many_contributions_is_accumulated_in_float32():
+    """4096 contributions into one fp16 row: added in fp16 they would lose ~1e-2."""
+    g = torch.Generator().manual_seed(0)
+    A = (torch.rand(2, 4096, generator=g) + 0.5).to(torch.float16)
+    B = (torch.rand(4096, 3, generator=g) + 0.5).to(torch.float16)
+    fmt = GroupCOO.from_dense(A, group_size=1)
+    assert fmt.params["fan_in"] == 4096
+    got = fmt.spmm(B, backend="torch")
+    assert got.dtype == torch.float16
+    expected = A.double() @ B.double()
+    assert ((got.double() - expected).norm() / expected.norm()) < 1e-3

@@ -21,11 +21,11 @@ def _csr(rows=600, cols=500, avg=12.0, seed=0):
 
 # (format, params, most ops): one host sync each, the read of the padded sizes.
 BUDGET = [
-    (COO, {}, 10),
-    (GroupCOO, {}, 28),
+    (COO, {}, 12),  # each packer also reads its fan-in (groups per output row) in the sync
+    (GroupCOO, {}, 30),
     (GroupCOO, {"group_size": 8}, 26),
     (ELL, {}, 19),
-    (BlockGroupCOO, {}, 42),
+    (BlockGroupCOO, {}, 44),
     (BlockGroupCOO, {"group_size": 2}, 41),
     (BlockGroupCOO, {"group_size": "row"}, 34),
     (CELL, {}, 75),

@@ -24,6 +24,7 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from ..api import insum
 from ..errors import InsumError, InsumShapeError, InsumTypeError
@@ -290,11 +291,14 @@ class GroupCounts:
         shifts = torch.arange(max(width, 1).bit_length() + 1, device=counts.device)
         # ceil(c / 2^e) = -((-c) >> e): kept negated, the host flips the sums.
         self.neg_groups = (-counts).unsqueeze(0) >> shifts.unsqueeze(1)
-        self.values = self.neg_groups.sum(1)
+        self.exponents = len(shifts)
+        # Group counts per exponent, then the most groups any row has (its fan-in).
+        padded = F.pad(self.neg_groups, (0, 1))  # a zero column: rows may be absent
+        self.values = torch.cat([self.neg_groups.sum(1), padded.min(1).values])
 
     def choose(self, host: list[int]) -> tuple[int, int]:
         """(g, G) by the paper's rule from `values` read back."""
-        groups = [-v for v in host]
+        groups = [-v for v in host[: self.exponents]]
         nnz, nonempty = groups[0], groups[-1]  # g = 1: one group per entry
         longest = next(e for e, n in enumerate(groups) if n == nonempty)
         g = _group_size_rule(nnz, nonempty, 1 << longest)
@@ -303,6 +307,23 @@ class GroupCounts:
     def per_row(self, g: int) -> torch.Tensor:
         """Groups in each row for a power-of-two g."""
         return self.neg_groups[g.bit_length() - 1].neg()
+
+    def fan_in(self, host: list[int], g: int) -> int:
+        """The most groups one row has for a power-of-two g (from `values` read back)."""
+        return -host[self.exponents + g.bit_length() - 1]
+
+
+#: A scattering SpMM adds each group's partial sum into its output row. Up to this many per
+#: row, half-precision outputs take them in their own precision (native atomics); more
+#: are accumulated in float32 and rounded once.
+HALF_FAN_IN = 8
+
+
+def accumulation_dtype(dtype: torch.dtype, fan_in: int | None) -> torch.dtype:
+    """The output dtype a scattering SpMM accumulates in (fan_in None: unknown, so float32)."""
+    if dtype in (torch.float16, torch.bfloat16) and (fan_in is None or fan_in > HALF_FAN_IN):
+        return torch.float32
+    return dtype
 
 
 def grouped_slots(

@@ -21,6 +21,7 @@ from .base import (
     Coords,
     GroupCounts,
     SparseFormat,
+    accumulation_dtype,
     check_positive_int,
     index_dtype_for,
     next_pow2,
@@ -146,19 +147,20 @@ class BlockGroupCOO(SparseFormat):
         if group_size == "row":
             host = coords.read(counts.sum(), counts.max() if MB else counts.sum())
             if host is not None:
-                blocks, g, G = host[0], max(host[1], 1), MB
+                blocks, g, G, fan_in = host[0], max(host[1], 1), MB, 1
         elif group_size is None:
             rule = GroupCounts(counts, KB)
             host = coords.read(rule.values)
             if host is not None:
                 (g, G), blocks = rule.choose(host), -host[0]
+                fan_in = rule.fan_in(host, g)
                 per_row = rule.per_row(g)
         else:
             g = group_size
             per_row = torch.div(counts + (g - 1), g, rounding_mode="floor")
-            host = coords.read(counts.sum(), per_row.sum())
+            host = coords.read(counts.sum(), per_row.sum(), F.pad(per_row, (0, 1)).max())
             if host is not None:
-                blocks, G = host
+                blocks, G, fan_in = host
         if host is None:
             return cls._pack(coords.canonical(), **params)
 
@@ -186,7 +188,7 @@ class BlockGroupCOO(SparseFormat):
         AV.index_put_((torch.add(inner, slot, alpha=bm * bk),), coords.vals)
         tensors["AK"] = AK.to(itype)
         tensors["AV"] = AV.view(G, g, bm, bk)
-        chosen = {"block": (bm, bk), "group_size": group_size or g, "blocks": blocks}
+        chosen = {"block": (bm, bk), "group_size": group_size or g, "blocks": blocks, "fan_in": fan_in}
         fmt = cls._packed(coords, tensors, itype, chosen)
         if group_size == "row":
             fmt.expression = cls.row_expression
@@ -245,7 +247,8 @@ class BlockGroupCOO(SparseFormat):
         N = B.shape[1]
         if Kp != B.shape[0]:
             B = torch.cat([B, B.new_zeros(Kp - B.shape[0], N)])
-        C = torch.empty(Mp // bm, bm, N, dtype=dtype, device=B.device)
+        acc = accumulation_dtype(dtype, self.params.get("fan_in"))  # Block-ELL rows: fan-in 1
+        C = torch.empty(Mp // bm, bm, N, dtype=acc, device=B.device)
         self._run(
             overwrite(self.expression),
             backend,
@@ -254,7 +257,7 @@ class BlockGroupCOO(SparseFormat):
             B=B.view(Kp // bk, bk, N),
             **self._values(dtype),
         )
-        return C.view(Mp, N)[: self.shape[0]]
+        return C.view(Mp, N)[: self.shape[0]].to(dtype)
 
     def _describe(self) -> dict[str, Any]:
         shown = {"block": self.block, "group_size": self.group_size}

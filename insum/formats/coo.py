@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from .base import Coords, SparseFormat, index_dtype_for, overwrite
+from .base import Coords, SparseFormat, accumulation_dtype, index_dtype_for, overwrite
 
 __all__ = ["COO"]
 
@@ -30,22 +31,28 @@ class COO(SparseFormat):
     @classmethod
     def _pack(cls, coords: Coords, *, index_dtype: torch.dtype | None = None) -> COO:
         itype = index_dtype_for(*coords.shape, requested=index_dtype)
-        if coords.read() is None:  # the one sync: is a CSR input canonical?
+        # The one sync: is a CSR input canonical, and the longest row (each entry of a row
+        # is a contribution to its output row).
+        host = coords.read(F.pad(coords.counts, (0, 1)).max())
+        if host is None:
             coords = coords.canonical()
+            host = coords.read(F.pad(coords.counts, (0, 1)).max())
         tensors = {
             "AM": coords.rows.to(itype),
             "AK": coords.cols.to(itype),
             "AV": coords.vals.clone(),
         }
-        return cls._packed(coords, tensors, itype)
+        return cls._packed(coords, tensors, itype, {"fan_in": host[0]})
 
     def to_dense(self) -> torch.Tensor:
         dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         return dense.index_put_((self.AM.long(), self.AK.long()), self.AV, accumulate=True)
 
     def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
-        C = torch.empty(self.shape[0], B.shape[1], dtype=dtype, device=B.device)
-        return self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
+        acc = accumulation_dtype(dtype, self.params.get("fan_in"))
+        C = torch.empty(self.shape[0], B.shape[1], dtype=acc, device=B.device)
+        self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
+        return C.to(dtype)
 
     def _describe(self) -> dict[str, Any]:
         return {}

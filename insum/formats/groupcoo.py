@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import InsumError
 from .base import (
     Coords,
     GroupCounts,
     SparseFormat,
+    accumulation_dtype,
     check_positive_int,
     default_group_size,
     index_dtype_for,
@@ -78,21 +80,22 @@ class GroupCOO(SparseFormat):
             if host is None:
                 return cls._pack(coords.canonical(), index_dtype=index_dtype)
             g, G = rule.choose(host)
+            fan_in = rule.fan_in(host, g)
             per_row = rule.per_row(g)
         else:
             g = group_size
             per_row = torch.div(counts + (g - 1), g, rounding_mode="floor")
-            host = coords.read(per_row.sum())
+            host = coords.read(per_row.sum(), F.pad(per_row, (0, 1)).max())
             if host is None:
                 return cls._pack(coords.canonical(), group_size=g, index_dtype=index_dtype)
-            G = host[0]
+            G, fan_in = host
         group_row, idx, valid, _ = pack_row_groups(coords.row_ptr, per_row, g, G)
         tensors = {
             "AM": group_row.to(itype),
             "AK": coords.cols[idx].to(itype),
             "AV": torch.where(valid, coords.vals[idx], 0),
         }
-        return cls._packed(coords, tensors, itype, {"group_size": g})
+        return cls._packed(coords, tensors, itype, {"group_size": g, "fan_in": fan_in})
 
     @classmethod
     def _tuned(cls, coords: Coords, index_dtype, tune_cols: int, backend: str) -> GroupCOO:
@@ -125,8 +128,10 @@ class GroupCOO(SparseFormat):
         return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
 
     def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
-        C = torch.empty(self.shape[0], B.shape[1], dtype=dtype, device=B.device)
-        return self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
+        acc = accumulation_dtype(dtype, self.params.get("fan_in"))
+        C = torch.empty(self.shape[0], B.shape[1], dtype=acc, device=B.device)
+        self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
+        return C.to(dtype)
 
     def _describe(self) -> dict[str, Any]:
         shown = {"group_size": self.group_size, "groups": self.groups}
