@@ -120,6 +120,8 @@ class Kernel:
         if launcher is None:
             launcher = _Launcher(self, bound)
             if bound.signature is not None:
+                if len(self._launchers) >= _BY_SIGNATURE_LIMIT:  # shapes that keep changing
+                    self._launchers.clear()
                 self._launchers[bound.signature] = launcher
         target = out
         if self.plan.output == "atomic":
