@@ -159,9 +159,10 @@ def _gradient(
 ) -> torch.Tensor:
     """The gradient of one factor: its derived statements, accumulated into one buffer."""
     statements = derivation.gradients[name]
-    # One statement writes the factor's dtype directly (the kernel accumulates half
-    # precision in float32); several accumulate in float32 and round once.
-    dtype = tensor.dtype if len(statements) == 1 or tensor.dtype not in _HALF else torch.float32
+    # Half-precision gradients accumulate in float32 and round once, as torch's embedding
+    # backward does: a gradient's scatter (gathers become scatters) may gather hundreds
+    # of contributions per element, and several statements add into one buffer.
+    dtype = torch.float32 if tensor.dtype in _HALF else tensor.dtype
     result = None
     for stmt in statements:
         inputs = derivation.inputs[stmt]

@@ -187,3 +187,22 @@ def test_triton_gradients_match_the_lowering(c):
         results[backend] = torch.autograd.grad(y, list(inputs.values()), seed)
     for name, got, want in zip(names, results["triton"], results["torch"]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_half_precision_gradient_scatter_accumulates_in_float32():
+    """Every entry gathers row 0 of B, so dB[0] sums 4096 contributions: in fp16 they
+    would lose ~5%; accumulated in float32 and rounded once they stay under 1e-3."""
+    g = torch.Generator().manual_seed(0)
+    P, N = 4096, 3
+    AV = (torch.rand(P, generator=g) + 0.5).to(torch.float16)
+    AK = torch.zeros(P, dtype=torch.int64)
+    AM = torch.randint(0, 7, (P,), generator=g)
+    B = (torch.rand(5, N, generator=g) + 0.5).to(torch.float16).requires_grad_(True)
+    C = insum("C[AM[p],n] += AV[p]*B[AK[p],n]", C=torch.zeros(7, N, dtype=torch.float16),
+              AM=AM, AV=AV, AK=AK, B=B, backend="torch")
+    dC = (torch.rand(7, N, generator=g) + 0.5).to(torch.float16)
+    (dB,) = torch.autograd.grad(C, [B], dC)
+    expected = torch.zeros(5, N, dtype=torch.float64)
+    expected[0] = (AV.double()[:, None] * dC.double()[AM]).sum(0)
+    assert dB.dtype == torch.float16
+    assert ((dB.double() - expected).norm() / expected.norm()) < 1e-3
