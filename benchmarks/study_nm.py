@@ -103,32 +103,33 @@ def config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured) 
             if note not in ctx.notes:
                 ctx.note(note)
             return
-        try:
-            sparse = to_sparse_semi_structured(pruned)
-            lt_err = relative_error(sparse @ Bs[0], expected)
-            t_lt = ctx.bench(lambda B: sparse @ B, inputs)
-        except Exception as e:
-            ctx.note(f"cuSPARSELt {dtype_name(dtype)} {size}^3: {type(e).__name__}: {str(e)[:160]}")
-            return
-        kind = type(sparse).__name__  # torch falls back to CUTLASS where cuSPARSELt is missing
-        if "CUSPARSELT" not in kind.upper():
-            ctx.note(f"to_sparse_semi_structured gave {kind}, not cuSPARSELt")
-        ctx.add(dict(base, set=f"{dtype_name(dtype)} 2:4 vs cuSPARSELt", anchor="cuSPARSELt",
-                     anchor_ms=t_lt, anchor_err=lt_err, anchor_impl=kind))
-        # torch's other 2:4 kernel (CUTLASS): a second view of the same hardware feature,
-        # without cuSPARSELt's per-call setup.
         from torch.sparse import SparseSemiStructuredTensor
 
+        label = f"{dtype_name(dtype)} {size}^3"
+        kind = _two_four_anchor(ctx, base, "cuSPARSELt", label, to_sparse_semi_structured, pruned, Bs, expected, inputs)
+        if kind is not None and "CUSPARSELT" not in kind.upper():  # torch falls back to CUTLASS
+            ctx.note(f"to_sparse_semi_structured gave {kind}, not cuSPARSELt")
+        # torch's other 2:4 kernel (CUTLASS): a second view of the same hardware feature,
+        # without cuSPARSELt's per-call setup.
         forced = SparseSemiStructuredTensor._FORCE_CUTLASS
         try:
             SparseSemiStructuredTensor._FORCE_CUTLASS = True
-            cutlass = to_sparse_semi_structured(pruned)
-            cutlass_err = relative_error(cutlass @ Bs[0], expected)
-            t_cutlass = ctx.bench(lambda B: cutlass @ B, inputs)
-        except Exception as e:
-            ctx.note(f"CUTLASS 2:4 {dtype_name(dtype)} {size}^3: {type(e).__name__}: {str(e)[:160]}")
-            return
+            _two_four_anchor(ctx, base, "CUTLASS 2:4", label, to_sparse_semi_structured, pruned, Bs, expected, inputs)
         finally:
             SparseSemiStructuredTensor._FORCE_CUTLASS = forced
-        ctx.add(dict(base, set=f"{dtype_name(dtype)} 2:4 vs CUTLASS 2:4", anchor="CUTLASS 2:4",
-                     anchor_ms=t_cutlass, anchor_err=cutlass_err, anchor_impl=type(cutlass).__name__))
+
+
+def _two_four_anchor(ctx, base, anchor, label, to_sparse_semi_structured, pruned, Bs, expected, inputs) -> str | None:
+    """Time torch's 2:4 matmul of `pruned` as `anchor`; the implementation's class name, or
+    None (with a note) when torch cannot run it here."""
+    try:
+        sparse = to_sparse_semi_structured(pruned)
+        err = relative_error(sparse @ Bs[0], expected)
+        t = ctx.bench(lambda B: sparse @ B, inputs)
+    except Exception as e:
+        ctx.note(f"{anchor} {label}: {type(e).__name__}: {str(e)[:160]}")
+        return None
+    kind = type(sparse).__name__
+    ctx.add(dict(base, set=f"{base['dtype']} 2:4 vs {anchor}", anchor=anchor, anchor_ms=t, anchor_err=err,
+                 anchor_impl=kind))
+    return kind
