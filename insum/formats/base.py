@@ -385,8 +385,9 @@ class SparseFormat:
     """A sparse matrix packed as dense index/value tensors plus its SpMM statement.
 
     Subclasses set `name` (the registry key) and `expression`, implement `_pack(coords,
-    **params)`, `to_dense()` and `_spmm(...)`, and list their value tensors in
-    `_value_names` so that `padding_ratio` can count stored slots.
+    **params)` and `to_dense()` (and `_spmm(...)` when the output is not C (M, N)), and
+    list their value tensors in `_value_names` so that `padding_ratio` can count stored
+    slots.
 
     Attributes: shape (M, K); nnz (entries packed, explicit zeros included); dtype (of the
     values); index_dtype; device; params (the chosen parameters); each packed tensor is
@@ -591,8 +592,17 @@ class SparseFormat:
     def _is_value(self, name: str) -> bool:
         return name in self._value_names
 
+    @property
+    def fan_in(self) -> int | None:
+        """The most groups that add into one output row (None: not recorded)."""
+        return self.params.get("fan_in")
+
     def _spmm(self, B: torch.Tensor, dtype: torch.dtype, backend: str, precision: str) -> torch.Tensor:
-        raise NotImplementedError
+        """A @ B for a statement whose output is C (M, N), run with `=`; half precision
+        accumulates in float32 where many groups meet in one row (`accumulation_dtype`)."""
+        C = torch.empty(self.shape[0], B.shape[1], dtype=accumulation_dtype(dtype, self.fan_in), device=B.device)
+        self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
+        return C.to(dtype)
 
     @staticmethod
     def _run(

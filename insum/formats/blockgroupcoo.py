@@ -247,7 +247,7 @@ class BlockGroupCOO(SparseFormat):
         N = B.shape[1]
         if Kp != B.shape[0]:
             B = torch.cat([B, B.new_zeros(Kp - B.shape[0], N)])
-        acc = accumulation_dtype(dtype, self.params.get("fan_in"))  # Block-ELL rows: fan-in 1
+        acc = accumulation_dtype(dtype, self.fan_in)  # Block-ELL rows: fan-in 1
         C = torch.empty(Mp // bm, bm, N, dtype=acc, device=B.device)
         self._run(
             overwrite(self.expression),

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import Coords, SparseFormat, accumulation_dtype, index_dtype_for, overwrite
+from .base import Coords, SparseFormat, index_dtype_for
 
 __all__ = ["COO"]
 
@@ -47,12 +47,6 @@ class COO(SparseFormat):
     def to_dense(self) -> torch.Tensor:
         dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         return dense.index_put_((self.AM.long(), self.AK.long()), self.AV, accumulate=True)
-
-    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
-        acc = accumulation_dtype(dtype, self.params.get("fan_in"))
-        C = torch.empty(self.shape[0], B.shape[1], dtype=acc, device=B.device)
-        self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
-        return C.to(dtype)
 
     def _describe(self) -> dict[str, Any]:
         return {}

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .base import Coords, SparseFormat, index_dtype_for, overwrite
+from .base import Coords, SparseFormat, index_dtype_for
 
 __all__ = ["ELL"]
 
@@ -62,9 +62,10 @@ class ELL(SparseFormat):
         rows = torch.arange(M, device=self.device).unsqueeze(1).expand(M, W)
         return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
 
-    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
-        C = torch.empty(self.shape[0], B.shape[1], dtype=dtype, device=B.device)
-        return self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
+    @property
+    def fan_in(self) -> int:
+        """One group per row: every output row has one owner."""
+        return 1
 
     def _describe(self) -> dict[str, Any]:
         return {"width": self.width}

@@ -17,12 +17,10 @@ from .base import (
     Coords,
     GroupCounts,
     SparseFormat,
-    accumulation_dtype,
     check_positive_int,
     default_group_size,
     index_dtype_for,
     next_pow2,
-    overwrite,
     pack_row_groups,
     tune,
     tuning_operand,
@@ -126,12 +124,6 @@ class GroupCOO(SparseFormat):
         dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         rows = self.AM.long().unsqueeze(1).expand(G, g)
         return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
-
-    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
-        acc = accumulation_dtype(dtype, self.params.get("fan_in"))
-        C = torch.empty(self.shape[0], B.shape[1], dtype=acc, device=B.device)
-        self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
-        return C.to(dtype)
 
     def _describe(self) -> dict[str, Any]:
         shown = {"group_size": self.group_size, "groups": self.groups}
