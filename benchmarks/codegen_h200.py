@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch
 import insum
 from insum.formats import BlockGroupCOO, GroupCOO, load_smtx
 
-from .common import ceilings, median_ms, relative_error, rotating
+from .common import bare_launcher, ceilings, host_us_per_call, median_ms, relative_error, rotating
 
 N_COLS = 128
 
@@ -102,27 +101,9 @@ def host_overhead() -> dict:
     C = torch.zeros(256, 32, device="cuda")
     tensors = dict(fmt.tensors, B=B, C=C)
     expr = fmt.expression
-    insum.insum(expr, **tensors)
-    kernel = insum.compile(expr, **tensors)
-    from insum.bind import bind
-    from insum.parser import parse
-
-    bound = bind(parse(expr), tensors)
-    launcher = kernel._launchers[bound.signature]  # prepared by the call above
-    args, config, grid = launcher.args(bound.tensors, C), launcher.config, launcher.grid
-
-    def timed(fn, n=2000):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e6
-
-    bare = timed(lambda: kernel.fn[grid](*args, **config))
-    full = timed(lambda: insum.insum(expr, **tensors))
+    insum.insum(expr, **tensors)  # compiles, tunes and prepares the launch
+    bare = host_us_per_call(bare_launcher(expr, tensors))
+    full = host_us_per_call(lambda: insum.insum(expr, **tensors))
     print(f"host overhead: bare launch {bare:.1f}us/call, insum() {full:.1f}us/call, extra {full - bare:.1f}us")
     return dict(bare_us=bare, insum_us=full, extra_us=full - bare)
 

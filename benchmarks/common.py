@@ -51,6 +51,36 @@ def cpu_median_ms(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
+def host_us_per_call(fn: Callable[[], object], calls: int = 2000, sync: Callable[[], None] | None = None) -> float:
+    """Wall-clock microseconds per call over `calls` calls after a warm-up, synchronising
+    once at each end: the host's cost per call while the device keeps up."""
+    sync = sync or torch.cuda.synchronize
+    for _ in range(min(calls, 50)):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def bare_launcher(expr: str, tensors: dict) -> Callable[[], None]:
+    """Relaunch insum's cached kernel for `tensors` with the launch insum() prepared for them
+    (call insum() with these tensors first). Reads runtime internals: raises when those
+    have changed shape, and the caller notes it."""
+    from insum.bind import bind
+    from insum.parser import parse
+    from insum.runtime import kernel_for
+
+    bound = bind(parse(expr), tensors)
+    kernel = kernel_for(bound)
+    launcher = kernel._launchers[bound.signature]
+    args = launcher.args(bound.tensors, bound.tensors[bound.output_name])
+    fn, grid, config = kernel.fn, launcher.grid, launcher.config
+    return lambda: fn[grid](*args, **config)
+
+
 def rotating(fn, inputs: list):
     """A no-argument callable that cycles through input sets so caches do not flatter."""
     state = {"i": 0}

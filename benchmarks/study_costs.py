@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import torch
 import insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, load_smtx, power_law_matrix
 
-from .common import Context, lowered_spmm, relative_error
+from .common import Context, bare_launcher, host_us_per_call, lowered_spmm, relative_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,49 +47,6 @@ def run(ctx: Context) -> list[dict]:
 # --------------------------------------------------------------------------- host overhead
 
 
-def per_call_us(ctx: Context, fn, n: int) -> float:
-    """Wall-clock microseconds per call over n calls, synchronising once at the end."""
-    for _ in range(min(n, 50)):
-        fn()
-    ctx.sync()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    ctx.sync()
-    return (time.perf_counter() - start) / n * 1e6
-
-
-def bare_launcher(expr: str, tensors: dict):
-    """Relaunch insum's cached kernel for `tensors` with its arguments prepared once.
-
-    Reads the kernel's argument list, plan and tuned configuration (runtime internals);
-    raises when those have changed shape, and the caller notes it.
-    """
-    from insum.bind import bind
-    from insum.codegen.tune import next_power_of_2
-    from insum.parser import parse
-
-    kernel = insum.compile(expr, **tensors)
-    bound = bind(parse(expr), tensors)
-    extents = bound.extents
-    args = []
-    for arg in kernel.args:
-        if arg[0] == "ptr":
-            args.append(tensors[arg[1]])
-        elif arg[0] == "size":
-            args.append(extents[arg[1]])
-        else:
-            args.append(tensors[arg[1]].stride(arg[2]))
-    bucket = tuple(next_power_of_2(extents[v]) for _, v in kernel.plan.tiles)
-    config = kernel.tuned[bucket]
-    tiles = [(v, f"BLOCK_{a}") for a, v in kernel.plan.tiles if a != "K"]
-    programs = math.prod(extents[v] for v in kernel.plan.grid)
-    programs *= math.prod(-(-extents[v] // config[b]) for v, b in tiles)
-    grid = (programs,)
-    fn = kernel.fn
-    return lambda: fn[grid](*args, **config)
-
-
 def host_overhead(ctx: Context) -> None:
     dev = ctx.device
     gen = torch.Generator(device=dev).manual_seed(7)
@@ -104,20 +60,20 @@ def host_overhead(ctx: Context) -> None:
     expected = A.double() @ B.double()
     err = relative_error(insum.insum(expr, backend=ctx.backend, **tensors), expected)
     n = 2 if ctx.smoke else 2000
-    t_insum = per_call_us(ctx, lambda: insum.insum(expr, backend=ctx.backend, **tensors), n)
+    t_insum = host_us_per_call(lambda: insum.insum(expr, backend=ctx.backend, **tensors), n, ctx.sync)
     base = dict(set="host time per cached call", dtype="fp32", err=err, calls=n, shapes="256x256, 5% dense, N=32")
     try:
         bare = bare_launcher(expr, tensors)
         C.zero_()
         bare()
         bare_err = relative_error(C, expected)
-        t_bare = per_call_us(ctx, bare, n)
+        t_bare = host_us_per_call(bare, n, ctx.sync)
         ctx.add(dict(base, case="insum() vs bare Triton launch", anchor="bare launch", insum_ms=t_insum / 1e3,
                      anchor_ms=t_bare / 1e3, anchor_err=bare_err, extra_us=t_insum - t_bare))
     except Exception as e:
         ctx.note(f"bare launch unavailable ({type(e).__name__}: {e}); insum() alone: {t_insum:.1f} us/call")
-    t_fmt = per_call_us(ctx, lambda: fmt.spmm(B, backend=ctx.backend), n)
-    t_csr = per_call_us(ctx, lambda: csr @ B, n)
+    t_fmt = host_us_per_call(lambda: fmt.spmm(B, backend=ctx.backend), n, ctx.sync)
+    t_csr = host_us_per_call(lambda: csr @ B, n, ctx.sync)
     ctx.add(dict(base, case="fmt @ B vs torch CSR @ B", anchor="CSR @ B call", insum_ms=t_fmt / 1e3,
                  anchor_ms=t_csr / 1e3, err=relative_error(fmt.spmm(B, backend=ctx.backend), expected),
                  anchor_err=relative_error(csr @ B, expected)))

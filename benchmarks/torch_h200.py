@@ -41,6 +41,8 @@ from insum import insum as run  # noqa: E402
 from insum.formats import BlockGroupCOO, GroupCOO  # noqa: E402
 from insum.nn import SparseLinear  # noqa: E402
 
+from .common import host_us_per_call  # noqa: E402
+
 SPMM = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
 DEVICE = torch.device("cuda")  # --cpu: a smoke run (interpreter, tiny sizes, no CUDA checks)
 RESULTS: dict = {"checks": {}, "bench": []}
@@ -319,18 +321,8 @@ def _checks(quick: bool, CASES, build) -> None:
         C = torch.zeros(16, 16, device=DEVICE)
         AVg = t["AV"].clone().requires_grad_(True)
 
-        def per_call(fn, reps=2000):
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - start) / reps * 1e6
-
-        plain = per_call(lambda: run(SPMM, C=C, **t))
-        graded = per_call(lambda: run(SPMM, C=torch.zeros(16, 16, device=DEVICE), **{**t, "AV": AVg}))
+        plain = host_us_per_call(lambda: run(SPMM, C=C, **t))
+        graded = host_us_per_call(lambda: run(SPMM, C=torch.zeros(16, 16, device=DEVICE), **{**t, "AV": AVg}))
         RESULTS["host_us"] = {"eager": plain, "autograd_op": graded}
         return f"eager {plain:.1f} us/call, with autograd (custom op + node) {graded:.1f} us/call"
 
