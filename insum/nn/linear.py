@@ -1,4 +1,4 @@
-"""insum.nn: a linear layer whose weight lives in a sparse format.
+"""insum.nn.linear: a linear layer whose weight lives in a sparse format.
 
     >>> import torch
     >>> from insum.nn import SparseLinear
@@ -17,19 +17,17 @@ repeats a stored position, so it is the same weight entry counted twice).
 from __future__ import annotations
 
 import math
-import sys
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
-from .api import insum
-from .autograd import derive
-from .errors import InsumError, InsumShapeError
-from .formats.base import SparseFormat, format_class
+from ..api import insum
+from ..autograd import derive
+from ..errors import InsumError, InsumShapeError
+from ..formats.base import SparseFormat, format_class
 
-__all__ = ["SparseLinear", "sparse_linear", "magnitude_prune", "functional"]
+__all__ = ["SparseLinear", "sparse_linear", "magnitude_prune"]
 
 _DTYPES = {str(d): d for d in (torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
@@ -59,11 +57,6 @@ def sparse_linear(
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, out_features)
-
-
-functional = types.ModuleType(__name__ + ".functional", "Functional forms: sparse_linear.")
-functional.sparse_linear = sparse_linear
-sys.modules[functional.__name__] = functional
 
 
 def magnitude_prune(
