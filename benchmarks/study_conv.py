@@ -114,6 +114,45 @@ def _spconv():
 # --------------------------------------------------------------------------- the study
 
 
+def gpu_checks(device, size: int = 6000) -> list[dict]:
+    """The generated kernels against the torch lowering (float64) on a small scene: every
+    mode and form, fp32/fp16/bf16, forward and both gradients."""
+    from insum.nn import SparseConv3d
+
+    coords = room_scene(size, seed=7, device=device)[:, 1:] + 4
+    rows = []
+    cases = (("subm", 3, 1, "tiles"), ("subm", 3, 1, "pairs"), ("subm", 5, 1, "tiles"),
+             ("strided", 2, 2, "tiles"), ("strided", 3, 2, "pairs"), ("transposed", 2, 2, "tiles"))
+    tuning = os.environ.get("INSUM_AUTOTUNE")
+    os.environ["INSUM_AUTOTUNE"] = "0"  # correctness only: one configuration per kernel
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for mode, k, s, form in cases if dtype == torch.float32 else cases[:2] + cases[-1:]:
+            down = SparseConv3d(8, 8, 2, stride=2, subm=False).to(device)
+            coarse = down(torch.randn(coords.shape[0], 8, device=device), coords)[1]
+            kw = dict(subm=mode == "subm", transposed=mode == "transposed", stride=s, form=form)
+            conv = SparseConv3d(24, 40, k, bias=True, **kw).to(device)
+            src, dst = (coarse, coords) if mode == "transposed" else (coords, None)
+            x = torch.randn(src.shape[0], 24, device=device).to(dtype).float()
+            results = {}
+            for backend, dt in (("triton", dtype), ("torch", torch.float64)):
+                conv.backend = backend
+                c = conv.to(dt)
+                xg = x.to(dt).clone().requires_grad_()
+                y, _ = c(xg, src, dst)
+                g = torch.ones_like(y) + torch.arange(y.shape[1], device=device, dtype=dt) / y.shape[1]
+                y.backward(g)
+                results[backend] = (y.double(), xg.grad.double(), c.weight.grad.double())
+                c.weight.grad = None
+            errs = [relative_error(a, b) for a, b in zip(results["triton"], results["torch"])]
+            rows.append({"check": f"{mode} k{k} s{s} {form} {str(dtype)[6:]}", "y": errs[0], "dx": errs[1], "dw": errs[2]})
+            print(json.dumps(rows[-1]), flush=True)
+    if tuning is None:
+        del os.environ["INSUM_AUTOTUNE"]
+    else:
+        os.environ["INSUM_AUTOTUNE"] = tuning
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="120000,1000000")
@@ -127,6 +166,8 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     spconv, why = _spconv()
     rows = []
+    checks = gpu_checks(device)
+    (out_dir / "conv_checks.json").write_text(json.dumps(checks, indent=1))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, spconv-triton: {why or 'ok'}", flush=True)
 
     def add(row):
@@ -136,80 +177,82 @@ def main(argv=None) -> int:
 
     for size in [int(s) for s in args.sizes.split(",")]:
         coords = room_scene(size, seed=size, device=device)
-        n = coords.shape[0]
-        torch.cuda.synchronize()
-        build_fwd = median_ms(lambda: build_kernel_map(coords).tiles(128))
-
-        def build_train():
-            km = build_kernel_map(coords)
-            km.tiles(128), km.transpose().tiles(128), km.pair_groups()
-
-        build_all = median_ms(build_train)
+        maps = _map_times(coords)
         km = build_kernel_map(coords)
-        pairs = km.pairs
         ins, outs = _pairs_per_offset(km)
         for c in [int(s) for s in args.channels.split(",")]:
             if time.perf_counter() - started > BUDGET_S:
-                print(f"budget spent: skipping N={n} C={c}", flush=True)
+                print(f"budget spent: skipping N={coords.shape[0]} C={c}", flush=True)
                 continue
-            gen = torch.Generator(device=device).manual_seed(c)
-            x32 = torch.randn(n, c, device=device, generator=gen)
-            w32 = torch.randn(3, 3, 3, c, c, device=device, generator=gen) / math.sqrt(27 * c)
-            x, w = x32.half(), w32.half()
-            ref = torch_loop(x32, w32.reshape(27, c, c), ins, outs)
-            flops = 2 * pairs * c * c
-            row = {"voxels": n, "pairs": pairs, "pairs_per_voxel": pairs / n, "channels": c,
-                   "map_fwd_ms": build_fwd, "map_train_ms": build_all}
-            for form, tile in (("tiles", 128), ("tiles", 64), ("pairs", 128)):
-                got = sparse_conv3d(x, w, km, form=form, tile=tile)
-                name = f"{form}{tile}"
-                row[f"{name}_err"] = relative_error(got.float(), ref)
-                row[f"{name}_fwd_ms"] = median_ms(lambda: sparse_conv3d(x, w, km, form=form, tile=tile))
-                if form == "tiles":
-                    t = km.tiles(tile)
-                    row[f"{name}_padding"] = t.padded_pairs / max(1, t.real_pairs)
-                    row[f"{name}_buckets"] = [b[2].shape[2] for b in t.buckets]
-            row["loop_fwd_ms"] = median_ms(lambda: torch_loop(x, w.reshape(27, c, c), ins, outs))
-            best = min(("tiles128", "tiles64", "pairs128"), key=lambda f: row[f"{f}_fwd_ms"])
-            row["best_fwd"] = best
-            row["best_fwd_tflops"] = flops / row[f"{best}_fwd_ms"] * 1e-9
-
-            # forward + backward (tiles, 128 and 64 rows)
-            xg = x.clone().requires_grad_()
-            wg = w.clone().requires_grad_()
-            g = torch.randn(n, c, device=device, dtype=torch.float16, generator=gen)
-            for tile in (128, 64):
-                def step(tile=tile):
-                    xg.grad = wg.grad = None
-                    sparse_conv3d(xg, wg, km, tile=tile).backward(g)
-
-                step()
-                if tile == 128:
-                    x32g, w32g = x32.clone().requires_grad_(), w32.clone().requires_grad_()
-                    torch_loop(x32g, w32g.reshape(27, c, c), ins, outs).backward(g.float())
-                    row["grad_x_err"] = relative_error(xg.grad.float(), x32g.grad)
-                    row["grad_w_err"] = relative_error(wg.grad.float(), w32g.grad)
-                row[f"tiles{tile}_fwdbwd_ms"] = median_ms(step)
-            wl = w.reshape(27, c, c)
-
-            def loop_step():
-                xg.grad = wg.grad = None
-                torch_loop(xg, wg.reshape(27, c, c), ins, outs).backward(g)
-
-            del wl
-            row["loop_fwdbwd_ms"] = median_ms(loop_step)
-            row["best_fwdbwd_ms"] = min(row["tiles128_fwdbwd_ms"], row["tiles64_fwdbwd_ms"])
-            row["best_fwdbwd_tflops"] = 3 * flops / row["best_fwdbwd_ms"] * 1e-9
-
-            if spconv is not None:
-                try:
-                    _spconv_row(spconv, row, coords, x, w, g, ref, n, c, flops)
-                except Exception as e:  # noqa: BLE001 - keep insum's numbers when the anchor fails
-                    row["spconv_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            add(row)
+            add({**maps, **_case(km, coords, ins, outs, c, spconv)})
     undo()
     _table(rows)
     return 0
+
+
+def _map_times(coords) -> dict:
+    """insum's kernel map: for inference (map + tiles) and for training (+ transpose, pairs)."""
+    def build_train():
+        km = build_kernel_map(coords)
+        km.tiles(128), km.transpose().tiles(128), km.pair_groups()
+
+    return {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles(128)), "map_train_ms": median_ms(build_train)}
+
+
+def _case(km, coords, ins, outs, c, spconv) -> dict:
+    """One scene and channel count: every form, the loop and spconv-triton."""
+    device, n, pairs = coords.device, coords.shape[0], km.pairs
+    gen = torch.Generator(device=device).manual_seed(c)
+    x32 = torch.randn(n, c, device=device, generator=gen)
+    w32 = torch.randn(3, 3, 3, c, c, device=device, generator=gen) / math.sqrt(27 * c)
+    x, w = x32.half(), w32.half()
+    ref = torch_loop(x32, w32.reshape(27, c, c), ins, outs)
+    flops = 2 * pairs * c * c
+    row = {"voxels": n, "pairs": pairs, "pairs_per_voxel": pairs / n, "channels": c}
+    for form, tile in (("tiles", 128), ("tiles", 64), ("pairs", 128)):
+        got = sparse_conv3d(x, w, km, form=form, tile=tile)
+        name = f"{form}{tile}"
+        row[f"{name}_err"] = relative_error(got.float(), ref)
+        row[f"{name}_fwd_ms"] = median_ms(lambda form=form, tile=tile: sparse_conv3d(x, w, km, form=form, tile=tile))
+        if form == "tiles":
+            t = km.tiles(tile)
+            row[f"{name}_padding"] = t.padded_pairs / max(1, t.real_pairs)
+            row[f"{name}_buckets"] = [b[2].shape[2] for b in t.buckets]
+    row["loop_fwd_ms"] = median_ms(lambda: torch_loop(x, w.reshape(27, c, c), ins, outs))
+    best = min(("tiles128", "tiles64", "pairs128"), key=lambda f: row[f"{f}_fwd_ms"])
+    row["best_fwd"] = best
+    row["best_fwd_tflops"] = flops / row[f"{best}_fwd_ms"] * 1e-9
+
+    # forward + backward (tiled forward and input gradient, grouped-pairs weight gradient)
+    xg = x.clone().requires_grad_()
+    wg = w.clone().requires_grad_()
+    g = torch.randn(n, c, device=device, dtype=torch.float16, generator=gen)
+    for tile in (128, 64):
+        def step(tile=tile):
+            xg.grad = wg.grad = None
+            sparse_conv3d(xg, wg, km, tile=tile).backward(g)
+
+        step()
+        if tile == 128:
+            x32g, w32g = x32.clone().requires_grad_(), w32.clone().requires_grad_()
+            torch_loop(x32g, w32g.reshape(27, c, c), ins, outs).backward(g.float())
+            row["grad_x_err"] = relative_error(xg.grad.float(), x32g.grad)
+            row["grad_w_err"] = relative_error(wg.grad.float(), w32g.grad)
+        row[f"tiles{tile}_fwdbwd_ms"] = median_ms(step)
+
+    def loop_step():
+        xg.grad = wg.grad = None
+        torch_loop(xg, wg.reshape(27, c, c), ins, outs).backward(g)
+
+    row["loop_fwdbwd_ms"] = median_ms(loop_step)
+    row["best_fwdbwd_ms"] = min(row["tiles128_fwdbwd_ms"], row["tiles64_fwdbwd_ms"])
+    row["best_fwdbwd_tflops"] = 3 * flops / row["best_fwdbwd_ms"] * 1e-9
+    if spconv is not None:
+        try:
+            _spconv_row(spconv, row, coords, x, w, g, ref, n, c, flops)
+        except Exception as e:  # noqa: BLE001 - keep insum's numbers when the anchor fails
+            row["spconv_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
 
 
 def _spconv_row(spconv, row, coords, x, w, g, ref, n, c, flops):
@@ -249,7 +292,7 @@ def _table(rows):
     print("\nforward / forward+backward, ms (do_bench median), fp16 submanifold 3x3x3")
     print(head)
     for r in rows:
-        def f(key, fmt="8.3f"):
+        def f(key, fmt="8.3f", r=r):
             v = r.get(key)
             return format(v, fmt) if isinstance(v, (int, float)) else format("-", ">" + fmt.split(".")[0])
 

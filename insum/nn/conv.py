@@ -19,8 +19,8 @@ neighbours:
   `O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]`
 - forward, grouped pairs (`form="pairs"`, scattered with fp32 atomics):
   `O[PO[p, q], co] += X[PI[p, q], ci] * W[PW[p], ci, co]`
-- input gradient: the tiled statement on the transposed map, W read as (co, ci):
-  `O[t, m, ci] = X[NB[t, m, j], co] * W[TW[t, j], ci, co]` with X the output gradient
+- input gradient: the same tiled statement on the transposed map, with X the output
+  gradient and W each offset's transposed (co, ci) block
 - weight gradient: per-group partial products summed per offset:
   `dWp[p, ci, co] = X[PI[p, q], ci] * dO[PO[p, q], co]`, `dW[PW[p]] += dWp[p]`
 
@@ -42,7 +42,6 @@ from .kernel_map import KernelMap, KernelMapCache, default_cache
 __all__ = ["SparseConv3d", "sparse_conv3d", "FORMS", "TILED", "PAIRS", "WEIGHT_GRAD"]
 
 TILED = "O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]"
-TILED_INPUT_GRAD = "O[t, m, ci] = X[NB[t, m, j], co] * W[TW[t, j], ci, co]"
 PAIRS = "O[PO[p, q], co] += X[PI[p, q], ci] * W[PW[p], ci, co]"
 WEIGHT_GRAD = "dWp[p, ci, co] = X[PI[p, q], ci] * dO[PO[p, q], co]"
 FORMS = ("tiles", "pairs")
@@ -52,12 +51,13 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, x.shape[1])])
 
 
-def _run_tiled(expr: str, km: KernelMap, x0: torch.Tensor, w: torch.Tensor, width: int, tile: int, opts: dict):
-    """Run a tiled statement over every bucket of `km`'s tiles; rows back in map order."""
+def _run_tiled(km: KernelMap, x0: torch.Tensor, w: torch.Tensor, tile: int, opts: dict):
+    """Run the tiled statement over every bucket of `km`'s tiles; rows back in map order."""
     tiled = km.tiles(tile)
+    width = w.shape[2]
     y = x0.new_empty(tiled.n_tiles, tiled.tile, width)
     for start, end, nb, tw in tiled.buckets:
-        insum(expr, O=y[start:end], X=x0, NB=nb, TW=tw, W=w, **opts)
+        insum(TILED, O=y[start:end], X=x0, NB=nb, TW=tw, W=w, **opts)
     return y.view(-1, width)[tiled.inverse]
 
 
@@ -68,7 +68,7 @@ class _SparseConv(torch.autograd.Function):
         opts = {"backend": backend, "precision": precision}
         x0 = _with_zero_row(feats)
         if form == "tiles":
-            out = _run_tiled(TILED, km, x0, weight, cout, tile, opts)
+            out = _run_tiled(km, x0, weight, tile, opts)
         else:
             groups = km.pair_groups(tile)
             acc = torch.zeros(max(km.n_out, 1), cout, dtype=torch.promote_types(feats.dtype, torch.float32), device=feats.device)
@@ -87,7 +87,7 @@ class _SparseConv(torch.autograd.Function):
         grad_feats = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad0 = _with_zero_row(grad)
-            grad_feats = _run_tiled(TILED_INPUT_GRAD, km.transpose(), grad0, weight, cin, ctx.tile, opts)
+            grad_feats = _run_tiled(km.transpose(), grad0, weight.transpose(1, 2).contiguous(), ctx.tile, opts)
         if ctx.needs_input_grad[1]:
             groups = km.pair_groups()
             acc_dtype = torch.promote_types(weight.dtype, torch.float32)

@@ -273,7 +273,7 @@ def _bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
     return best[n][1]
 
 
-def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 4) -> TiledMap:
+def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6) -> TiledMap:
     """Pack a kernel map into the output-stationary tiled form (see `TiledMap`)."""
     n_out, volume = nbr.shape
     device = nbr.device
