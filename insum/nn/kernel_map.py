@@ -52,7 +52,7 @@ def _as_batched(coords: torch.Tensor, name: str) -> torch.Tensor:
         raise InsumTypeError(f"{name} must be an integer tensor, got {coords.dtype}")
     if coords.dim() != 2 or coords.shape[1] not in (3, 4):
         raise InsumShapeError(f"{name} must have shape [N, 3] or [N, 4] (batch first), got {tuple(coords.shape)}")
-    coords = coords.long()
+    coords = coords.to(torch.int64, copy=True)  # never the caller's tensor: a cached map must not keep it alive
     if coords.shape[1] == 3:
         coords = torch.cat([coords.new_zeros(coords.shape[0], 1), coords], 1)
     return coords
@@ -183,6 +183,15 @@ class KernelMap:
         """Real (input, output, offset) triples: the work of the convolution."""
         return self._get("pairs", lambda: int((self.nbr >= 0).sum()))
 
+    def prepare(self, tile: int = 128, training: bool = True) -> KernelMap:
+        """Build the packings a forward (and with `training`, a backward) pass reads, so
+        that a function compiled with `torch.compile(fullgraph=True)` only looks them up."""
+        self.tiles(tile)
+        if training:
+            self.transpose().tiles(tile)
+            self.pair_groups()
+        return self
+
     def transpose(self) -> KernelMap:
         """The map of the adjoint: for each input row and offset, the output that reads it."""
         return self._get("transpose", lambda: _transpose(self))
@@ -285,7 +294,9 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
     rows = torch.full((n_tiles * tile,), -1, dtype=torch.long, device=device)
     rows[:n_out] = order
     rows = rows.view(n_tiles, tile)
-    row_found = found[rows.clamp_min(0)] & (rows >= 0)[:, :, None]  # [T, tile, volume]
+    # Row -1 (padding) reads an appended row with no neighbours.
+    nbr_padded = torch.cat([nbr, nbr.new_full((1, volume), -1)])
+    row_found = nbr_padded[rows] >= 0  # [T, tile, volume]
     active = row_found.any(1)  # [T, volume]
     counts = active.sum(1)
     counts, tile_order = torch.sort(counts, stable=True)
@@ -301,9 +312,8 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
         width = max(1, host_counts[end - 1])
         # The tile's active offsets first, in offset order.
         tw = torch.argsort((~active[start:end]).to(torch.int8), dim=1, stable=True)[:, :width]
-        r = rows[start:end]
-        nb = nbr[r.clamp_min(0)[:, :, None], tw[:, None, :]].long()  # [t, tile, width]
-        nb = torch.where((r >= 0)[:, :, None] & (nb >= 0), nb, n_in)
+        nb = nbr_padded[rows[start:end, :, None], tw[:, None, :]].long()  # [t, tile, width]
+        nb = torch.where(nb >= 0, nb, n_in)
         buckets.append((start, end, nb.to(torch.int32).contiguous(), tw.to(torch.int32).contiguous()))
         start = end
     padded = sum((end - start) * tile * nb.shape[2] for start, end, nb, _ in buckets)
