@@ -127,7 +127,7 @@ def test_packings_hold_every_pair_once():
     rows = torch.full((tiled.n_tiles * 16,), -1, dtype=torch.long)
     rows[tiled.inverse] = torch.arange(km.n_out)
     seen = set()
-    for start, end, nb, tw in tiled.buckets:
+    for start, _end, nb, tw in tiled.buckets:
         for t, m, j in (nb < km.n_in).nonzero().tolist():
             seen_pair = (int(rows[(start + t) * 16 + m]), int(tw[t, j]), int(nb[t, m, j]))
             assert seen_pair not in seen
