@@ -254,6 +254,7 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
 
     if output is not None:
         _check_aliasing(stmt, tuple(uses), tensors)
+        _check_distinct_elements(out_name, output)
         out_shape, out_dtype = tuple(output.shape), output.dtype
     else:
         if len(analysis.output_dims) != len(stmt.output.indices):
@@ -280,6 +281,17 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
         device=device,
         signature=signature,
     )
+
+
+def _check_distinct_elements(name: str, output: torch.Tensor) -> None:
+    """An output whose elements share memory (a stride 0 from `expand`) cannot be written."""
+    for dim, (size, stride) in enumerate(zip(output.shape, output.stride())):
+        if size > 1 and stride == 0:
+            raise InsumShapeError(
+                f"the output {name} has stride 0 in dimension {dim} (size {size}): its elements "
+                "share memory (an expanded tensor?); pass a tensor with its own storage, e.g. "
+                f"{name}.clone()"
+            )
 
 
 def _all_accesses(stmt: Statement):
