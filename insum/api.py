@@ -88,10 +88,11 @@ def insum(
             [1., 0., 2.]])
     """
     check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+    if torch.compiler.is_compiling():  # torch.compile traces the registered operators
+        return call(expr, tensors, backend, precision)
     stmt = parse(expr)
     _check_names(stmt)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
-        # torch.compile traces the registered operators; autograd needs their derived backward.
+    if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
         return call(expr, tensors, backend, precision)
     bound = bind(stmt, tensors)
     return run_bound(bound, bound.output(), backend, precision, autotune=autotune, check_indices=check_indices)

@@ -50,20 +50,8 @@ def cache_dir() -> Path:
 
 
 def _interpreting() -> bool:
-    """TRITON_INTERPRET as it is now, checked against the mode triton was imported in."""
-    wanted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    import triton.language as tl
-
-    # triton.language's own @jit helpers (tl.cdiv, tl.sum, ...) were built when triton was
-    # imported; a kernel of the other mode cannot call them.
-    imported = type(tl.cdiv).__name__ == "InterpretedFunction"
-    if wanted != imported:
-        raise UnsupportedStatement(
-            f"TRITON_INTERPRET is {os.environ.get('TRITON_INTERPRET', 'unset')!r} now, but triton "
-            f"was imported {'with' if imported else 'without'} it; set TRITON_INTERPRET before "
-            "importing insum (or triton)"
-        )
-    return wanted
+    """TRITON_INTERPRET, read at call time."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _tuning_enabled(autotune: bool | None = None) -> bool:
@@ -352,10 +340,24 @@ def _load(path: Path, source: str, digest: str):
 
 
 def _check_device(bound: Bound) -> None:
-    if not _interpreting() and bound.device.type != "cuda":
+    """The generated kernel runs on CUDA, or on the CPU under the interpreter; and triton
+    must have been imported in the mode TRITON_INTERPRET asks for now."""
+    interpreting = _interpreting()
+    if not interpreting and bound.device.type != "cuda":
         raise UnsupportedStatement(
             f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 set before importing "
             f"insum (tensors are on {bound.device})"
+        )
+    import triton.language as tl
+
+    # triton.language's own @jit helpers (tl.cdiv, tl.sum, ...) were built when triton was
+    # imported; a kernel of the other mode cannot call them.
+    imported = type(tl.cdiv).__name__ == "InterpretedFunction"
+    if interpreting != imported:
+        raise UnsupportedStatement(
+            f"TRITON_INTERPRET is {os.environ.get('TRITON_INTERPRET', 'unset')!r} now, but triton "
+            f"was imported {'with' if imported else 'without'} it; set TRITON_INTERPRET before "
+            "importing insum (or triton)"
         )
 
 
