@@ -96,15 +96,15 @@ def _memory() -> dict:
     W = torch.randn(64, 64, device="cuda")
     for _ in range(2):  # caches warm: binding, kernel, launcher
         X = torch.randn(100_000, 64, device="cuda")
-        O = insum("O[i,n] = X[i,k]*W[k,n]", X=X, W=W, backend="triton")
-        del X, O
+        Y = insum("O[i,n] = X[i,k]*W[k,n]", X=X, W=W, backend="triton")
+        del X, Y
     gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     X = torch.randn(100_000, 64, device="cuda")
-    O = insum("O[i,n] = X[i,k]*W[k,n]", X=X, W=W, backend="triton")
+    Y = insum("O[i,n] = X[i,k]*W[k,n]", X=X, W=W, backend="triton")
     during = torch.cuda.memory_allocated()
-    del X, O
+    del X, Y
     gc.collect()
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()

@@ -23,7 +23,7 @@ from .bind import Bound, bind
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
 from .codegen.schedule import NARROW
 from .codegen.tune import next_power_of_2
-from .errors import InsumError, InsumTypeError, UnsupportedStatement
+from .errors import InsumTypeError, UnsupportedStatement
 from .parser import parse
 
 __all__ = ["Kernel", "UnsupportedStatement", "compile", "kernel_for", "cache_dir"]
