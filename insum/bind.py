@@ -30,7 +30,7 @@ class Bound:
     """A statement checked against its tensors."""
 
     stmt: Statement
-    tensors: Mapping[str, torch.Tensor]  # every input, and the output when it was given
+    tensors: Mapping[str, torch.Tensor]  # every input, and the output when given (not cached)
     extents: Mapping[str, int]  # variable -> extent
     roles: Mapping[str, str]  # variable -> "output" | "scattered" | "reduced"
     index_names: tuple[str, ...]  # tensors read as indices, in order of appearance
@@ -151,7 +151,8 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
     """Check `tensors` against `stmt`; raise an `InsumError` subclass naming what is wrong.
 
     A binding depends only on the tensors' signature (dtypes, shapes, strides, devices), so a
-    repeated signature reuses the checked binding and only re-checks output aliasing.
+    repeated signature reuses the checked binding and only re-checks output aliasing. The
+    cache keeps the binding without its tensors, so it never holds user memory alive.
     """
     signature = _signature(tensors)
     if signature is not None:
@@ -163,7 +164,7 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
     if signature is not None:
         if len(_BOUND) >= _BOUND_LIMIT:
             _BOUND.clear()
-        _BOUND[(stmt, signature)] = bound
+        _BOUND[(stmt, signature)] = bound.with_tensors({})
     return bound
 
 
