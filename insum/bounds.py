@@ -22,6 +22,7 @@ raises `InsumIndexError` naming the tensor, the dimension and the value.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -59,11 +60,43 @@ def _accesses(bound: Bound):
             stack.extend(index.indirect_accesses())
 
 
+@dataclass(frozen=True)
+class _Checks:
+    """What a signature's index check does on the device (ints and IR only, no tensors)."""
+
+    intervals: tuple[tuple[str, int, int, str], ...]  # (index tensor, low, high, where)
+    evaluated: tuple[tuple[Index, int, str], ...]  # (index to evaluate, size, where)
+
+
+_CHECKS: dict[tuple, _Checks] = {}  # (statement, signature) -> checks; host checks passed
+_CHECKS_LIMIT = 4096
+
+
 def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True) -> None:
     """Raise `InsumIndexError` for an index that the statement alone puts out of range; with
-    `device_check`, also check the values of index tensors (see the module docstring)."""
+    `device_check`, also check the values of index tensors (see the module docstring).
+
+    The host part depends on the signature only, so a repeated signature skips it."""
+    key = (bound.stmt, bound.signature) if bound.signature is not None else None
+    checks = _CHECKS.get(key) if key is not None else None
+    if checks is None:
+        checks = _plan(bound, out)
+        if key is not None:
+            if len(_CHECKS) >= _CHECKS_LIMIT:
+                _CHECKS.clear()
+            _CHECKS[key] = checks
+    if not device_check:
+        return
+    for name, lo, hi, where in checks.intervals:
+        _check_range(bound.tensors[name], lo, hi, name, where)
+    for index, size, where in checks.evaluated:
+        _check_range(_evaluate(bound, index), 0, size - 1, "the index", where)
+
+
+def _plan(bound: Bound, out: torch.Tensor) -> _Checks:
+    """Check what the extents decide; return the checks left for the index values."""
     intervals: dict[str, tuple[int, int, str]] = {}  # tensor -> (low, high, where)
-    evaluated: list[tuple[torch.Tensor, int, str]] = []  # (index values, size, where)
+    evaluated: list[tuple[Index, int, str]] = []
     extents = bound.extents
     for access, dim, index in _accesses(bound):
         tensor = out if access.name == bound.output_name else bound.tensors[access.name]
@@ -82,8 +115,6 @@ def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True)
                 bad = low if low < 0 else high
                 raise InsumIndexError(f"index {bad} out of range for {where}, of size {size}")
             continue
-        if not device_check:
-            continue
         (term,) = indirect if len(indirect) == 1 else (None,)
         own = set(term.atom.variables()) if term is not None else set()
         if term is not None and _is_full(term.atom) and not own & {v.atom.name for v in variables}:
@@ -98,11 +129,11 @@ def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True)
                 lo, hi, where = max(lo, old[0]), min(hi, old[1]), f"{old[2]} and {where}"
             intervals[term.atom.name] = (lo, hi, where)
         else:
-            evaluated.append((_evaluate(bound, index), size, where))
-    for name, (lo, hi, where) in intervals.items():
-        _check_range(bound.tensors[name], lo, hi, name, where)
-    for values, size, where in evaluated:
-        _check_range(values, 0, size - 1, "the index", where)
+            evaluated.append((index, size, where))
+    return _Checks(
+        intervals=tuple((name, lo, hi, where) for name, (lo, hi, where) in intervals.items()),
+        evaluated=tuple(evaluated),
+    )
 
 
 def _evaluate(bound: Bound, index: Index) -> torch.Tensor:

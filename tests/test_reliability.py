@@ -20,7 +20,14 @@ import torch
 from statements import CASES, build, clone, tolerance
 
 import insum
-from insum import InsumError, InsumIndexError, InsumShapeError, InsumSyntaxError, InsumTypeError, UnsupportedStatement
+from insum import (
+    InsumError,
+    InsumIndexError,
+    InsumShapeError,
+    InsumSyntaxError,
+    InsumTypeError,
+    UnsupportedStatement,
+)
 from insum.formats import CELL, NM, BlockGroupCOO, GroupCOO
 
 CUDA = torch.cuda.is_available()
@@ -35,25 +42,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @needs_kernels
 def test_affine_gather_index_is_parenthesised():
-    O = insum.insum(
+    out = insum.insum(
         "O[i] += A[i + j, 0] * E[j]",
         A=torch.arange(20.).reshape(5, 4).to(DEVICE), E=torch.ones(2, device=DEVICE), O=torch.zeros(4, device=DEVICE),
         backend="triton",
     )
-    assert O.tolist() == [4.0, 12.0, 20.0, 28.0]
+    assert out.tolist() == [4.0, 12.0, 20.0, 28.0]
 
 
 @needs_kernels
 def test_affine_scatter_index_is_parenthesised():
     A1 = torch.tensor([1.0, 2.0, 3.0, 4.0], device=DEVICE)
     E = torch.tensor([10.0, 100.0], device=DEVICE)
-    O = torch.zeros(5, 3, device=DEVICE)
-    insum.insum("O[i + j, 0] += A1[i] * E[j]", A1=A1, E=E, O=O, backend="triton")
+    out = torch.zeros(5, 3, device=DEVICE)
+    insum.insum("O[i + j, 0] += A1[i] * E[j]", A1=A1, E=E, O=out, backend="triton")
     expected = torch.zeros(5, 3)
     for i in range(4):
         for j in range(2):
             expected[i + j, 0] += A1[i].item() * E[j].item()
-    assert torch.equal(O.cpu(), expected)
+    assert torch.equal(out.cpu(), expected)
 
 
 @needs_kernels
@@ -401,3 +408,52 @@ def test_readme_syntax_error_sample_is_the_real_message():
         insum.parse("C[p] + A[p]")
     shown = f"insum.errors.InsumSyntaxError: {info.value}"
     assert [line.strip() for line in sample.splitlines()] == [line.strip() for line in shown.splitlines()]
+
+
+# ------------------------------------------------------------- 5. formats: in range by construction
+
+
+@pytest.mark.parametrize("name", ["COO", "GroupCOO", "ELL", "BlockGroupCOO", "NM"])
+def test_packed_formats_pass_the_index_check(name):
+    from insum import formats
+    from insum.bind import bind
+    from insum.bounds import check_indices
+    from insum.formats.base import overwrite
+    from insum.parser import parse
+
+    g = torch.Generator().manual_seed(2)
+    A = torch.randn(45, 38, generator=g) * (torch.rand(45, 38, generator=g) < 0.2)
+    fmt = getattr(formats, name).from_dense(A)
+    B = torch.randn(38, 5, generator=g)
+    out = torch.empty(45, 5)
+    tensors = {**fmt.tensors, "B": B, "C": out}
+    if name in ("BlockGroupCOO", "NM"):  # blocked views of B and C: let the format build them
+        seen = []
+        monkey = pytest.MonkeyPatch()
+        monkey.setattr("insum.formats.base.insum", lambda expr, **kw: seen.append((expr, kw)) or kw.get("C"))
+        try:
+            fmt.spmm(B, backend="torch")
+        finally:
+            monkey.undo()
+        expr, kw = seen[0]
+        tensors = {k: v for k, v in kw.items() if k not in ("backend", "precision", "check_indices")}
+    else:
+        expr = overwrite(fmt.expression)
+    bound = bind(parse(expr), tensors)
+    check_indices(bound, bound.output(), device_check=True)  # raises InsumIndexError if not
+
+
+def test_formats_skip_the_check_and_raw_calls_take_it(monkeypatch):
+    import insum.bounds
+
+    calls = []
+    monkeypatch.setattr(insum.bounds, "_check_range", lambda *a, **k: calls.append(a[3]))
+    monkeypatch.setenv("INSUM_CHECK_INDICES", "1")
+    if not (CUDA or INTERPRET):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    fmt = GroupCOO.from_dense(torch.randn(6, 5).to(DEVICE))
+    fmt.spmm(torch.randn(5, 3, device=DEVICE), backend="triton")
+    assert calls == []
+    insum.insum(fmt.expression, backend="triton", B=torch.randn(5, 3, device=DEVICE),
+                C=torch.zeros(6, 3, device=DEVICE), **fmt.tensors)
+    assert sorted(calls) == ["AK", "AM"]
