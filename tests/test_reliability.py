@@ -71,6 +71,27 @@ def test_every_compound_index_is_parenthesised_in_the_source():
     assert re.search(r"\(offs_\w+(\[.*?\])? \+ \w+(\[.*?\])?\) \* stride_A_0", pointer), pointer
 
 
+@pytest.mark.parametrize("stmt", ["O[0] += X[2, i + j] * Y[j]", "O[i + j, 1] += X[i] * Y[j]", "O[] += X[3]"])
+def test_wide_addressing_of_compound_and_literal_indices_parses(stmt):
+    import dataclasses
+
+    from insum.bind import bind
+    from insum.codegen import emit, schedule
+    from insum.parser import parse
+    from insum.runtime import spec_for
+
+    tensors = {"X": torch.ones(4, 6), "Y": torch.ones(3), "O": torch.zeros(2)}
+    if stmt.startswith("O[] "):
+        tensors = {"X": torch.ones(4), "O": torch.zeros(())}
+    elif stmt.startswith("O[i"):
+        tensors = {"X": torch.ones(4), "Y": torch.ones(3), "O": torch.zeros(6, 2)}
+    spec = spec_for(bind(parse(stmt), tensors))
+    spec = dataclasses.replace(spec, wide=frozenset(tensors))  # as for tensors past 2**31 elements
+    source = emit(schedule(spec)).text
+    compile(source, "<insum>", "exec")  # `(2).to(tl.int64)`, never `2.to(...)`
+    assert ".to(tl.int64)" in source
+
+
 # ------------------------------------------------------------- 2. statements without variables
 
 
@@ -141,6 +162,21 @@ def test_bf16_formats(fmt):
     C = packed.spmm(B, backend="triton")
     ref = packed.to_dense().double() @ B.double()
     assert ((C.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@needs_kernels
+def test_bf16_sparse_linear_block_group_coo():
+    from insum.nn import SparseLinear
+
+    torch.manual_seed(0)
+    layer = SparseLinear(64, 48, format="BlockGroupCOO", sparsity=0.5, backend="triton", device=DEVICE)
+    layer = layer.to(torch.bfloat16)
+    x = torch.randn(20, 64, device=DEVICE).bfloat16()
+    with torch.no_grad():
+        y = layer(x)
+        ref = x.double() @ layer.to_dense().double().T + layer.bias.double()
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-2
 
 
 # ------------------------------------------------------------- 5. out-of-range indices

@@ -166,9 +166,8 @@ class _Emitter:
 
 
 def _is_atomic(index: Index) -> bool:
-    """Whether an index prints as one operand: a lone unscaled atom, or a non-negative integer."""
-    if not index.terms:
-        return index.const >= 0
+    """Whether an index prints as one operand (a lone unscaled atom: a name or a subscript).
+    Integers stay parenthesised too, so that `(2).to(tl.int64)` parses."""
     return len(index.terms) == 1 and index.terms[0].coef == 1 and index.const == 0
 
 
