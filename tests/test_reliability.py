@@ -71,7 +71,7 @@ def test_every_compound_index_is_parenthesised_in_the_source():
     assert re.search(r"\(offs_\w+(\[.*?\])? \+ \w+(\[.*?\])?\) \* stride_A_0", pointer), pointer
 
 
-@pytest.mark.parametrize("stmt", ["O[0] += X[2, i + j] * Y[j]", "O[i + j, 1] += X[i] * Y[j]", "O[] += X[3]"])
+@pytest.mark.parametrize("stmt", ["O[0] += X[2, i + j] * Y[j] * Z[i]", "O[i + j, 1] += X[i] * Y[j]", "O[] += X[3]"])
 def test_wide_addressing_of_compound_and_literal_indices_parses(stmt):
     import dataclasses
 
@@ -80,7 +80,7 @@ def test_wide_addressing_of_compound_and_literal_indices_parses(stmt):
     from insum.parser import parse
     from insum.runtime import spec_for
 
-    tensors = {"X": torch.ones(4, 6), "Y": torch.ones(3), "O": torch.zeros(2)}
+    tensors = {"X": torch.ones(4, 6), "Y": torch.ones(3), "Z": torch.ones(4), "O": torch.zeros(2)}
     if stmt.startswith("O[] "):
         tensors = {"X": torch.ones(4), "O": torch.zeros(())}
     elif stmt.startswith("O[i"):
