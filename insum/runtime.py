@@ -10,6 +10,7 @@ JSON file beside the source, so another process does not tune again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -181,7 +182,7 @@ class Kernel:
         config = self.tuned.get(bucket)
         if config is None:
             config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device, autotune)
-        launcher.set_config(self.tuned[bucket])
+        launcher.set_config(config if config is not None else self.tuned[bucket])
         if config is not None:  # else the autotuner's final run already produced the result
             self.fn[launcher.grid](*args, **launcher.config)
 
@@ -192,7 +193,7 @@ class Kernel:
             # The interpreter runs programs one at a time: the largest tile is the fastest.
             config = max(candidates, key=lambda c: math.prod(v for k, v in c.items() if k.startswith("BLOCK")))
         elif not _tuning_enabled(autotune):
-            config = candidates[0]
+            return candidates[0]  # not kept for the bucket: its other sizes still measure
         else:
             config = self._disk_config(bucket, device)
         if config is None:
@@ -348,17 +349,22 @@ def _check_device(bound: Bound) -> None:
             f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 set before importing "
             f"insum (tensors are on {bound.device})"
         )
-    import triton.language as tl
-
-    # triton.language's own @jit helpers (tl.cdiv, tl.sum, ...) were built when triton was
-    # imported; a kernel of the other mode cannot call them.
-    imported = type(tl.cdiv).__name__ == "InterpretedFunction"
+    imported = _triton_imported_interpreting()
     if interpreting != imported:
         raise UnsupportedStatement(
             f"TRITON_INTERPRET is {os.environ.get('TRITON_INTERPRET', 'unset')!r} now, but triton "
             f"was imported {'with' if imported else 'without'} it; set TRITON_INTERPRET before "
             "importing insum (or triton)"
         )
+
+
+@functools.cache
+def _triton_imported_interpreting() -> bool:
+    """The mode triton.language's own @jit helpers (tl.cdiv, tl.sum, ...) were built in when
+    triton was imported; a kernel of the other mode cannot call them."""
+    import triton.language as tl
+
+    return type(tl.cdiv).__name__ == "InterpretedFunction"
 
 
 def kernel_for(bound: Bound, precision: str = "tf32") -> Kernel:
