@@ -10,12 +10,14 @@ Graphs (n nodes, about n * avg nonzeros, out-degrees Zipf(alpha) as in power_law
 - "uniform": `insum.formats.power_law_matrix` (columns uniform): no locality at all, so
   every rank needs nearly every remote row and the halo is as large as an all-gather.
 
-For each graph and dtype: the one-GPU GroupCOO product (and cuSPARSE) on rank 0, then the
+For each step of --plan (graph:dtype): the one-GPU GroupCOO product (and cuSPARSE) on rank 0, then the
 2-GPU `spmm` (every iteration aligned by a barrier, timed by CUDA events, the slower
 rank's time kept, the median reported), its parts timed alone (local block, halo block,
 the halo all_to_all, an all-gather of B for comparison, exchange-then-compute without
 overlap), bytes exchanged against an all-gather of B, and the result checked against the
-one-GPU product and a float64 cuSPARSE product. Full rows go to $OUT/study_distributed.json.
+one-GPU product and a float64 cuSPARSE product. A `graph+backward` step times a forward
+and backward step instead and checks the gradient. Steps run until the time budget is
+spent. Full rows go to $OUT/study_distributed.jsonl.
 """
 
 from __future__ import annotations
@@ -242,6 +244,52 @@ def study(graph: str, dtype_name: str, args, device: torch.device, timer: Timer,
     return row
 
 
+def study_backward(graph: str, dtype_name: str, args, device: torch.device, timer: Timer, log) -> None:
+    """Forward + backward (the transposed exchange) on 1 vs 2 GPUs, gradients checked."""
+    rank, dtype, N = dist.get_rank(), DTYPES[dtype_name], args.features
+    A = make_graph(graph, args.nodes, args.avg, device).to(dtype)
+    (part,) = partition_rows(A, WORLD, rank=rank)
+    gen = torch.Generator(device=device).manual_seed(3)
+    B = torch.randn(A.shape[0], N, generator=gen, device=device, dtype=dtype)
+    G = torch.randn(A.shape[0], N, generator=gen, device=device, dtype=dtype)
+    rows = slice(part.rows.start, part.rows.stop)
+    B_local, G_local = B[rows].clone().requires_grad_(), G[rows].contiguous()
+    result = {"graph": graph, "dtype": dtype_name, "nnz": A._nnz(), "step": "forward+backward"}
+    if rank == 0:
+        full, B_one = GroupCOO.from_torch(A), B.clone().requires_grad_()
+
+        def one_step():
+            B_one.grad = None
+            full.spmm(B_one).backward(G)
+
+        result["one_gpu_ms"] = statistics.median(_local_times(timer, one_step))
+        AT = A.to_sparse_coo().t().coalesce().to_sparse_csr()
+        want = AT.double() @ G.double()
+        del AT
+    dist.barrier()
+
+    def two_step():
+        B_local.grad = None
+        spmm(part, B_local).backward(G_local)
+
+    result["two_gpu_ms"], result["two_gpu_per_rank_ms"] = timer.slowest(two_step)
+    widest = max(len(r) for r in _ranges(part))
+    grad = torch.nn.functional.pad(B_local.grad, (0, 0, 0, widest - B_local.shape[0])).contiguous()
+    grads = grad.new_empty(WORLD * widest, N)
+    dist.all_gather_into_tensor(grads, grad)
+    if rank == 0:
+        dB = torch.cat([grads[k * widest : k * widest + len(r)] for k, r in enumerate(_ranges(part))])
+        result["grad_error_vs_one_gpu"] = relative_error(dB, B_one.grad)
+        result["grad_error_vs_fp64"] = relative_error(dB, want)
+        result["speedup"] = result["one_gpu_ms"] / result["two_gpu_ms"]
+        log(json.dumps(result))
+        log(
+            f"forward+backward {graph} {dtype_name}: 1 GPU {result['one_gpu_ms']:.2f} ms, 2 GPUs "
+            f"{result['two_gpu_ms']:.2f} ms ({result['speedup']:.2f}x), gradient error vs 1 GPU "
+            f"{result['grad_error_vs_one_gpu']:.1e}, vs fp64 {result['grad_error_vs_fp64']:.1e}"
+        )
+
+
 def _local_times(timer: Timer, fn) -> list[float]:
     """Times of a step on this rank alone (no barrier: the other rank is waiting)."""
     for _ in range(timer.warmup):
@@ -319,15 +367,18 @@ def main(rank: int, args) -> None:
         log(f"# {name} x{WORLD}, torch {torch.__version__}, nodes={args.nodes}, avg={args.avg}, N={args.features}")
     timer = Timer(device, reps=args.reps, warmup=3)
     rows = []
-    plan = [(g, d) for d in args.dtypes.split(",") for g in args.graphs.split(",")]
-    for graph, dtype_name in plan:
+    for step in args.plan.split(","):
+        graph, dtype_name = step.split(":")
         go = [time.perf_counter() - start < args.budget_s]
         dist.broadcast_object_list(go, src=0)
         if not go[0]:
             if rank == 0:
-                log(f"# skipped {graph} {dtype_name}: over the {args.budget_s} s budget")
+                log(f"# skipped {step}: over the {args.budget_s} s budget")
             continue
-        rows.append(study(graph, dtype_name, args, device, timer, log))
+        if graph.endswith("+backward"):
+            study_backward(graph.removesuffix("+backward"), dtype_name, args, device, timer, log)
+        else:
+            rows.append(study(graph, dtype_name, args, device, timer, log))
         gc.collect()  # the configuration's tensors, before the next one allocates
         if cuda:
             torch.cuda.empty_cache()
@@ -347,8 +398,11 @@ def parse_args(argv=None):
     parser.add_argument("--nodes", type=int, default=4_000_000)
     parser.add_argument("--avg", type=float, default=13.5, help="nonzeros per row before merging duplicates")
     parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--graphs", default="community,uniform")
-    parser.add_argument("--dtypes", default="fp32,fp16")
+    parser.add_argument(
+        "--plan",
+        default="community:fp32,uniform:fp32,community:fp16,community+backward:fp32,uniform:fp16",
+        help="graph:dtype steps in order (graph+backward times forward and backward)",
+    )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=170.0, help="start no configuration after this")
     parser.add_argument("--small", action="store_true", help="CPU smoke run: gloo, 20k nodes")
