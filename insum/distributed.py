@@ -32,7 +32,9 @@ from .api import insum
 from .autograd import derive
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .formats.base import (
+    FORMATS,
     VALUE_DTYPES,
+    Coords,
     SparseFormat,
     accumulation_dtype,
     coords_of,
@@ -121,21 +123,16 @@ class RowPart:
 
 
 def _check_format(name: str) -> type[SparseFormat]:
-    """The format class, if its SpMM is one statement into C (M, N) (it accumulates in place)."""
+    """The format class, if its SpMM is one statement into C (M, N): `spmm` runs the halo
+    block's statement with `+=` into the local block's output."""
     cls = format_class(name)
     if cls._spmm is not SparseFormat._spmm:
-        single = [n for n, c in _formats().items() if c._spmm is SparseFormat._spmm]
+        single = [c.__name__ for c in FORMATS.values() if c._spmm is SparseFormat._spmm]
         raise InsumError(
             f"insum.distributed needs a format whose SpMM is one statement into C (M, N); "
             f"{cls.__name__} is not: choose one of {', '.join(single)}"
         )
     return cls
-
-
-def _formats() -> dict[str, type[SparseFormat]]:
-    from .formats.base import FORMATS
-
-    return {c.__name__: c for c in FORMATS.values()}
 
 
 def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) -> torch.Tensor:
@@ -147,7 +144,7 @@ def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) ->
     ranks = torch.arange(world_size + 1, device=row_ptr.device)
     nnz = row_ptr[-1]
     if balance == "rows":
-        return (ranks * n) // world_size
+        return -((-ranks * n) // world_size)  # ceil: the first ranks take the extra rows
     targets = (ranks * nnz) // world_size
     starts = torch.searchsorted(row_ptr, targets).clamp_(max=n)
     starts[-1] = n
@@ -222,7 +219,7 @@ def partition_rows(
 
 def _pack_part(
     r: int,
-    coords,
+    coords: Coords,
     starts: list[int],
     bounds: list[int],
     need_rank: torch.Tensor,

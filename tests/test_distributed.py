@@ -175,15 +175,17 @@ def spmm_fp16_one_column(rank):
 
 @check
 def spmm_rank_without_rows(rank):
-    A = torch.tensor([[2.0]]).to_sparse_csr()  # 1 x 1: rank 0 gets no rows
-    part = _spmm_against_one_process(rank, A, 3)
+    A = torch.tensor([[2.0]]).to_sparse_csr()  # 1 x 1: one rank gets no rows
+    part = _spmm_against_one_process(rank, A, 3, balance="rows")  # the first takes it
+    assert len(part.rows) == (1 if rank == 0 else 0)
+    part = _spmm_against_one_process(rank, A, 3, balance="nnz")  # the last takes it
     assert len(part.rows) == (0 if rank == 0 else 1)
 
 
 @check
 def spmm_block_diagonal_has_no_halo(rank):
     gen = torch.Generator().manual_seed(16)
-    A = torch.block_diag(torch.randn(5, 5, generator=gen), torch.randn(6, 6, generator=gen))
+    A = torch.block_diag(torch.randn(6, 6, generator=gen), torch.randn(5, 5, generator=gen))
     A[A.abs() < 0.6] = 0
     part = _spmm_against_one_process(rank, A.to_sparse_csr(), 4, balance="rows")
     assert sum(part.recv_counts) == 0 and sum(part.send_counts) == 0 and part.halo.nnz == 0
