@@ -21,18 +21,18 @@ the local block's transposed product) and added into their gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import formats
 from .api import insum
 from .autograd import derive
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .formats.base import (
-    FORMATS,
     VALUE_DTYPES,
     Coords,
     SparseFormat,
@@ -114,7 +114,8 @@ class RowPart:
         return (
             f"RowPart(rank={self.rank}/{self.world_size}, rows={self.rows.start}:{self.rows.stop}, "
             f"nnz={self.nnz} ({self.halo.nnz} in the halo), halo_rows={sum(self.recv_counts)}, "
-            f"send_rows={sum(self.send_counts)}, format={type(self.local).__name__}, "
+            f"send_rows={sum(self.send_counts)}, format={type(self.local).__name__}/"
+            f"{type(self.halo).__name__}, "
             f"dtype={self.dtype}, device={self.device})"
         )
 
@@ -122,17 +123,23 @@ class RowPart:
 # --------------------------------------------------------------------------- partitioning
 
 
-def _check_format(name: str) -> type[SparseFormat]:
-    """The format class, if its SpMM is one statement into C (M, N): `spmm` runs the halo
-    block's statement with `+=` into the local block's output."""
-    cls = format_class(name)
-    if cls._spmm is not SparseFormat._spmm:
-        single = [c.__name__ for c in FORMATS.values() if c._spmm is SparseFormat._spmm]
-        raise InsumError(
-            f"insum.distributed needs a format whose SpMM is one statement into C (M, N); "
-            f"{cls.__name__} is not: choose one of {', '.join(single)}"
-        )
-    return cls
+def _packer(format: str | None) -> Callable[..., SparseFormat]:
+    """How to pack a block: `formats.auto` for "auto" (the default when it exists), else
+    the named format's `from_torch`."""
+    auto = getattr(formats, "auto", None)
+    if format is None:
+        format = "auto" if auto is not None else "GroupCOO"
+    if format == "auto":
+        if auto is None:
+            raise InsumError("format='auto' needs insum.formats.auto, which this version lacks")
+        return auto
+    return format_class(format).from_torch
+
+
+def _one_statement(fmt: SparseFormat) -> bool:
+    """Whether fmt's SpMM is its one statement into C (M, N), so that the halo block can
+    run it with `+=` into the local block's output (COO, GroupCOO, ELL)."""
+    return type(fmt)._spmm is SparseFormat._spmm
 
 
 def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) -> torch.Tensor:
@@ -157,7 +164,7 @@ def partition_rows(
     balance: str = "nnz",
     *,
     rank: int | None = None,
-    format: str = "GroupCOO",
+    format: str | None = None,
     **format_params: Any,
 ) -> list[RowPart]:
     """Split a square sparse matrix A into `world_size` contiguous row ranges, one part each.
@@ -167,8 +174,10 @@ def partition_rows(
     no rows (n < world_size, or one row holding most nonzeros).
     rank: pack only this rank's part (what each process of a run does) and return it
     as a one-element list; None packs every part.
-    format, format_params: the packed format of both blocks (`GroupCOO`, `COO` or `ELL`;
-    e.g. `index_dtype=torch.int64`, `group_size=4`).
+    format, format_params: the packed format of both blocks and its packer's parameters
+    (e.g. `index_dtype=torch.int64`, `group_size=4`). None: `formats.auto` where this
+    version has it, else GroupCOO. COO, GroupCOO and ELL add the halo block's product
+    into the local block's output in place; other formats add it in an extra pass.
 
     Everything runs vectorised on A's device.
 
@@ -184,7 +193,7 @@ def partition_rows(
         raise InsumError(f"unknown balance {balance!r}; choose one of {', '.join(BALANCES)}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise InsumError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-    cls = _check_format(format)
+    pack = _packer(format)
     if isinstance(A, torch.Tensor) and A.dim() == 2 and A.shape[0] != A.shape[1]:
         raise InsumShapeError(
             f"distributed spmm partitions B like A's rows, so A must be square; A has shape "
@@ -212,7 +221,7 @@ def partition_rows(
 
     ranks = range(world_size) if rank is None else [rank]
     return [
-        _pack_part(r, coords, starts, bounds, need_rank, need_col, need_owner, cls, format_params)
+        _pack_part(r, coords, starts, bounds, need_rank, need_col, need_owner, pack, format_params)
         for r in ranks
     ]
 
@@ -225,7 +234,7 @@ def _pack_part(
     need_rank: torch.Tensor,
     need_col: torch.Tensor,
     need_owner: torch.Tensor,
-    cls: type[SparseFormat],
+    pack_format: Callable[..., SparseFormat],
     format_params: dict[str, Any],
 ) -> RowPart:
     world_size = len(starts) - 1
@@ -253,7 +262,7 @@ def _pack_part(
         sparse = torch.sparse_coo_tensor(
             indices, block_vals, (n_local, width), is_coalesced=True, check_invariants=False
         )  # sorted row-major and unique, as the canonical input was
-        return cls.from_torch(sparse, **format_params)
+        return pack_format(sparse, **format_params)
 
     remote = ~is_local
     halo_cols = torch.searchsorted(halo_rows, cols[remote])
@@ -338,18 +347,31 @@ def _exchange(
 
 
 def _accumulate(fmt: SparseFormat, C: torch.Tensor, B: torch.Tensor, backend: str, precision: str, *, first: bool) -> None:
-    """C (=, or += unless first) fmt @ B, in place: the format's own statement."""
+    """C (=, or += unless first) fmt @ B: in place by the format's own statement where it
+    is one, else through `fmt.spmm` and one more pass over C."""
     if fmt.nnz == 0 or B.shape[1] == 0:
         if first:
             C.zero_()
+        return
+    if not _one_statement(fmt):
+        product = fmt.spmm(B, backend=backend, precision=precision)
+        C.copy_(product) if first else C.add_(product)
         return
     expression = overwrite(fmt.expression) if first else fmt.expression
     insum(expression, backend=backend, precision=precision, C=C, B=B, **fmt.tensors)
 
 
 def _transposed(fmt: SparseFormat, dC: torch.Tensor, dB: torch.Tensor, backend: str, precision: str) -> None:
-    """dB += fmt^T @ dC: the format's derived gradient statement for B (a scatter)."""
+    """dB += fmt^T @ dC: the format's derived gradient statement for B (a scatter), or
+    autograd through `fmt.spmm` for formats of several statements."""
     if fmt.nnz == 0 or dC.shape[1] == 0:
+        return
+    if not _one_statement(fmt):
+        with torch.enable_grad():  # the product is linear in B: any B gives its gradient
+            B = dC.new_zeros(fmt.shape[1], dC.shape[1], dtype=fmt.dtype, requires_grad=True)
+            product = fmt.spmm(B, backend=backend, precision=precision)
+            (grad,) = torch.autograd.grad(product, B, dC.to(product.dtype))
+        dB.add_(grad)
         return
     derivation = derive(fmt.expression)
     (statement,) = derivation.gradients["B"]

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from insum import formats
 from insum.distributed import partition_rows, spmm
 from insum.errors import InsumError, InsumShapeError, InsumTypeError
 from insum.formats import GroupCOO, power_law_matrix
@@ -89,6 +90,20 @@ def test_more_ranks_than_rows_leaves_ranks_empty():
     assert any(len(p.rows) == 0 and p.nnz == 0 for p in parts)
 
 
+def test_the_default_format_is_auto_where_it_exists():
+    A = skewed(40, 3.0, seed=4)
+    if not hasattr(formats, "auto"):
+        with pytest.raises(InsumError, match="formats.auto"):
+            partition_rows(A, 2, format="auto")
+        assert all(type(p.local) is GroupCOO and type(p.halo) is GroupCOO for p in partition_rows(A, 2))
+        return
+    for p in partition_rows(A, 2):  # formats.auto packs each block
+        rebuilt = torch.zeros(len(p.rows), 40)
+        rebuilt[:, p.rows.start : p.rows.stop] = p.local.to_dense()
+        rebuilt[:, p.halo_rows] += p.halo.to_dense()
+        torch.testing.assert_close(rebuilt, A.to_dense()[p.rows.start : p.rows.stop])
+
+
 @pytest.mark.parametrize(
     "call, error, words",
     [
@@ -96,7 +111,7 @@ def test_more_ranks_than_rows_leaves_ranks_empty():
         (lambda: partition_rows(torch.eye(3), 0), InsumError, "world_size"),
         (lambda: partition_rows(torch.eye(3), 2, "edges"), InsumError, "balance"),
         (lambda: partition_rows(torch.eye(3), 2, rank=2), InsumError, "rank"),
-        (lambda: partition_rows(torch.eye(3), 2, format="CELL"), InsumError, "GroupCOO"),
+        (lambda: partition_rows(torch.eye(3), 2, format="CSR5"), InsumError, "unknown format"),
         (lambda: partition_rows(torch.eye(3), 2, group_sise=2), InsumError, "group_sise"),
         (lambda: spmm(partition_rows(torch.eye(3), 1)[0], torch.ones(3, 2)), InsumError, "process group"),
     ],
@@ -161,6 +176,14 @@ def spmm_coo_int64_balanced_by_rows(rank):
 @check
 def spmm_ell_fp64(rank):
     _spmm_against_one_process(rank, skewed(24, 3.0, seed=13, dtype=torch.float64), 4, fmt="ELL")
+
+
+@check
+def spmm_formats_of_several_statements(rank):
+    # CELL (one statement per bucket) and BlockGroupCOO add the halo product in a second
+    # pass and take their gradient through autograd.
+    _spmm_against_one_process(rank, skewed(26, 3.0, seed=23), 3, fmt="CELL")
+    _spmm_against_one_process(rank, skewed(26, 3.0, seed=24), 3, fmt="BlockGroupCOO", block=(2, 2))
 
 
 @check
