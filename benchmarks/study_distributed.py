@@ -3,6 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m benchmarks.study_distributed   # the GPU run
     python -m benchmarks.study_distributed --small                          # CPU smoke (gloo)
 
+Not part of `python -m benchmarks` (whose studies run in one process): it needs two.
+
 Graphs (n nodes, about n * avg nonzeros, out-degrees Zipf(alpha) as in power_law_matrix):
 - "community": a reordered graph's locality: `local` of the edges land within +-window
   rows of their source (communities after a locality ordering, as RCM or METIS give), the
