@@ -213,6 +213,17 @@ def test_empty_input_and_one_point():
     assert y.shape == (0, 4) and sites.shape == (0, 4)
 
 
+def test_auto_form_picks_by_real_pairs(monkeypatch):
+    from insum.nn import conv as conv_module
+
+    km = build_kernel_map(random_sites(50, 5))
+    assert conv_module.choose_form(km) == "pairs" and conv_module.choose_form(km, "tiles") == "tiles"
+    monkeypatch.setattr(conv_module, "PAIRS_BELOW", km.pairs)
+    assert conv_module.choose_form(km) == "tiles"
+    with pytest.raises(InsumError, match="form"):
+        conv_module.choose_form(km, "dense")
+
+
 def test_layer_errors_name_the_tensor():
     with pytest.raises(InsumError, match="stride"):
         SparseConv3d(3, 4, stride=2)
@@ -267,14 +278,16 @@ def test_compiles_without_graph_breaks():
     km = build_kernel_map(coords).prepare(tile=16)
     x = torch.randn(coords.shape[0], 3, requires_grad=True)
     w = torch.randn(3, 3, 3, 3, 4, requires_grad=True)
-    compiled = torch.compile(lambda x, w: sparse_conv3d(x, w, km, tile=16), backend="aot_eager", fullgraph=True)
-    y = compiled(x, w)
-    torch.testing.assert_close(y, sparse_conv3d(x, w, km, tile=16))
-    y.square().sum().backward()
-    gw = w.grad.clone()
-    w.grad = None
-    sparse_conv3d(x, w, km, tile=16).square().sum().backward()
-    torch.testing.assert_close(gw, w.grad)
+    for form in ("tiles", "pairs"):
+        compiled = torch.compile(lambda x, w, form=form: sparse_conv3d(x, w, km, form=form, tile=16), backend="aot_eager", fullgraph=True)
+        y = compiled(x, w)
+        torch.testing.assert_close(y, sparse_conv3d(x, w, km, form=form, tile=16))
+        y.square().sum().backward()
+        gw = w.grad.clone()
+        w.grad = None
+        sparse_conv3d(x, w, km, form=form, tile=16).square().sum().backward()
+        torch.testing.assert_close(gw, w.grad)
+        w.grad = x.grad = None
 
 
 # --------------------------------------------------------------------------- generated kernels

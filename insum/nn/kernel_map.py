@@ -184,9 +184,10 @@ class KernelMap:
         return self._get("pairs", lambda: int((self.nbr >= 0).sum()))
 
     def prepare(self, tile: int = 128, training: bool = True) -> KernelMap:
-        """Build the packings a forward (and with `training`, a backward) pass reads, so
-        that a function compiled with `torch.compile(fullgraph=True)` only looks them up."""
-        self.tiles(tile)
+        """Build the packings a forward (either form) and, with `training`, a backward pass
+        read, so that a function compiled with `torch.compile(fullgraph=True)` only looks
+        them up."""
+        self.pairs, self.tiles(tile), self.pair_groups(tile)
         if training:
             self.transpose().tiles(tile)
             self.pair_groups()
