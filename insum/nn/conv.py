@@ -216,7 +216,7 @@ class SparseConv3d(nn.Module):
         if out_coords is not None:
             return out, out_coords
         # One tensor per map, so the next layer's cache lookup hits.
-        sites = km._get(("sites", coords.shape[1], coords.dtype), lambda: km.out_coords[:, 4 - coords.shape[1]:].to(coords.dtype))
+        sites = km.cached(("sites", coords.shape[1], coords.dtype), lambda: km.out_coords[:, 4 - coords.shape[1]:].to(coords.dtype))
         return out, sites
 
     def extra_repr(self) -> str:

@@ -181,7 +181,7 @@ class KernelMap:
     @property
     def pairs(self) -> int:
         """Real (input, output, offset) triples: the work of the convolution."""
-        return self._get("pairs", lambda: int((self.nbr >= 0).sum()))
+        return self.cached("pairs", lambda: int((self.nbr >= 0).sum()))
 
     def prepare(self, tile: int = 128, training: bool = True) -> KernelMap:
         """Build the packings a forward (either form) and, with `training`, a backward pass
@@ -195,15 +195,16 @@ class KernelMap:
 
     def transpose(self) -> KernelMap:
         """The map of the adjoint: for each input row and offset, the output that reads it."""
-        return self._get("transpose", lambda: _transpose(self))
+        return self.cached("transpose", lambda: _transpose(self))
 
     def tiles(self, tile: int = 128) -> TiledMap:
-        return self._get(("tiles", tile), lambda: tile_map(self.nbr, self.n_in, tile))
+        return self.cached(("tiles", tile), lambda: tile_map(self.nbr, self.n_in, tile))
 
     def pair_groups(self, group: int | None = None) -> PairGroups:
-        return self._get(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group))
+        return self.cached(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group))
 
-    def _get(self, key, make):
+    def cached(self, key, make):
+        """`make()` once per key, kept on the map (packings, derived coordinates)."""
         if key not in self._packed:
             self._packed[key] = make()
         return self._packed[key]
