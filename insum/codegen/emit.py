@@ -3,7 +3,9 @@
 The kernel body is built from a few rules (index, gather, product, reduce or dot, store or
 atomic), each emitting lines at the shallowest loop level its inputs allow, so loads that do
 not depend on an inner loop are hoisted out of it. Every named line carries a comment with
-its block shape.
+its block shape. Dot operands the plan marks as boxes are loaded through a tensor
+descriptor made once per program (TMA on Hopper: no pointer block, no masks, since the
+descriptor's bounds zero-fill what lies outside the tensor); the rest through pointers.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class Source:
     """Generated kernel source and the order of its runtime arguments."""
 
     text: str
-    args: tuple[tuple, ...]  # ("ptr", tensor) | ("size", var) | ("stride", tensor, dim)
+    args: tuple[tuple, ...]  # ("ptr", tensor) | ("size", var) | ("stride", tensor, dim) | ("shape", tensor, dim)
     blocks: tuple[str, ...]  # constexpr tile sizes, e.g. ("BLOCK_M", "BLOCK_N")
     plan: Plan
 
@@ -63,6 +65,9 @@ class _Emitter:
         self.start_k = self.fresh(f"start_{k}") if k else None
         self.steps_k = self.fresh(f"steps_{k}") if k else None
         self.strides: dict[tuple[str, int], str] = {}
+        self.shapes: dict[tuple[str, int], str] = {}  # dimensions a descriptor needs besides extents
+        factors = self.stmt.factors
+        self.boxes = {str(factors[i]) for i in plan.boxes}
 
     # -- names ------------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -87,6 +92,18 @@ class _Emitter:
         if key not in self.strides:
             self.strides[key] = self.fresh(f"stride_{tensor}_{dim}")
         return self.strides[key]
+
+    def shape(self, tensor: str, dim: int) -> str:
+        key = (tensor, dim)
+        if key not in self.shapes:
+            self.shapes[key] = self.fresh(f"shape_{tensor}_{dim}")
+        return self.shapes[key]
+
+    def tile_start(self, axis: str) -> str:
+        """The first index of this program's (or this step's) tile along an axis."""
+        if axis == "K":
+            return self.start_k
+        return f"{self.tile_pid[self.plan.axis_var(axis)]} * BLOCK_{axis}"
 
     def shape_comment(self, axes: tuple[str, ...]) -> str:
         return f"  # [{', '.join(self.plan.axis_var(a) for a in axes)}]"
@@ -140,6 +157,9 @@ class _Emitter:
         key = str(access)
         if key in self.cache:
             return self.cache[key]
+        if key in self.boxes:
+            self.cache[key] = self.box_load(access)
+            return self.cache[key]
         pointer, axes, level = self.address(access)
         name = self.fresh(f"{access.name}_val")
         mask = self.mask_for(axes)
@@ -148,6 +168,37 @@ class _Emitter:
         value = Value(name, axes, level)
         self.cache[key] = value
         return value
+
+    def box_load(self, access: Access) -> Value:
+        """Load a dot operand's tile through a tensor descriptor made once per program.
+
+        The block has a 1 for every scalar-indexed dimension; it is reshaped to the two tiled
+        axes and transposed when the tensor holds them in the other order."""
+        name = access.name
+        indices = [self.index(i) for i in access.indices]
+        tiled = [self.plan.var_axis(i.variable) if i.variable else None for i in access.indices]
+        desc = self.fresh(f"{name}_desc")
+        shape = [self.size[i.variable] if i.variable else self.shape(name, d) for d, i in enumerate(access.indices)]
+        strides = [self.stride(name, d) for d in range(len(indices) - 1)] + ["1"]  # box_layout: unit last stride
+        block = [f"BLOCK_{a}" if a else "1" for a in tiled]
+        self.put(0, f"{desc} = tl.make_tensor_descriptor({self.ptr[name]}, shape=[{', '.join(shape)}], "
+                    f"strides=[{', '.join(strides)}], block_shape=[{', '.join(block)}])")
+        # Coordinates are 32-bit; a gathered index may be int64.
+        coords = [
+            self.tile_start(a) if a else f"({idx.expr}).to(tl.int32)" if index.indirect_accesses() else idx.expr
+            for a, idx, index in zip(tiled, indices, access.indices)
+        ]
+        held = tuple(a for a in tiled if a)
+        axes = union(held)
+        load = f"{desc}.load([{', '.join(coords)}])"
+        if len(held) < len(tiled):
+            load = f"{load}.reshape({', '.join(f'BLOCK_{a}' for a in held)})"
+        if held != axes:
+            load = f"tl.trans({load})"
+        value_name = self.fresh(f"{name}_val")
+        level = max((i.level for i in indices), default=0)
+        self.put(level, f"{value_name} = {load}" + self.shape_comment(axes))
+        return Value(value_name, axes, level)
 
     def product(self, positions: tuple[int, ...], dtype: str | None, name: str) -> Value:
         """Multiply factors in the accumulator dtype, broadcasting where they meet."""
@@ -169,6 +220,8 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
     """Split the flat program id into grid variables and tile indices (N fastest)."""
     plan = em.plan
     lines = ["pid = tl.program_id(0)"]
+    if plan.grouped:
+        return lines + _grouped_tile_lines(em)
     order = [("tile", a, v) for a, v in reversed(plan.tiles) if a != "K"]
     order += [("grid", None, v) for v in reversed(plan.grid)]
     for position, (kind, axis, var) in enumerate(order):
@@ -185,6 +238,41 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
             lines.append(f"{em.scalar[var]} = pid" if last else f"{em.scalar[var]} = pid % {em.size[var]}")
             if not last:
                 lines.append(f"pid = pid // {em.size[var]}")
+    return lines
+
+
+def _grouped_tile_lines(em: _Emitter) -> list[str]:
+    """(M, N) tiles in groups of GROUP_M row tiles, N fastest within a group; grid variables
+    outside. Consecutive programs share B's column tiles and A's row tiles in L2."""
+    plan = em.plan
+    m, n = plan.axis_var("M"), plan.axis_var("N")
+    tiles_m, tiles_n, tile = em.fresh(f"tiles_{m}"), em.fresh(f"tiles_{n}"), em.fresh("tile")
+    group, first_m, rows = em.fresh("group"), em.fresh(f"first_{m}"), em.fresh("group_rows")
+    lines = [
+        f"{tiles_m} = tl.cdiv({em.size[m]}, BLOCK_M)",
+        f"{tiles_n} = tl.cdiv({em.size[n]}, BLOCK_N)",
+    ]
+    if plan.grid:
+        lines.append(f"{tile} = pid % ({tiles_m} * {tiles_n})")
+        lines.append(f"pid = pid // ({tiles_m} * {tiles_n})")
+    else:
+        lines.append(f"{tile} = pid")
+    lines += [
+        f"{group} = GROUP_M * {tiles_n}",
+        f"{first_m} = ({tile} // {group}) * GROUP_M",
+        f"{rows} = tl.minimum({tiles_m} - {first_m}, GROUP_M)",
+        f"{em.tile_pid[m]} = {first_m} + ({tile} % {group}) % {rows}",
+        f"{em.tile_pid[n]} = ({tile} % {group}) // {rows}",
+    ]
+    for axis, var in (("M", m), ("N", n)):
+        lines.append(f"{em.offs[var]} = {em.tile_pid[var]} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
+        lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
+    for position, var in enumerate(reversed(plan.grid)):
+        if position == len(plan.grid) - 1:
+            lines.append(f"{em.scalar[var]} = pid")
+        else:
+            lines.append(f"{em.scalar[var]} = pid % {em.size[var]}")
+            lines.append(f"pid = pid // {em.size[var]}")
     return lines
 
 
@@ -278,11 +366,14 @@ def emit(plan: Plan) -> Source:
         em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg})")
 
     # Assemble: signature, program-id split, prologue, loops, epilogue.
-    blocks = tuple(f"BLOCK_{a}" for a, _ in plan.tiles)
+    blocks = tuple(f"BLOCK_{a}" for a, _ in plan.tiles) + (("GROUP_M",) if plan.grouped else ())
+    tensor_order = list(em.ptr)
     args = [("ptr", n) for n in em.ptr] + [("size", v) for v in em.size]
-    args += [("stride", t, d) for (t, d) in sorted(em.strides, key=lambda k: (list(em.ptr).index(k[0]), k[1]))]
+    args += [("shape", t, d) for (t, d) in sorted(em.shapes, key=lambda k: (tensor_order.index(k[0]), k[1]))]
+    args += [("stride", t, d) for (t, d) in sorted(em.strides, key=lambda k: (tensor_order.index(k[0]), k[1]))]
     arg_names = {("ptr", n): em.ptr[n] for n in em.ptr}
     arg_names.update({("size", v): em.size[v] for v in em.size})
+    arg_names.update({("shape", t, d): em.shapes[(t, d)] for (t, d) in em.shapes})
     arg_names.update({("stride", t, d): em.strides[(t, d)] for (t, d) in em.strides})
 
     def group(kind):
@@ -291,6 +382,8 @@ def emit(plan: Plan) -> Source:
     out = ["import triton", "import triton.language as tl", "", "", "@triton.jit", f"def {KERNEL_NAME}("]
     out.append(f"    # pointers\n    {group('ptr')},")
     out.append(f"    # extents\n    {group('size')},")
+    if em.shapes:
+        out.append(f"    # tensor dimensions for descriptors\n    {group('shape')},")
     if em.strides:
         out.append(f"    # strides\n    {group('stride')},")
     if blocks:
