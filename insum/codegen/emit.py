@@ -57,13 +57,18 @@ class _Emitter:
             self.level_of[plan.axis_var("K")] = 1
         self.ptr = {n: self.fresh(f"{n}_ptr") for n in self._tensor_names()}
         self.size = {v: self.fresh(f"size_{v}") for v in self.stmt.variables()}
+        self.level_of.update({v: 1 for v in plan.folded})
         self.offs = {v: self.fresh(f"offs_{v}") for _, v in plan.tiles}
+        self.offs.update({v: self.fresh(f"offs_{v}") for v in plan.folded})
         self.mask = {v: self.fresh(f"mask_{v}") for _, v in plan.tiles}
         self.scalar = {v: self.fresh(f"i_{v}") for v in (*plan.grid, *plan.loops)}
         self.tile_pid = {v: self.fresh(f"pid_{v}") for a, v in plan.tiles if a != "K"}
         k = plan.axis_var("K")
         self.start_k = self.fresh(f"start_{k}") if k else None
         self.steps_k = self.fresh(f"steps_{k}") if k else None
+        # The K axis's extent: a product when variables are folded onto it.
+        self.extent_k = " * ".join(self.size[v] for v in plan.axis_vars("K")) if k else None
+        self.flat_k = self.fresh(f"offs_{''.join(plan.axis_vars('K'))}") if plan.folded else None
         self.strides: dict[tuple[str, int], str] = {}
         self.shapes: dict[tuple[str, int], str] = {}  # dimensions a descriptor needs besides extents
         factors = self.stmt.factors
@@ -106,7 +111,8 @@ class _Emitter:
         return f"{self.tile_pid[self.plan.axis_var(axis)]} * BLOCK_{axis}"
 
     def shape_comment(self, axes: tuple[str, ...]) -> str:
-        return f"  # [{', '.join(self.plan.axis_var(a) for a in axes)}]"
+        labels = [self.plan.axis_vars(a) for a in axes]
+        return f"  # [{', '.join(v[0] if len(v) == 1 else '(' + ', '.join(v) + ')' for v in labels)}]"
 
     def put(self, level: int, line: str) -> None:
         (self.epilogue if self.in_epilogue and level == 0 else self.levels[level]).append(line)
@@ -284,14 +290,14 @@ def _loop_lines(em: _Emitter) -> list[str]:
         return []
     lines = []
     if not plan.loops:
-        lines.append(f"for {em.start_k} in range(0, {em.size[k]}, BLOCK_K):")
+        lines.append(f"for {em.start_k} in range(0, {em.extent_k}, BLOCK_K):")
     elif k is None and len(plan.loops) == 1:
         var = plan.loops[0]
         lines.append(f"for {em.scalar[var]} in range(0, {em.size[var]}):")
     else:
         counts = [em.size[v] for v in plan.loops]
         if k is not None:
-            lines.append(f"{em.steps_k} = tl.cdiv({em.size[k]}, BLOCK_K)")
+            lines.append(f"{em.steps_k} = tl.cdiv({em.extent_k}, BLOCK_K)")
             counts.append(em.steps_k)
         lines.append(f"for step in range(0, {' * '.join(counts)}):")
         inner = "    rest = step"
@@ -305,10 +311,33 @@ def _loop_lines(em: _Emitter) -> list[str]:
             else:
                 lines.append(f"    {em.scalar[var]} = rest % {em.size[var]}")
                 lines.append(f"    rest = rest // {em.size[var]}")
-    if k is not None:
+    if k is not None and plan.folded:
+        lines.extend("    " + line for line in _folded_k_lines(em))
+    elif k is not None:
         lines.append(f"    {em.offs[k]} = {em.start_k} + tl.arange(0, BLOCK_K)  # [{k}]")
         lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
     lines.extend("    " + line for line in em.levels[1])
+    return lines
+
+
+def _folded_k_lines(em: _Emitter) -> list[str]:
+    """Offsets of every variable on a folded K axis, from one flat offset (K's variable fastest)."""
+    names = em.plan.axis_vars("K")
+    shape = f"  # [({', '.join(names)})]"
+    flat = em.flat_k
+    k = names[-1]
+    lines = [
+        f"{flat} = {em.start_k} + tl.arange(0, BLOCK_K)" + shape,
+        f"{em.mask[k]} = {flat} < {em.extent_k}" + shape,
+        f"{em.offs[k]} = {flat} % {em.size[k]}" + shape,
+    ]
+    divisor = [em.size[k]]
+    for position, var in enumerate(reversed(names[:-1])):
+        expr = f"{flat} // {divisor[0]}" if len(divisor) == 1 else f"{flat} // ({' * '.join(divisor)})"
+        if position < len(names) - 2:
+            expr = f"({expr}) % {em.size[var]}"
+        lines.append(f"{em.offs[var]} = {expr}" + shape)
+        divisor.append(em.size[var])
     return lines
 
 

@@ -7,6 +7,11 @@ variable and a right part without the M variable that share K: the inner loop is
 factors by broadcasting over (M, K, N) and sums K with `tl.sum`. Other output variables go
 to the grid (one value per program); other reduced variables become scalar outer loops.
 
+A tile axis may carry several variables. When the dot's K variable is short (the columns
+of one 32-wide block) and scalar loops remain, the innermost loop variable is folded onto
+K: the axis runs over (q, k) flattened, k fastest, so each `tl.dot` consumes several
+blocks at once (K = 128 instead of 32) and the loop takes a quarter of the steps.
+
 Everything here is decided from the statement, its roles and dtypes alone (no tensors), so
 one plan serves every size. The one layout fact a plan uses is which tensors the runtime
 found fit for tensor descriptors (`KernelSpec.boxes`, see `box_layout`): a dot operand whose
@@ -52,7 +57,7 @@ class KernelSpec:
     dtypes: tuple[tuple[str, str], ...]  # (tensor, "fp16" | "bf16" | "fp32" | "fp64" | "int32" | "int64")
     wide: frozenset[str] = frozenset()  # tensors whose element offsets may exceed 2**31 - 1
     precision: str = "tf32"  # float32 tl.dot: "tf32" or "ieee"
-    narrow: frozenset[str] = frozenset()  # output-side variables with extents below NARROW
+    narrow: frozenset[str] = frozenset()  # variables with extents below NARROW
     boxes: frozenset[str] = frozenset()  # input tensors whose layout fits a tensor descriptor
 
     def role(self, var: str) -> str:
@@ -77,6 +82,7 @@ class Plan:
     acc_dtype: str  # "fp32" or "fp64"
     dot_dtype: str | None  # operand dtype of tl.dot
     boxes: tuple[int, ...] = ()  # factor positions loaded through a tensor descriptor
+    folded: tuple[str, ...] = ()  # reduced variables flattened onto K outside its variable, outermost first
 
     @property
     def stmt(self) -> Statement:
@@ -86,7 +92,14 @@ class Plan:
         return dict(self.tiles).get(axis)
 
     def var_axis(self, var: str) -> str | None:
-        return {v: a for a, v in self.tiles}.get(var)
+        return "K" if var in self.folded else {v: a for a, v in self.tiles}.get(var)
+
+    def axis_vars(self, axis: str) -> tuple[str, ...]:
+        """Every variable the axis carries, outermost first (the last one varies fastest)."""
+        var = self.axis_var(axis)
+        if var is None:
+            return ()
+        return (*self.folded, var) if axis == "K" else (var,)
 
     @property
     def grouped(self) -> bool:
@@ -95,7 +108,9 @@ class Plan:
         return self.kind == "dot" and self.axis_var("M") is not None and self.axis_var("N") is not None
 
     def __str__(self) -> str:
-        tiles = ", ".join(f"{a}={v}" for a, v in self.tiles) or "-"
+        tiles = ", ".join(
+            f"{a}=({', '.join(self.axis_vars(a))})" if len(self.axis_vars(a)) > 1 else f"{a}={v}" for a, v in self.tiles
+        ) or "-"
         lines = [
             f"kind: {self.kind}" + (" (tl.dot)" if self.kind == "dot" else " (broadcast multiply, tl.sum)"),
             f"tiles: {tiles}",
@@ -152,10 +167,13 @@ def _dot_split(stmt: Statement, outside: list[str], reduced: list[str], narrow: 
     return next((s for s in splits if s[0] not in narrow), splits[0] if splits else None)
 
 
-def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, ...]) -> tuple[int, ...]:
+def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, ...], folded: tuple[str, ...]) -> tuple[int, ...]:
     """Dot operands that are one box of their tensor: each tiled variable indexes its own
     dimension directly (so the tensor's bounds are the tile's mask), the last dimension is
-    one of them, and every other index is a scalar per program or step."""
+    one of them, and every other index is a scalar per program or step. A folded K axis is
+    no box: its steps cross blocks."""
+    if folded:
+        return ()
     tiled = set(tiles.values())
     boxes = []
     for position in positions:
@@ -167,7 +185,7 @@ def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, 
         scalar = all(v in tiled or not (set(i.variables()) & tiled) for v, i in zip(direct, access.indices))
         if scalar and len(on_tiles) == len(set(on_tiles)) == 2 and direct[-1] in tiled:
             boxes.append(position)
-    return tuple(boxes)
+    return tuple(sorted(boxes))
 
 
 def schedule(spec: KernelSpec) -> Plan:
@@ -188,9 +206,12 @@ def schedule(spec: KernelSpec) -> Plan:
         m, n, k, left, right = split
         tiles = {"M": m, "K": k, "N": n}
         kind = "dot"
-        boxes = _box_factors(spec, tiles, left + right)
+        loops = [v for v in reduced if v != k]
+        # Fold the innermost loop onto a short K (16-bit operands, where tensor cores want K >= 64).
+        folded = (loops[-1],) if loops and k in spec.narrow and dot_dtype in HALF else ()
+        boxes = _box_factors(spec, tiles, left + right, folded)
     else:
-        kind, left, right, dot_dtype, boxes = "reduce", (), (), None, ()
+        kind, left, right, dot_dtype, boxes, folded = "reduce", (), (), None, (), ()
         tiles = {}
         if outside:
             tiles["N"] = outside[0]
@@ -207,11 +228,12 @@ def schedule(spec: KernelSpec) -> Plan:
         kind=kind,
         tiles=tuple((a, tiles[a]) for a in AXES if a in tiles),
         grid=tuple(v for v in stmt.variables() if roles[v] != "reduced" and v not in tiled),
-        loops=tuple(v for v in reduced if v not in tiled),
+        loops=tuple(v for v in reduced if v not in tiled and v not in folded),
         left=left,
         right=right,
         output="store" if one_owner else "atomic",
         acc_dtype=acc_dtype,
         dot_dtype=dot_dtype,
         boxes=boxes,
+        folded=folded,
     )

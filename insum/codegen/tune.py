@@ -56,8 +56,11 @@ def prune_configs(plan: Plan, configs: list[dict], extents: dict[str, int]) -> l
     pruned = []
     for config in configs:
         config = dict(config)
-        for axis, var in plan.tiles:
-            limit = max(floor, next_power_of_2(extents[var]))
+        for axis, _ in plan.tiles:
+            extent = 1
+            for var in plan.axis_vars(axis):  # a folded axis spans the product
+                extent *= extents[var]
+            limit = max(floor, next_power_of_2(extent))
             config[f"BLOCK_{axis}"] = min(config[f"BLOCK_{axis}"], limit)
         # Small blocks do not need many warps.
         elements = 1
