@@ -8,6 +8,7 @@ Variants of each generated kernel, compiled in this one process on the same inpu
              `insum_main`, placed beside this checkout by the GPU command); skipped if absent
   pointers   this branch, every operand loaded through pointer blocks (INSUM_TMA=0's plan)
   tma        this branch, box operands through tensor descriptors (the default on Hopper)
+  unfolded   the same without folding a loop onto a short K (K = k only, as before)
 Both generators tune over the same short list of tile configurations (`CONFIGS`), so an A/B
 shows what the generated source changes, not a wider search; `--full` tunes each over its
 own whole space instead. Every result is checked against a float64 product of the same
@@ -18,6 +19,7 @@ copies. Sections run in order of value and stop when the time budget is spent.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -46,7 +48,7 @@ except ImportError:
 # the deeper pipelines and the 256-row tile.
 CONFIGS = [
     (128, 64, 256, 8, 3), (128, 64, 256, 8, 4), (256, 64, 128, 8, 3), (128, 64, 128, 8, 4),
-    (64, 64, 256, 4, 4), (64, 32, 128, 4, 4),
+    (64, 64, 256, 4, 4), (64, 32, 128, 4, 4), (128, 128, 64, 4, 4), (256, 128, 32, 8, 3),
 ]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ROWS: list[dict] = []
@@ -86,7 +88,11 @@ def generated(expr: str, tensors: dict, out_name: str, swap: str, variant: str):
         binder = bind_main
     else:
         stmt = parse(expr)
-        kernel = Kernel(spec_for(bind(stmt, tensors), descriptors=(variant == "tma")))
+        bound = bind(stmt, tensors)
+        spec = spec_for(bound, descriptors=(variant != "pointers"))
+        if variant == "unfolded":
+            spec = dataclasses.replace(spec, narrow=frozenset(v for v in spec.narrow if bound.roles[v] != "reduced"))
+        kernel = Kernel(spec)
         binder = bind
     out = tensors[out_name]
 
@@ -99,14 +105,15 @@ def generated(expr: str, tensors: dict, out_name: str, swap: str, variant: str):
 def plan_line(kernel) -> str:
     plan = kernel.plan
     boxes = len(getattr(plan, "boxes", ()))
-    return f"M={plan.axis_var('M')} K={plan.axis_var('K')} N={plan.axis_var('N')} descriptors={boxes}"
+    k = "(" + ", ".join(plan.axis_vars("K")) + ")" if hasattr(plan, "axis_vars") else plan.axis_var("K")
+    return f"M={plan.axis_var('M')} K={k} N={plan.axis_var('N')} descriptors={boxes}"
 
 
-def variants(args) -> list[str]:
-    return (["main"] if insum_main is not None else []) + ["pointers", "tma"]
+def chosen(names: tuple[str, ...]) -> list[str]:
+    return [v for v in names if v != "main" or insum_main is not None]
 
 
-def dense_section(args, size: int, dtype_name: str, ab: bool) -> None:
+def dense_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(size)
     A = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
@@ -122,7 +129,7 @@ def dense_section(args, size: int, dtype_name: str, ab: bool) -> None:
         ("dense", "C[m, n] = A[m, k] * B[k, n]", {}),
         ("gathered", "C[m, n] = A[m, k] * B[I[k], n]", {"I": ident}),
     ]:
-        for variant in variants(args) if ab else ["tma"]:
+        for variant in chosen(ab):
             tensors = {"A": A, "B": Bs[0], "C": C, **extra}
             try:
                 run, kernel = generated(expr, tensors, "C", "B", variant)
@@ -148,7 +155,7 @@ def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int) -> dict[str, torc
     return {"AV": AV.contiguous(), "AK": AK.contiguous()}
 
 
-def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: bool, t_cublas: dict) -> None:
+def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: tuple[str, ...], t_cublas: dict) -> None:
     from torch.sparse._triton_ops import bsr_dense_mm
 
     dtype = DTYPES[dtype_name]
@@ -178,7 +185,7 @@ def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: 
         packed = block_ell(keep, A, block)
         C = torch.empty(nb, block, size, device="cuda", dtype=dtype)
         Bv = [B.view(nb, block, size) for B in Bs]
-        for variant in variants(args) if ab else ["tma"]:
+        for variant in chosen(ab):
             tensors = {**packed, "B": Bv[0], "C": C}
             try:
                 run, kernel = generated(expr, tensors, "C", "B", variant)
@@ -192,7 +199,7 @@ def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: 
                 say(f"      {plan_line(kernel)}")
 
 
-def nm_section(args, size: int, dtype_name: str, ab: bool) -> None:
+def nm_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(7)
     A = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
@@ -216,7 +223,7 @@ def nm_section(args, size: int, dtype_name: str, ab: bool) -> None:
                 say(f"  cuSPARSELt failed: {type(e).__name__}: {str(e)[:200]}")
         Cn = torch.empty(fmt.AV.shape[0], fmt.AV.shape[1], size, device="cuda", dtype=dtype)
         expr = fmt.expression.replace("+=", "=")
-        for variant in variants(args) if ab else ["tma"]:
+        for variant in chosen(ab):
             tensors = {**fmt.tensors, "B": Bs[0], "C": Cn}
             try:
                 run, kernel = generated(expr, tensors, "C", "B", variant)
@@ -243,18 +250,22 @@ def main() -> None:
     start = time.time()
     say(f"{torch.cuda.get_device_name()} torch {torch.__version__} insum_main={'yes' if insum_main else 'no'}")
     t_cublas: dict = {}
+    every, new = ("main", "pointers", "tma"), ("tma",)
+    folding = ("main", "unfolded", "tma")
     sections = [
-        lambda: dense_section(args, 4096, "fp16", True),
-        lambda: block_section(args, 4096, "fp16", 32, (0.9, 0.5, 0.75, 0.95), True, t_cublas),
-        lambda: block_section(args, 4096, "fp16", 64, (0.9, 0.5, 0.75, 0.95), True, t_cublas),
-        lambda: dense_section(args, 8192, "fp16", True),
-        lambda: dense_section(args, 4096, "bf16", False),
-        lambda: dense_section(args, 8192, "bf16", False),
-        lambda: block_section(args, 8192, "fp16", 32, (0.9, 0.5), False, t_cublas),
-        lambda: block_section(args, 8192, "fp16", 64, (0.9, 0.5), False, t_cublas),
-        lambda: block_section(args, 4096, "bf16", 32, (0.9,), False, t_cublas),
-        lambda: block_section(args, 4096, "bf16", 64, (0.9,), False, t_cublas),
-        lambda: nm_section(args, 8192, "fp16", True),
+        lambda: block_section(args, 4096, "fp16", 32, (0.9, 0.5, 0.75, 0.95), folding, t_cublas),
+        lambda: dense_section(args, 4096, "fp16", every),
+        lambda: block_section(args, 4096, "fp16", 64, (0.9, 0.5, 0.75, 0.95), ("main", "tma"), t_cublas),
+        lambda: dense_section(args, 8192, "fp16", ("main", "tma")),
+        lambda: dense_section(args, 4096, "bf16", new),
+        lambda: dense_section(args, 8192, "bf16", new),
+        lambda: block_section(args, 4096, "fp16", 128, (0.5, 0.75, 0.9), new, t_cublas),
+        lambda: block_section(args, 8192, "fp16", 32, (0.9, 0.5), new, t_cublas),
+        lambda: block_section(args, 8192, "fp16", 64, (0.9, 0.5), new, t_cublas),
+        lambda: block_section(args, 4096, "bf16", 32, (0.9, 0.5, 0.75, 0.95), new, t_cublas),
+        lambda: block_section(args, 4096, "bf16", 64, (0.9, 0.5, 0.75, 0.95), new, t_cublas),
+        lambda: nm_section(args, 8192, "fp16", new),
+        lambda: nm_section(args, 8192, "bf16", new),
     ]
     for number, section in enumerate(sections):
         if time.time() - start > args.budget:
