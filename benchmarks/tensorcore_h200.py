@@ -9,6 +9,8 @@ Variants of each generated kernel, compiled in this one process on the same inpu
   pointers   this branch, every operand loaded through pointer blocks (INSUM_TMA=0's plan)
   tma        this branch, box operands through tensor descriptors (the default on Hopper)
   unfolded   the same without folding a loop onto a short K (K = k only, as before)
+  folded     the same, folding the block loop onto K whatever K's extent (K = (q, k))
+  persistent the `tma` plan with one program per SM striding over the tiles
 Both generators tune over the same short list of tile configurations (`CONFIGS`), so an A/B
 shows what the generated source changes, not a wider search; `--full` tunes each over its
 own whole space instead. Every result is checked against a float64 product of the same
@@ -90,9 +92,14 @@ def generated(expr: str, tensors: dict, out_name: str, swap: str, variant: str):
         stmt = parse(expr)
         bound = bind(stmt, tensors)
         spec = spec_for(bound, descriptors=(variant != "pointers"))
+        reduced = frozenset(v for v, role in bound.roles.items() if role == "reduced")
         if variant == "unfolded":
-            spec = dataclasses.replace(spec, narrow=frozenset(v for v in spec.narrow if bound.roles[v] != "reduced"))
+            spec = dataclasses.replace(spec, narrow=spec.narrow - reduced)
+        elif variant == "folded":
+            spec = dataclasses.replace(spec, narrow=spec.narrow | reduced)
         kernel = Kernel(spec)
+        if variant == "persistent":
+            kernel = Kernel(spec, dataclasses.replace(kernel.plan, persistent=True))
         binder = bind
     out = tensors[out_name]
 
@@ -250,21 +257,20 @@ def main() -> None:
     start = time.time()
     say(f"{torch.cuda.get_device_name()} torch {torch.__version__} insum_main={'yes' if insum_main else 'no'}")
     t_cublas: dict = {}
-    every, new = ("main", "pointers", "tma"), ("tma",)
-    folding = ("main", "unfolded", "tma")
+    new = ("tma",)
     sections = [
-        lambda: block_section(args, 4096, "fp16", 32, (0.9, 0.5, 0.75, 0.95), folding, t_cublas),
-        lambda: dense_section(args, 4096, "fp16", every),
-        lambda: block_section(args, 4096, "fp16", 64, (0.9, 0.5, 0.75, 0.95), ("main", "tma"), t_cublas),
-        lambda: dense_section(args, 8192, "fp16", ("main", "tma")),
-        lambda: dense_section(args, 4096, "bf16", new),
-        lambda: dense_section(args, 8192, "bf16", new),
-        lambda: block_section(args, 4096, "fp16", 128, (0.5, 0.75, 0.9), new, t_cublas),
+        lambda: block_section(args, 4096, "fp16", 32, (0.9, 0.5, 0.75, 0.95), ("main", "unfolded", "tma", "persistent"), t_cublas),
+        lambda: dense_section(args, 4096, "fp16", ("main", "pointers", "tma", "persistent")),
+        lambda: block_section(args, 4096, "fp16", 64, (0.9, 0.5, 0.75, 0.95), ("main", "tma", "folded", "persistent"), t_cublas),
+        lambda: dense_section(args, 8192, "fp16", ("main", "tma", "persistent")),
+        lambda: dense_section(args, 4096, "bf16", ("tma", "persistent")),
+        lambda: dense_section(args, 8192, "bf16", ("tma", "persistent")),
+        lambda: block_section(args, 4096, "fp16", 128, (0.5, 0.75, 0.9), ("tma", "persistent"), t_cublas),
         lambda: block_section(args, 8192, "fp16", 32, (0.9, 0.5), new, t_cublas),
-        lambda: block_section(args, 8192, "fp16", 64, (0.9, 0.5), new, t_cublas),
+        lambda: block_section(args, 8192, "fp16", 64, (0.9, 0.5), ("tma", "persistent"), t_cublas),
         lambda: block_section(args, 4096, "bf16", 32, (0.9, 0.5, 0.75, 0.95), new, t_cublas),
         lambda: block_section(args, 4096, "bf16", 64, (0.9, 0.5, 0.75, 0.95), new, t_cublas),
-        lambda: nm_section(args, 8192, "fp16", new),
+        lambda: nm_section(args, 8192, "fp16", ("tma", "persistent")),
         lambda: nm_section(args, 8192, "bf16", new),
     ]
     for number, section in enumerate(sections):

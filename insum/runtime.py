@@ -290,8 +290,11 @@ class _Launcher:
         fixed = math.prod(self.extents[v] for v in plan.grid)
         extents = self.extents
 
+        slots = _program_slots(bound.device) if plan.persistent else None
+
         def grid_fn(meta):
-            return (fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles),)
+            programs = fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles)
+            return (min(programs, slots) if slots else programs,)
 
         self.grid_fn = grid_fn
         self.config: dict | None = None
@@ -340,6 +343,13 @@ def _set_descriptor_allocator() -> None:
 
     triton.set_allocator(alloc)
     _ALLOCATOR_SET = True
+
+
+def _program_slots(device: torch.device) -> int:
+    """Programs a persistent kernel launches: one per SM (per CPU core in the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -156,3 +156,31 @@ def test_folded_k_matches_float64(G, g, bm, bk, KB, N, index_dtype):
 def test_fold_only_short_k_with_16_bit_operands():
     assert not _plan(BLOCK_ROW, **_block_row(bm=64, bk=64)).folded  # K = 64 already
     assert not _plan(BLOCK_ROW, **_block_row(bk=32, dtype=torch.float32)).folded  # tf32: unmeasured
+
+
+# -- persistent programs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["dense", "block_row_folded"])
+def test_persistent_programs_cover_every_tile(monkeypatch, case):
+    """One program per SM (per CPU core in the interpreter) strides over all tiles."""
+    import dataclasses
+
+    from insum.runtime import Kernel
+
+    monkeypatch.setattr(tune, "_DOT", [(16, 16, 16, 1, 1)])
+    if case == "dense":
+        gen = torch.Generator().manual_seed(9)
+        t = {"A": torch.randn(70, 40, generator=gen).to(DEVICE), "B": torch.randn(40, 50, generator=gen).to(DEVICE),
+             "C": torch.full((70, 50), float("nan"), device=DEVICE)}
+        expr, expected = DENSE, t["A"].double() @ t["B"].double()
+    else:
+        t = _block_row(3, 5, 16, 16, 4, 48, device=DEVICE)
+        expr = BLOCK_ROW
+        expected = torch.einsum("pqmk,pqkn->pmn", t["AV"].double(), t["B"].double()[t["AK"].long()])
+    bound = bind(parse(expr), t)
+    spec = spec_for(bound, descriptors=False)
+    kernel = Kernel(spec, dataclasses.replace(schedule(spec), persistent=True))
+    assert "tl.range(tl.program_id(0)" in kernel.source and "flatten=True" in kernel.source
+    out = kernel.launch(bound, t["C"])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=2e-2)

@@ -20,7 +20,7 @@ from .values import Value, broadcast, union
 __all__ = ["Source", "emit", "KERNEL_NAME"]
 
 KERNEL_NAME = "insum_kernel"
-_RESERVED = ("tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest")
+_RESERVED = ("tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest", "task")
 _TL_DTYPES = {"fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
 
 
@@ -47,6 +47,7 @@ class _Emitter:
         # (scalar loops and the K tile) share one flattened loop, which Triton pipelines.
         self.depth = 1 if plan.loops or plan.axis_var("K") else 0
         self.levels: list[list[str]] = [[] for _ in range(self.depth + 1)]
+        self.setup: list[str] = []  # once per program, before any tile: tensor descriptors
         self.epilogue: list[str] = []
         self.in_epilogue = False
         self.cache: dict[str, Value] = {}
@@ -187,7 +188,7 @@ class _Emitter:
         shape = [self.size[i.variable] if i.variable else self.shape(name, d) for d, i in enumerate(access.indices)]
         strides = [self.stride(name, d) for d in range(len(indices) - 1)] + ["1"]  # box_layout: unit last stride
         block = [f"BLOCK_{a}" if a else "1" for a in tiled]
-        self.put(0, f"{desc} = tl.make_tensor_descriptor({self.ptr[name]}, shape=[{', '.join(shape)}], "
+        self.setup.append(f"{desc} = tl.make_tensor_descriptor({self.ptr[name]}, shape=[{', '.join(shape)}], "
                     f"strides=[{', '.join(strides)}], block_shape=[{', '.join(block)}])")
         # Coordinates are 32-bit; a gathered index may be int64.
         coords = [
@@ -420,10 +421,17 @@ def emit(plan: Plan) -> Source:
     out.append("):")
     doc = [str(stmt), "", *str(plan).splitlines()]
     out.append('    """' + "\n".join(("    " + d if d and i else d) for i, d in enumerate(doc)) + '\n    """')
-    body = _launch_grid_lines(em)
-    body.append(f"acc = tl.zeros(({acc_shape}), dtype={acc_tl})" + em.shape_comment(acc_axes))
-    body.extend(em.levels[0])
-    body.extend(_loop_lines(em))
-    body.extend(em.epilogue)
+    tile = _launch_grid_lines(em)
+    tile.append(f"acc = tl.zeros(({acc_shape}), dtype={acc_tl})" + em.shape_comment(acc_axes))
+    tile.extend(em.levels[0])
+    tile.extend(_loop_lines(em))
+    tile.extend(em.epilogue)
+    if plan.persistent:
+        # Programs stride over the tiles; flattening lets the pipeline run across tiles.
+        counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.size[v]}, BLOCK_{a})" for a, v in plan.tiles if a != "K"]
+        body = [*em.setup, f"for task in tl.range(tl.program_id(0), {' * '.join(counts) or '1'}, tl.num_programs(0), flatten=True):"]
+        body += ["    " + ("pid = task" if line == "pid = tl.program_id(0)" else line) for line in tile]
+    else:
+        body = em.setup + tile
     out.extend("    " + line for line in body)
     return Source(text="\n".join(out) + "\n", args=tuple(args), blocks=blocks, plan=plan)

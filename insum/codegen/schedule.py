@@ -83,6 +83,7 @@ class Plan:
     dot_dtype: str | None  # operand dtype of tl.dot
     boxes: tuple[int, ...] = ()  # factor positions loaded through a tensor descriptor
     folded: tuple[str, ...] = ()  # reduced variables flattened onto K outside its variable, outermost first
+    persistent: bool = False  # one program per SM loops over the tiles (`tl.range(..., flatten=True)`)
 
     @property
     def stmt(self) -> Statement:
@@ -124,6 +125,8 @@ class Plan:
             lines.append(f"dot operands: {self.dot_dtype}" + (f", {self.spec.precision}" if self.dot_dtype == "fp32" else ""))
             if self.boxes:
                 lines.append(f"tensor descriptors: {', '.join(str(factors[i]) for i in self.boxes)}")
+        if self.persistent:
+            lines.append("programs: persistent (one per SM, striding over the tiles)")
         lines.append(f"accumulator: {self.acc_dtype}")
         lines.append(f"output: {self.output}" + (" (one owner per element)" if self.output == "store" else " (tl.atomic_add: scattered contributions may collide)"))
         return "\n".join(lines)

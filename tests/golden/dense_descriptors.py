@@ -26,6 +26,8 @@ def insum_kernel(
     accumulator: fp32
     output: store (one owner per element)
     """
+    A_desc = tl.make_tensor_descriptor(A_ptr, shape=[size_m, size_k], strides=[stride_A_0, 1], block_shape=[BLOCK_M, BLOCK_K])
+    B_desc = tl.make_tensor_descriptor(B_ptr, shape=[size_k, size_n], strides=[stride_B_0, 1], block_shape=[BLOCK_K, BLOCK_N])
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(size_m, BLOCK_M)
     tiles_n = tl.cdiv(size_n, BLOCK_N)
@@ -40,8 +42,6 @@ def insum_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [n]
     mask_n = offs_n < size_n  # [n]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [m, n]
-    A_desc = tl.make_tensor_descriptor(A_ptr, shape=[size_m, size_k], strides=[stride_A_0, 1], block_shape=[BLOCK_M, BLOCK_K])
-    B_desc = tl.make_tensor_descriptor(B_ptr, shape=[size_k, size_n], strides=[stride_B_0, 1], block_shape=[BLOCK_K, BLOCK_N])
     for start_k in range(0, size_k, BLOCK_K):
         offs_k = start_k + tl.arange(0, BLOCK_K)  # [k]
         mask_k = offs_k < size_k  # [k]
