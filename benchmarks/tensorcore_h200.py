@@ -11,6 +11,8 @@ Variants of each generated kernel, compiled in this one process on the same inpu
   unfolded   the same without folding a loop onto a short K (K = k only, as before)
   folded     the same, folding the block loop onto K whatever K's extent (K = (q, k))
   persistent the `tma` plan with one program per SM striding over the tiles
+  coarsenR   block rows only: R neighbouring block rows packed as one (R * b)-tall block row
+             over the union of their columns, explicit zero blocks (`tma` plan)
 Both generators tune over the same short list of tile configurations (`CONFIGS`), so an A/B
 shows what the generated source changes, not a wider search; `--full` tunes each over its
 own whole space instead. Every result is checked against a float64 product of the same
@@ -150,14 +152,21 @@ def dense_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None
                 say(f"      {plan_line(kernel)}")
 
 
-def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
-    """One group per block row (BlockGroupCOO group_size="row"), padded with zero blocks."""
-    nb = keep.shape[0]
+def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int, rows: int = 1) -> dict[str, torch.Tensor]:
+    """One group per block row (BlockGroupCOO group_size="row"), padded with zero blocks.
+
+    rows > 1 coarsens: `rows` neighbouring block rows become one (rows * block)-tall block
+    row over the union of their block columns, with explicit zero blocks (the same as
+    packing with block=(rows * block, block))."""
+    if rows > 1:
+        keep = keep.reshape(keep.shape[0] // rows, rows, keep.shape[1]).any(1)
+    nb, kb = keep.shape
+    bm = A.shape[0] // nb
     width = max(1, int(keep.sum(1).max()))
     order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]
     valid = torch.gather(keep, 1, order)
     AK = torch.where(valid, order, 0).to(torch.int32)
-    blocks = A.reshape(nb, block, nb, block).permute(0, 2, 1, 3)
+    blocks = A.reshape(nb, bm, kb, block).permute(0, 2, 1, 3)
     AV = blocks[torch.arange(nb, device=A.device)[:, None], order] * valid[:, :, None, None]
     return {"AV": AV.contiguous(), "AK": AK.contiguous()}
 
@@ -189,20 +198,23 @@ def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: 
                    lambda bsr=bsr: bsr_dense_mm(bsr, Bs[0]), expected, anchor, flops)
         except Exception as e:
             say(f"  TorchBSR failed: {e}")
-        packed = block_ell(keep, A, block)
-        C = torch.empty(nb, block, size, device="cuda", dtype=dtype)
         Bv = [B.view(nb, block, size) for B in Bs]
         for variant in chosen(ab):
+            rows = int(variant[len("coarsen"):]) if variant.startswith("coarsen") else 1
+            packed = block_ell(keep, A, block, rows)
+            C = torch.empty(nb // rows, block * rows, size, device="cuda", dtype=dtype)
             tensors = {**packed, "B": Bv[0], "C": C}
             try:
-                run, kernel = generated(expr, tensors, "C", "B", variant)
+                run, kernel = generated(expr, tensors, "C", "B", "tma" if rows > 1 else variant)
             except Exception as e:
                 say(f"  block {variant}: no kernel: {e}")
                 continue
             C.fill_(float("nan"))
             ms = record("block", f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bv]),
                         lambda run=run, Bv=Bv: run(Bv[0]).clone(), expected, anchor, flops)
-            if ms and s == sparsities[0]:
+            if rows > 1:
+                say(f"      coarsened: {packed['AK'].shape[1]} of {keep.shape[1]} block columns per {rows}-row group")
+            if ms and (s == sparsities[0] or rows > 1):
                 say(f"      {plan_line(kernel)}")
 
 
@@ -259,9 +271,11 @@ def main() -> None:
     t_cublas: dict = {}
     new = ("tma",)
     sections = [
-        lambda: block_section(args, 4096, "fp16", 32, (0.9, 0.5, 0.75, 0.95), ("main", "unfolded", "tma", "persistent"), t_cublas),
+        lambda: block_section(args, 4096, "fp16", 32, (0.9, 0.5, 0.75, 0.95),
+                              ("main", "unfolded", "tma", "persistent", "coarsen2", "coarsen4"), t_cublas),
         lambda: dense_section(args, 4096, "fp16", ("main", "pointers", "tma", "persistent")),
-        lambda: block_section(args, 4096, "fp16", 64, (0.9, 0.5, 0.75, 0.95), ("main", "tma", "folded", "persistent"), t_cublas),
+        lambda: block_section(args, 4096, "fp16", 64, (0.9, 0.5, 0.75, 0.95),
+                              ("main", "tma", "folded", "persistent", "coarsen2"), t_cublas),
         lambda: dense_section(args, 8192, "fp16", ("main", "tma", "persistent")),
         lambda: dense_section(args, 4096, "bf16", ("tma", "persistent")),
         lambda: dense_section(args, 8192, "bf16", ("tma", "persistent")),
