@@ -8,9 +8,9 @@ Variants of each generated kernel, compiled in this one process on the same inpu
              `insum_main`, placed beside this checkout by the GPU command); skipped if absent
   pointers   this branch, every operand loaded through pointer blocks (INSUM_TMA=0's plan)
   tma        this branch, box operands through tensor descriptors (the default on Hopper)
-  unfolded   the same without folding a loop onto a short K (K = k only, as before)
-  folded     the same, folding the block loop onto K whatever K's extent (K = (q, k))
-  persistent the `tma` plan with one program per SM striding over the tiles
+  folded     the same, folding the block loop onto K (`schedule(spec, fold_k=True)`: K = (q, k))
+  persistent the `tma` plan with one program per SM striding over the tiles (the default
+             for plans whose operands are all descriptors and that have no scalar loop)
   coarsenR   block rows only: R neighbouring block rows packed as one (R * b)-tall block row
              over the union of their columns, explicit zero blocks (`tma` plan)
 Both generators tune over the same short list of tile configurations (`CONFIGS`), so an A/B
@@ -18,6 +18,12 @@ shows what the generated source changes, not a wider search; `--full` tunes each
 own whole space instead. Every result is checked against a float64 product of the same
 inputs (relative error <= 1e-2 for fp16/bf16). Times: do_bench medians, B rotated over two
 copies. Sections run in order of value and stop when the time budget is spent.
+
+The logs: results/tensorcore_ab1_h200.log (commit 1d28f85: grouped order, descriptors),
+results/tensorcore_run2_h200.log (commit 5df1a41: folding was the default for 32-wide
+16-bit blocks and transposed boxes were allowed: its `tma` rows for 32x32 blocks are the
+folded plan, `unfolded` the transposed-descriptor plan; both lost to main's pointers, so
+neither is the default now, and 32x32 blocks run the `pointers` plan of the first log).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import time
 import torch
 
 from insum.bind import bind
-from insum.codegen import tune
+from insum.codegen import schedule, tune
 from insum.formats import NM
 from insum.parser import parse
 from insum.runtime import Kernel, spec_for
@@ -94,13 +100,10 @@ def generated(expr: str, tensors: dict, out_name: str, swap: str, variant: str):
         stmt = parse(expr)
         bound = bind(stmt, tensors)
         spec = spec_for(bound, descriptors=(variant != "pointers"))
-        reduced = frozenset(v for v, role in bound.roles.items() if role == "reduced")
-        if variant == "unfolded":
-            spec = dataclasses.replace(spec, narrow=spec.narrow - reduced)
-        elif variant == "folded":
-            spec = dataclasses.replace(spec, narrow=spec.narrow | reduced)
         kernel = Kernel(spec)
-        if variant == "persistent":
+        if variant == "folded":
+            kernel = Kernel(spec, schedule(spec, fold_k=True))
+        elif variant == "persistent":
             kernel = Kernel(spec, dataclasses.replace(kernel.plan, persistent=True))
         binder = bind
     out = tensors[out_name]
@@ -272,7 +275,7 @@ def main() -> None:
     new = ("tma",)
     sections = [
         lambda: block_section(args, 4096, "fp16", 32, (0.9, 0.5, 0.75, 0.95),
-                              ("main", "unfolded", "tma", "persistent", "coarsen2", "coarsen4"), t_cublas),
+                              ("main", "tma", "folded", "persistent", "coarsen2", "coarsen4"), t_cublas),
         lambda: dense_section(args, 4096, "fp16", ("main", "pointers", "tma", "persistent")),
         lambda: block_section(args, 4096, "fp16", 64, (0.9, 0.5, 0.75, 0.95),
                               ("main", "tma", "folded", "persistent", "coarsen2"), t_cublas),

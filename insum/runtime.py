@@ -111,7 +111,7 @@ def spec_for(bound: Bound, precision: str = "tf32", descriptors: bool | None = N
     }
     if bound.output_name not in bound.tensors and math.prod(bound.out_shape) > _INT32_MAX:
         wide.add(bound.output_name)
-    narrow = {v for v in bound.roles if bound.extents[v] < NARROW}
+    narrow = {v for v, role in bound.roles.items() if role != "reduced" and bound.extents[v] < NARROW}
     return KernelSpec(
         stmt=bound.stmt,
         roles=tuple(bound.roles.items()),

@@ -34,8 +34,8 @@ GATHERED = "C[m, n] = A[m, k] * B[I[k], n]"
 BLOCK_ROW = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 
 
-def _plan(expr: str, descriptors: bool = True, **tensors):
-    return schedule(spec_for(bind(parse(expr), tensors), descriptors=descriptors))
+def _plan(expr: str, descriptors: bool = True, fold_k: bool = False, **tensors):
+    return schedule(spec_for(bind(parse(expr), tensors), descriptors=descriptors), fold_k=fold_k)
 
 
 def _half(*shape):
@@ -90,25 +90,34 @@ def test_descriptors_chosen_for_box_operands_only():
     assert spec_for(bind(parse(DENSE), dict(A=A, B=B, C=C))).boxes == frozenset() or CUDA
 
 
-def test_descriptor_at_a_gathered_row_and_transposed():
+def test_descriptor_at_a_gathered_row_not_transposed():
     """A block row of B at the row AK[p, q] is a box with a 1 for the gathered dimension; in the
-    swapped orientation (32-row blocks: the dense columns on M) it is transposed."""
+    swapped orientation (32-row blocks: the dense columns on M) it would need a transpose,
+    which measured slower than pointers: no descriptors there."""
     wide = _plan(BLOCK_ROW, **_block_row(bm=64, bk=64))
-    assert wide.boxes == (0, 1) and not wide.folded
+    assert wide.boxes == (0, 1) and not wide.folded and not wide.persistent  # a scalar loop: q
     source = emit(wide).text
     assert "B_desc.load([(AK_val).to(tl.int32), start_k, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)" in source
     assert "shape_B_0" in source  # B's first dimension is no extent: passed as its own argument
-    t = _block_row(bm=32, bk=64, N=128)
-    swapped = _plan(BLOCK_ROW, **t)
-    assert swapped.axis_var("M") == "n" and swapped.boxes == (0, 1)
-    assert "tl.trans(B_desc.load(" in emit(swapped).text
+    swapped = _plan(BLOCK_ROW, **_block_row(bm=32, bk=64, N=128))
+    assert swapped.axis_var("M") == "n" and swapped.boxes == ()
+    nt = _plan("C[m, n] = A[m, k] * B[n, k]", A=_half(64, 32), B=_half(48, 32), C=_half(64, 48))
+    assert nt.boxes == (0,)  # B holds (n, k): a transposed box
+
+
+def test_persistent_only_where_every_operand_is_a_descriptor():
+    A, B, C = _half(64, 32), _half(32, 48), _half(64, 48)
+    assert _plan(DENSE, A=A, B=B, C=C).persistent
+    assert "for task in tl.range(tl.program_id(0)" in emit(_plan(DENSE, A=A, B=B, C=C)).text
+    assert not _plan(DENSE, descriptors=False, A=A, B=B, C=C).persistent
+    assert not _plan(GATHERED, A=A, B=B, C=C, I=torch.arange(32, dtype=torch.int32)).persistent
 
 
 def test_golden_descriptor_sources():
     """Dense GEMM through descriptors and a folded block row; INSUM_UPDATE_GOLDEN=1 rewrites."""
     sources = {
         "dense_descriptors": emit(_plan(DENSE, A=_half(64, 32), B=_half(32, 48), C=_half(64, 48))).text,
-        "block_row_folded": emit(_plan(BLOCK_ROW, **_block_row(bm=32, bk=32))).text,
+        "block_row_folded": emit(_plan(BLOCK_ROW, fold_k=True, **_block_row(bm=32, bk=32))).text,
     }
     for name, text in sources.items():
         path = GOLDEN / f"{name}.py"
@@ -144,18 +153,23 @@ def test_grouped_order_covers_every_tile(monkeypatch):
     ids=["blocks16", "blocks32-odd-N", "one-block", "empty-rows"],
 )
 def test_folded_k_matches_float64(G, g, bm, bk, KB, N, index_dtype):
-    """16-bit block rows with 16/32-wide blocks fold the block loop onto K: K = (q, k)."""
+    """Block rows with the block loop folded onto K: K = (q, k), several blocks per dot."""
+    from insum.runtime import Kernel
+
     t = _block_row(G, g, bm, bk, KB, N, index_dtype=index_dtype, device=DEVICE)
-    plan = _plan(BLOCK_ROW, descriptors=False, **t)
+    bound = bind(parse(BLOCK_ROW), t)
+    spec = spec_for(bound)
+    plan = schedule(spec, fold_k=True)
     assert plan.folded == ("q",) and plan.loops == () and "K=(q, k)" in str(plan)
-    out = insum.insum(BLOCK_ROW, backend="triton", **t)
+    out = Kernel(spec, plan).launch(bound, t["C"])
     expected = torch.einsum("pqmk,pqkn->pmn", t["AV"].double(), t["B"].double()[t["AK"].long()])
     torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=2e-2)
 
 
-def test_fold_only_short_k_with_16_bit_operands():
-    assert not _plan(BLOCK_ROW, **_block_row(bm=64, bk=64)).folded  # K = 64 already
-    assert not _plan(BLOCK_ROW, **_block_row(bk=32, dtype=torch.float32)).folded  # tf32: unmeasured
+def test_fold_only_when_asked_and_a_loop_remains():
+    assert not _plan(BLOCK_ROW, **_block_row(bm=32, bk=32)).folded  # measured slower: not the default
+    assert _plan(BLOCK_ROW, fold_k=True, **_block_row(bm=64, bk=64)).boxes == ()  # steps cross blocks
+    assert not _plan(DENSE, fold_k=True, A=_half(64, 32), B=_half(32, 48), C=_half(64, 48)).folded
 
 
 # -- persistent programs ---------------------------------------------------------------------
@@ -180,7 +194,7 @@ def test_persistent_programs_cover_every_tile(monkeypatch, case):
         expected = torch.einsum("pqmk,pqkn->pmn", t["AV"].double(), t["B"].double()[t["AK"].long()])
     bound = bind(parse(expr), t)
     spec = spec_for(bound, descriptors=False)
-    kernel = Kernel(spec, dataclasses.replace(schedule(spec), persistent=True))
+    kernel = Kernel(spec, dataclasses.replace(schedule(spec, fold_k=case != "dense"), persistent=True))
     assert "tl.range(tl.program_id(0)" in kernel.source and "flatten=True" in kernel.source
     out = kernel.launch(bound, t["C"])
     torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=2e-2)

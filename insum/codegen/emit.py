@@ -180,7 +180,7 @@ class _Emitter:
         """Load a dot operand's tile through a tensor descriptor made once per program.
 
         The block has a 1 for every scalar-indexed dimension; it is reshaped to the two tiled
-        axes and transposed when the tensor holds them in the other order."""
+        axes, which the tensor holds in the dot's order (`schedule` asks for no transposes)."""
         name = access.name
         indices = [self.index(i) for i in access.indices]
         tiled = [self.plan.var_axis(i.variable) if i.variable else None for i in access.indices]
@@ -195,13 +195,10 @@ class _Emitter:
             self.tile_start(a) if a else f"({idx.expr}).to(tl.int32)" if index.indirect_accesses() else idx.expr
             for a, idx, index in zip(tiled, indices, access.indices)
         ]
-        held = tuple(a for a in tiled if a)
-        axes = union(held)
+        axes = tuple(a for a in tiled if a)
         load = f"{desc}.load([{', '.join(coords)}])"
-        if len(held) < len(tiled):
-            load = f"{load}.reshape({', '.join(f'BLOCK_{a}' for a in held)})"
-        if held != axes:
-            load = f"tl.trans({load})"
+        if len(axes) < len(tiled):
+            load = f"{load}.reshape({', '.join(f'BLOCK_{a}' for a in axes)})"
         value_name = self.fresh(f"{name}_val")
         level = max((i.level for i in indices), default=0)
         self.put(level, f"{value_name} = {load}" + self.shape_comment(axes))

@@ -7,16 +7,15 @@ variable and a right part without the M variable that share K: the inner loop is
 factors by broadcasting over (M, K, N) and sums K with `tl.sum`. Other output variables go
 to the grid (one value per program); other reduced variables become scalar outer loops.
 
-A tile axis may carry several variables. When the dot's K variable is short (the columns
-of one 32-wide block) and scalar loops remain, the innermost loop variable is folded onto
-K: the axis runs over (q, k) flattened, k fastest, so each `tl.dot` consumes several
-blocks at once (K = 128 instead of 32) and the loop takes a quarter of the steps.
+A tile axis may carry several variables: `schedule(spec, fold_k=True)` folds the innermost
+scalar loop onto K, which then runs over (q, k) flattened, k fastest, so one `tl.dot`
+consumes several 32-wide blocks at once. It is not the default: on an H200 the pointer
+gathers it needs lost to one block per step with tensor descriptors
+(benchmarks/results/tensorcore_run2_h200.log).
 
-Everything here is decided from the statement, its roles and dtypes alone (no tensors), so
-one plan serves every size. The one layout fact a plan uses is which tensors the runtime
-found fit for tensor descriptors (`KernelSpec.boxes`, see `box_layout`): a dot operand whose
-tile is a box of such a tensor is loaded through a descriptor (TMA on Hopper) instead of a
-block of pointers.
+Persistent programs (one per SM, looping over the tiles) are chosen for dot plans whose
+operands all load through descriptors with no scalar loop (the dense GEMM class), where
+they measured faster; with pointer gathers or per-step index loads they measured slower.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ class KernelSpec:
     dtypes: tuple[tuple[str, str], ...]  # (tensor, "fp16" | "bf16" | "fp32" | "fp64" | "int32" | "int64")
     wide: frozenset[str] = frozenset()  # tensors whose element offsets may exceed 2**31 - 1
     precision: str = "tf32"  # float32 tl.dot: "tf32" or "ieee"
-    narrow: frozenset[str] = frozenset()  # variables with extents below NARROW
+    narrow: frozenset[str] = frozenset()  # output-side variables with extents below NARROW
     boxes: frozenset[str] = frozenset()  # input tensors whose layout fits a tensor descriptor
 
     def role(self, var: str) -> str:
@@ -172,7 +171,8 @@ def _dot_split(stmt: Statement, outside: list[str], reduced: list[str], narrow: 
 
 def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, ...], folded: tuple[str, ...]) -> tuple[int, ...]:
     """Dot operands that are one box of their tensor: each tiled variable indexes its own
-    dimension directly (so the tensor's bounds are the tile's mask), the last dimension is
+    dimension directly (so the tensor's bounds are the tile's mask), in the dot's order (a
+    box that would need a transpose measured slower than pointers), the last dimension is
     one of them, and every other index is a scalar per program or step. A folded K axis is
     no box: its steps cross blocks."""
     if folded:
@@ -186,13 +186,17 @@ def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, 
         direct = [i.variable for i in access.indices]
         on_tiles = [v for v in direct if v in tiled]
         scalar = all(v in tiled or not (set(i.variables()) & tiled) for v, i in zip(direct, access.indices))
-        if scalar and len(on_tiles) == len(set(on_tiles)) == 2 and direct[-1] in tiled:
+        order = [axis for axis in AXES if tiles.get(axis) in on_tiles]
+        in_order = [axis for v in on_tiles for axis in AXES if tiles.get(axis) == v] == order
+        if scalar and in_order and len(on_tiles) == len(set(on_tiles)) == 2 and direct[-1] in tiled:
             boxes.append(position)
     return tuple(sorted(boxes))
 
 
-def schedule(spec: KernelSpec) -> Plan:
-    """Choose the tile roles, grid, loops and output strategy for a statement."""
+def schedule(spec: KernelSpec, *, fold_k: bool = False) -> Plan:
+    """Choose the tile roles, grid, loops and output strategy for a statement.
+
+    fold_k: fold the innermost scalar loop onto the dot's K axis (K = (q, k))."""
     stmt = spec.stmt
     roles = dict(spec.roles)
     outside = _output_candidates(stmt, roles)
@@ -210,11 +214,11 @@ def schedule(spec: KernelSpec) -> Plan:
         tiles = {"M": m, "K": k, "N": n}
         kind = "dot"
         loops = [v for v in reduced if v != k]
-        # Fold the innermost loop onto a short K (16-bit operands, where tensor cores want K >= 64).
-        folded = (loops[-1],) if loops and k in spec.narrow and dot_dtype in HALF else ()
+        folded = (loops[-1],) if loops and fold_k else ()
         boxes = _box_factors(spec, tiles, left + right, folded)
+        persistent = len(boxes) == len(left) + len(right) and not loops
     else:
-        kind, left, right, dot_dtype, boxes, folded = "reduce", (), (), None, (), ()
+        kind, left, right, dot_dtype, boxes, folded, persistent = "reduce", (), (), None, (), (), False
         tiles = {}
         if outside:
             tiles["N"] = outside[0]
@@ -239,4 +243,5 @@ def schedule(spec: KernelSpec) -> Plan:
         dot_dtype=dot_dtype,
         boxes=boxes,
         folded=folded,
+        persistent=persistent,
     )
