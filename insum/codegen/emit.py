@@ -11,6 +11,7 @@ descriptor's bounds zero-fill what lies outside the tensor); the rest through po
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 from ..ir import Access, Index, Literal, Var
@@ -318,8 +319,13 @@ def _loop_lines(em: _Emitter) -> list[str]:
     if k is not None and plan.folded:
         lines.extend("    " + line for line in _folded_k_lines(em))
     elif k is not None:
-        lines.append(f"    {em.offs[k]} = {em.start_k} + tl.arange(0, BLOCK_K)  # [{k}]")
-        lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
+        # Descriptor loads take `start_k` alone: the offsets and mask only where a line uses them.
+        body = "\n".join(em.levels[1])
+        masked = re.search(rf"\b{em.mask[k]}\b", body) is not None
+        if masked or re.search(rf"\b{em.offs[k]}\b", body):
+            lines.append(f"    {em.offs[k]} = {em.start_k} + tl.arange(0, BLOCK_K)  # [{k}]")
+        if masked:
+            lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
     lines.extend("    " + line for line in em.levels[1])
     return lines
 

@@ -45,8 +45,6 @@ def insum_kernel(
         mask_n = offs_n < size_n  # [n]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [m, n]
         for start_k in range(0, size_k, BLOCK_K):
-            offs_k = start_k + tl.arange(0, BLOCK_K)  # [k]
-            mask_k = offs_k < size_k  # [k]
             A_val = A_desc.load([pid_m * BLOCK_M, start_k])  # [m, k]
             B_val = B_desc.load([start_k, pid_n * BLOCK_N])  # [k, n]
             acc = tl.dot(A_val, B_val, acc)  # [m, n]
