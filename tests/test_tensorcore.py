@@ -175,7 +175,7 @@ def test_fold_only_when_asked_and_a_loop_remains():
 # -- persistent programs ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["dense", "block_row_folded"])
+@pytest.mark.parametrize("case", ["dense", "batched", "block_row_folded"])
 def test_persistent_programs_cover_every_tile(monkeypatch, case):
     """One program per SM (per CPU core in the interpreter) strides over all tiles."""
     import dataclasses
@@ -188,6 +188,11 @@ def test_persistent_programs_cover_every_tile(monkeypatch, case):
         t = {"A": torch.randn(70, 40, generator=gen).to(DEVICE), "B": torch.randn(40, 50, generator=gen).to(DEVICE),
              "C": torch.full((70, 50), float("nan"), device=DEVICE)}
         expr, expected = DENSE, t["A"].double() @ t["B"].double()
+    elif case == "batched":  # a grid variable outside the tiles: programs stride over (b, tiles)
+        gen = torch.Generator().manual_seed(10)
+        t = {"A": torch.randn(3, 40, 24, generator=gen).to(DEVICE), "B": torch.randn(3, 24, 36, generator=gen).to(DEVICE),
+             "C": torch.full((3, 40, 36), float("nan"), device=DEVICE)}
+        expr, expected = "C[b, m, n] = A[b, m, k] * B[b, k, n]", t["A"].double() @ t["B"].double()
     else:
         t = _block_row(3, 5, 16, 16, 4, 48, device=DEVICE)
         expr = BLOCK_ROW
