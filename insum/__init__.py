@@ -8,7 +8,7 @@ Differentiable (`insum.autograd`), traceable by torch.compile (`insum.library`),
 """
 
 from . import autograd, library  # noqa: F401  (registers the torch.library operators)
-from .api import explain, insum
+from .api import compile, explain, insum
 from .errors import (
     InsumError,
     InsumIndexError,
@@ -36,11 +36,6 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # compile() lives with the runtime, which imports triton: load it on first use.
-    if name == "compile":
-        from .runtime import compile
-
-        return compile
     if name in ("formats", "nn", "distributed"):
         import importlib
 

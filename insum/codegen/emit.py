@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from ..dtypes import TL_DTYPES
 from ..ir import Access, Index, Literal, Var
 from .schedule import Plan
 from .values import Value, broadcast, union
@@ -19,7 +20,6 @@ __all__ = ["Source", "emit", "KERNEL_NAME"]
 
 KERNEL_NAME = "insum_kernel"
 _RESERVED = ("tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest")
-_TL_DTYPES = {"fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,7 @@ class _Emitter:
         return name
 
     def _tensor_names(self) -> list[str]:
-        names: dict[str, None] = {self.stmt.output.name: None}
-        stack = [self.stmt.output, *self.stmt.accesses()]
-        while stack:
-            access = stack.pop(0)
-            names[access.name] = None
-            for index in access.indices:
-                stack.extend(index.indirect_accesses())
-        return list(names)
+        return list(dict.fromkeys(access.name for access, _ in self.stmt.walk()))
 
     def stride(self, tensor: str, dim: int) -> str:
         key = (tensor, dim)
@@ -157,10 +150,10 @@ class _Emitter:
         spec = self.plan.spec
         if len(values) == 1 and spec.dtype(self.stmt.factors[positions[0]].name) == dtype:
             return values[0]  # a lone operand already in the dot's dtype needs no line
-        acc = _TL_DTYPES[self.plan.acc_dtype]
+        acc = TL_DTYPES[self.plan.acc_dtype]
         expr = " * ".join(f"{broadcast(v, axes)}.to({acc})" for v in values)
         if dtype is not None and dtype != self.plan.acc_dtype:
-            expr = f"({expr}).to({_TL_DTYPES[dtype]})"
+            expr = f"({expr}).to({TL_DTYPES[dtype]})"
         self.put(level, f"{name} = {expr}" + self.shape_comment(axes))
         return Value(name, axes, level)
 
@@ -235,7 +228,7 @@ def emit(plan: Plan) -> Source:
     em = _Emitter(plan)
     stmt = plan.stmt
     acc_axes = tuple(a for a, _ in plan.tiles if a != "K")
-    acc_tl = _TL_DTYPES[plan.acc_dtype]
+    acc_tl = TL_DTYPES[plan.acc_dtype]
     acc_shape = ", ".join(f"BLOCK_{a}" for a in acc_axes) if len(acc_axes) > 1 else f"BLOCK_{acc_axes[0]}," if acc_axes else "1,"
     accesses = tuple(i for i, f in enumerate(stmt.factors) if isinstance(f, Access))
 
