@@ -63,9 +63,9 @@ def insum(
         return call(expr, tensors, **options)
     stmt = parse(expr)
     check_names(stmt)
-    bound = bind(stmt, tensors)
     if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
         return call(expr, tensors, stmt=stmt, **options)
+    bound = bind(stmt, tensors)
     return run(bound, bound.output(), **options)
 
 

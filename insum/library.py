@@ -154,7 +154,9 @@ def _backward(ctx, grad: torch.Tensor):
     grad_init = None
     if ctx.init_dtype is not None and ctx.needs_input_grad[1] and derivation.passthrough:
         grad_init = grad.to(ctx.init_dtype)
-    return None, grad_init, ctx.no_names, grads, ctx.no_shape, None, None, None, None, None
+    full = (None, grad_init, ctx.no_names, grads, ctx.no_shape, None, None, None, None, None)
+    # One entry per input given: the dispatcher drops trailing options left at their defaults.
+    return full[: len(ctx.needs_input_grad)]
 
 
 def _gradient(
@@ -222,8 +224,8 @@ def call(
 ) -> torch.Tensor:
     """insum() through the operators: traceable by torch.compile, differentiable.
 
-    `stmt`: the parsed statement, when the caller has it (eager calls, which have also bound
-    it); while tracing the text alone is read, as a constant. A given output is updated in
+    `stmt`: the parsed statement, given by eager calls (which are bound here, once); while
+    tracing it is None and the text alone is read, as a constant. A given output is updated in
     place and returned: by the mutating operator when no gradient is needed, else by the
     functional one and a `copy_` that autograd records.
     """
@@ -232,6 +234,14 @@ def call(
     out = tensors.get(out_name)
     names = [n for n in tensors if n != out_name]
     values = [tensors[n] for n in names]
+    if stmt is not None:
+        # Eager: bind once here, for the direct path's checks and error messages, with the
+        # tensors in the order the operator binds them (the output last): its binding is then
+        # a hit in the binding cache.
+        given = dict(zip(names, values))
+        if out is not None:
+            given[out_name] = out
+        bind(stmt, given)
     if out is None:
         return torch.ops.insum.insum(expr, None, names, values, None, None, *options)
     needs_grad = torch.is_grad_enabled() and (out.requires_grad or any(v.requires_grad for v in values))
