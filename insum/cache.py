@@ -16,6 +16,10 @@ What is cached, and where:
   runtime.Kernel              per kernel: launches per signature, tile configs per extents
                               bucket (also on disk), sibling kernels per re-planned spec
   execute.run                 statements that already warned about the fallback
+
+Values computed once per process or per device (the triton import mode, the range-check
+kernel, a GPU's compute capability) use `functools.cache`: they are constants, not caches
+that grow.
 """
 
 from __future__ import annotations
