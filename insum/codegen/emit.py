@@ -274,12 +274,19 @@ def _grouped_tile_lines(em: _Emitter) -> list[str]:
     for axis, var in (("M", m), ("N", n)):
         lines.append(f"{em.offs[var]} = {em.tile_pid[var]} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
         lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
-    for position, var in enumerate(reversed(plan.grid)):
-        if position == len(plan.grid) - 1:
-            lines.append(f"{em.scalar[var]} = pid")
+    lines.extend(_unflatten("pid", [(em.scalar[v], em.size[v]) for v in reversed(plan.grid)]))
+    return lines
+
+
+def _unflatten(flat: str, scalars: list[tuple[str, str]]) -> list[str]:
+    """Lines that split the counter `flat` into (name, extent) scalars, the first fastest;
+    the last takes what remains."""
+    lines = []
+    for position, (name, size) in enumerate(scalars):
+        if position == len(scalars) - 1:
+            lines.append(f"{name} = {flat}")
         else:
-            lines.append(f"{em.scalar[var]} = pid % {em.size[var]}")
-            lines.append(f"pid = pid // {em.size[var]}")
+            lines += [f"{name} = {flat} % {size}", f"{flat} = {flat} // {size}"]
     return lines
 
 
@@ -306,12 +313,7 @@ def _loop_lines(em: _Emitter) -> list[str]:
         if k is not None:
             lines.append(f"    {em.start_k} = (rest % {em.steps_k}) * BLOCK_K")
             lines.append(f"    rest = rest // {em.steps_k}")
-        for position, var in enumerate(reversed(plan.loops)):
-            if position == len(plan.loops) - 1:
-                lines.append(f"    {em.scalar[var]} = rest")
-            else:
-                lines.append(f"    {em.scalar[var]} = rest % {em.size[var]}")
-                lines.append(f"    rest = rest // {em.size[var]}")
+        lines.extend("    " + line for line in _unflatten("rest", [(em.scalar[v], em.size[v]) for v in reversed(plan.loops)]))
     if k is not None and plan.folded:
         lines.extend("    " + line for line in _folded_k_lines(em))
     elif k is not None:
