@@ -297,6 +297,11 @@ class SparseFormat:
     #: the one statement runs with `=` into an uninitialised output.
     accumulates: ClassVar[bool] = False
 
+    @classmethod
+    def statement_forms(cls) -> tuple[str, ...]:
+        """Every statement text that an instance's `statements()` may run."""
+        return (cls.expression,)
+
     def statements(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """The (statement, tensors) pairs `spmm` runs, B and C excluded."""
         return [(self.expression, self.tensors)]

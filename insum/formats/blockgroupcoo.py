@@ -236,6 +236,10 @@ class BlockGroupCOO(SparseFormat):
         dense = tiles.permute(0, 2, 1, 3).reshape(Mp, Kp)
         return dense[: self.shape[0], : self.shape[1]].contiguous()
 
+    @classmethod
+    def statement_forms(cls) -> tuple[str, ...]:
+        return (cls.expression, cls.row_expression)
+
     def operand(self, B: torch.Tensor) -> torch.Tensor:
         """B padded with zero rows to whole blocks, viewed (K'/bk, bk, N)."""
         (_, bk), (_, Kp) = self.block, self.padded_shape
