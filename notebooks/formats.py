@@ -485,29 +485,6 @@ print(nm)
 # differs: it is meant for dense weights, not for a matrix already 98% sparse.
 
 # %%
-def describe(fmt):
-    p = fmt.params
-    name = type(fmt).__name__
-    if name == "GroupCOO":
-        return f"g={fmt.group_size}, {fmt.groups} groups"
-    if name == "ELL":
-        return f"W={fmt.width}"
-    if name == "BlockGroupCOO":
-        if p.get("group_size") == "row":
-            return f"Block-ELL 16x16, width {fmt.group_size}"
-        return f"16x16, g={fmt.group_size}, {fmt.AK.shape[0]} groups"
-    if name == "CELL":
-        parts = p["partitions"]
-        return f"{parts} partition{'s' if parts > 1 else ''}, widths {fmt.widths}"
-    if name == "NM":
-        return f"{p['n']}:{p['m']}, L={p['vector_len']} (pruned)"
-    return ""
-
-
-def statements(fmt):
-    return len(fmt.widths) if isinstance(fmt, CELL) else 1
-
-
 def pack_all(A):
     """Every format packed from A, exactness checked against the dense matrix."""
     dense = A.to_dense()
@@ -539,9 +516,9 @@ def format_table(A):
     ]
     for fmt in pack_all(A):
         lines.append(
-            f"| {type(fmt).__name__} | {describe(fmt)} | {fmt.nnz} | {fmt.stored_values:,} | "
+            f"| {type(fmt).__name__} | {fmt.describe()} | {fmt.nnz} | {fmt.stored_values:,} | "
             f"{fmt.padding_ratio:.1%} | {fmt.nbytes:,} | {fmt.nbytes / max(fmt.nnz, 1):.1f} | "
-            f"{statements(fmt)} |"
+            f"{len(fmt.statements())} |"
         )
     return "\n".join(lines)
 

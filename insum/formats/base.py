@@ -206,8 +206,12 @@ class SparseFormat:
         """Parameters shown by repr; subclasses add their own."""
         return dict(self.params)
 
+    def describe(self) -> str:
+        """The chosen parameters as `name=value, ...` (what repr shows)."""
+        return ", ".join(f"{k}={v}" for k, v in self._describe().items())
+
     def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v}" for k, v in self._describe().items())
+        params = self.describe()
         return (
             f"{type(self).__name__}(shape={self.shape}, nnz={self.nnz}"
             + (f", {params}" if params else "")

@@ -397,7 +397,7 @@ class SparseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         fmt = self.weight
-        params = ", ".join(f"{k}={v}" for k, v in fmt._describe().items())
+        params = fmt.describe()
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={self.format}, nnz={fmt.nnz}"

@@ -1,7 +1,7 @@
 """Where a pruned MLP's time goes: torch.profiler tables of one forward and one
-forward+backward of the `torch_h200` MLP (3 x 4096, batch 4096, fp16, 90% 32x32 blocks).
+forward+backward of the `torch_checks` MLP (3 x 4096, batch 4096, fp16, 90% 32x32 blocks).
 
-    python -m benchmarks.profile_mlp [--width 4096] [--format BlockGroupCOO]
+    python -m benchmarks.explore.profile_mlp [--width 4096] [--format BlockGroupCOO]
 """
 
 from __future__ import annotations

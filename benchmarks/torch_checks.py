@@ -1,8 +1,8 @@
 """insum inside PyTorch on a CUDA GPU: custom ops, autograd, CUDA graphs, torch.compile, nn.
 
-    python -m benchmarks.torch_h200 [--quick] [--skip-bench | --skip-checks] [--budget S]
+    python -m benchmarks.torch_checks [--quick] [--skip-bench | --skip-checks] [--budget S]
                                     [--forward] [--out FILE.json]
-    TRITON_INTERPRET=1 python -m benchmarks.torch_h200 --cpu   # a smoke run of the logic
+    TRITON_INTERPRET=1 python -m benchmarks.torch_checks --cpu   # a smoke run of the logic
 
 Checks (each prints PASS/FAIL; the exit status is the number of failures):
   opcheck       torch.library.opcheck of insum::insum_ and insum::insum, backend="triton"
