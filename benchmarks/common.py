@@ -129,6 +129,11 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
+def good(rows: list[dict]) -> list[dict]:
+    """The rows whose check passed and that have a ratio (what geomeans and plots use)."""
+    return [r for r in rows if r.get("ok") and r.get("ratio")]
+
+
 def geomean(values) -> float:
     values = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
     if not values:

@@ -16,7 +16,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from .common import RESULTS, geomean
+from .common import RESULTS, geomean, good
+from .plots import make_plots
 
 STUDY_ORDER = ("unstructured", "structured", "nm", "fusion", "costs")
 TITLES = {
@@ -41,10 +42,6 @@ def load(folder: Path) -> dict[str, dict]:
     return results
 
 
-def good(rows):
-    return [r for r in rows if r.get("ok") and r.get("ratio")]
-
-
 # --------------------------------------------------------------------------- targets
 
 
@@ -61,37 +58,39 @@ def _target(name, goal, rows, value_of, threshold, fmt="x{:.2f}", detail=""):
                 detail=(detail + "; " if detail else "") + extra, value=g)
 
 
+def _ratio(r):
+    return r["ratio"]
+
+
+def _of_ideal(r):
+    return r["ratio"] / r["ideal"]
+
+
+#: Issue 6's targets: (name, goal, study, which rows, the value per row, threshold, format).
+TARGETS = [
+    ("Unstructured SpMM fp32 N=128 vs cuSPARSE (GroupCOO)", "geomean >= 1.5x", "unstructured",
+     lambda r: r["set"] == "GroupCOO fp32 N=128 vs cuSPARSE", _ratio, 1.5, "x{:.2f}"),
+    ("BlockGroupCOO vs dense at s >= 0.5, fraction of ideal 1/(1-s)", "geomean >= 70%", "structured",
+     lambda r: r["anchor"] == "cuBLAS" and r["sparsity"] >= 0.5, _of_ideal, 0.7, "{:.0%}"),
+    ("BlockGroupCOO faster than dense from s = 0.25", "geomean >= 1x", "structured",
+     lambda r: r["anchor"] == "cuBLAS" and r["sparsity"] >= 0.25, _ratio, 1.0, "x{:.2f}"),
+    ("BlockGroupCOO faster than TorchBSR everywhere", "geomean >= 1x (worst shown)", "structured",
+     lambda r: r["anchor"] == "TorchBSR", _ratio, 1.0, "x{:.2f}"),
+    *[(f"N:M vs dense at {s:.1%} sparsity, fraction of ideal M/N", "geomean >= 80%", "nm",
+       lambda r, s=s: r["anchor"] == "cuBLAS" and abs(r["sparsity"] - s) < 1e-6, _of_ideal, 0.8, "{:.0%}")
+      for s in (0.75, 0.875)],
+    ("N:M 2:4 vs cuSPARSELt", "geomean >= 1x", "nm", lambda r: r["anchor"] == "cuSPARSELt", _ratio, 1.0, "x{:.2f}"),
+    ("Fusion: generated kernel vs torch.compile of the lowering", "geomean >= 2x", "fusion",
+     lambda r: r["anchor"] == "torch.compile", _ratio, 2.0, "x{:.2f}"),
+]
+
+
 def targets(results: dict) -> list[dict]:
     """Issue 6's targets, evaluated on the rows present."""
-    rows = {s: r.get("rows", []) for s, r in results.items()}
     out = []
-    uns = rows.get("unstructured", [])
-    out.append(_target(
-        "Unstructured SpMM fp32 N=128 vs cuSPARSE (GroupCOO)", "geomean >= 1.5x",
-        [r for r in uns if r["set"] == "GroupCOO fp32 N=128 vs cuSPARSE"], lambda r: r["ratio"], 1.5))
-    st = rows.get("structured", [])
-    dense = [r for r in st if r["anchor"] == "cuBLAS"]
-    out.append(_target(
-        "BlockGroupCOO vs dense at s >= 0.5, fraction of ideal 1/(1-s)", "geomean >= 70%",
-        [r for r in dense if r["sparsity"] >= 0.5], lambda r: r["ratio"] / r["ideal"], 0.7, fmt="{:.0%}"))
-    out.append(_target(
-        "BlockGroupCOO faster than dense from s = 0.25", "geomean >= 1x",
-        [r for r in dense if r["sparsity"] >= 0.25], lambda r: r["ratio"], 1.0))
-    out.append(_target(
-        "BlockGroupCOO faster than TorchBSR everywhere", "geomean >= 1x (worst shown)",
-        [r for r in st if r["anchor"] == "TorchBSR"], lambda r: r["ratio"], 1.0))
-    nm = rows.get("nm", [])
-    for s in (0.75, 0.875):
-        out.append(_target(
-            f"N:M vs dense at {s:.1%} sparsity, fraction of ideal M/N", "geomean >= 80%",
-            [r for r in nm if r["anchor"] == "cuBLAS" and abs(r["sparsity"] - s) < 1e-6],
-            lambda r: r["ratio"] / r["ideal"], 0.8, fmt="{:.0%}"))
-    out.append(_target(
-        "N:M 2:4 vs cuSPARSELt", "geomean >= 1x",
-        [r for r in nm if r["anchor"] == "cuSPARSELt"], lambda r: r["ratio"], 1.0))
-    out.append(_target(
-        "Fusion: generated kernel vs torch.compile of the lowering", "geomean >= 2x",
-        [r for r in rows.get("fusion", []) if r["anchor"] == "torch.compile"], lambda r: r["ratio"], 2.0))
+    for name, goal, study, keep, value_of, threshold, fmt in TARGETS:
+        rows = [r for r in results.get(study, {}).get("rows", []) if keep(r)]
+        out.append(_target(name, goal, rows, value_of, threshold, fmt=fmt))
     return out
 
 
@@ -231,12 +230,12 @@ def write_report(results: dict, out: Path, plots: bool = True) -> Path:
     if plot_note:
         lines += [f"_{plot_note}_", ""]
     lines += ["## Runs", ""]
-    lines += _table(
-        ["study", "date", "device", "torch", "triton", "mode", "configs", "failed checks", "time / budget", "status"],
-        [[name, r["env"]["date"], r["env"]["device"], r["env"]["torch"], r["env"]["triton"], r.get("mode"),
-          len(r.get("rows", [])), sum(not x.get("ok") for x in r.get("rows", [])),
-          f"{r.get('elapsed_s', 0):.0f} s / {r.get('budget_s', 0):.0f} s", r.get("status")]
-         for name, r in results.items()],
+    lines += table(
+        [{"study": name, **r} for name, r in results.items()],
+        [("study", field("study")), *[(k, lambda r, k=k: r["env"][k]) for k in ("date", "device", "torch", "triton")],
+         ("mode", field("mode")), ("configs", lambda r: len(r.get("rows", []))),
+         ("failed checks", lambda r: sum(not x.get("ok") for x in r.get("rows", []))),
+         ("time / budget", lambda r: f"{r.get('elapsed_s', 0):.0f} s / {r.get('budget_s', 0):.0f} s"), ("status", field("status"))],
     )
     lines += ["", "Measured ceilings (each run measures its own, before its studies):", ""]
     seen = {}
@@ -250,14 +249,14 @@ def write_report(results: dict, out: Path, plots: bool = True) -> Path:
           f"{c.get('tf32_tflops', 0):.0f} TFLOP/s"] for (d, dev), (c, names) in seen.items()],
     )
     lines += ["", "## Targets (issue 6; geomean over each set)", ""]
-    lines += _table(["target", "goal", "measured", "status", "detail"],
-                    [[t["target"], t["goal"], t["measured"], f"**{t['status']}**", t["detail"]] for t in targets(results)])
+    lines += table(targets(results), [("target", field("target")), ("goal", field("goal")), ("measured", field("measured")),
+                                      ("status", lambda t: f"**{t['status']}**"), ("detail", field("detail"))])
     failed = [r for res in results.values() for r in res.get("rows", []) if not r.get("ok")]
     if failed:
         lines += ["", f"## ⚠ FAILED CHECKS: {len(failed)} configurations", ""]
         lines += ["These results disagree with the float64 reference beyond the tolerance; their times are excluded.", ""]
-        lines += _table(["study", "set", "case", "relative error", "tolerance"],
-                        [[r["study"], r["set"], r.get("case"), _error_text(r), r.get("tol", "")] for r in failed[:60]])
+        lines += table(failed[:60], [("study", field("study")), ("set", field("set")), ("case", field("case")),
+                                     ("relative error", _error_text), ("tolerance", lambda r: r.get("tol", ""))])
     bad_anchor = [r for res in results.values() for r in res.get("rows", []) if r.get("anchor_ok") is False]
     if bad_anchor:
         lines += ["", f"Anchors whose own result missed the tolerance: {len(bad_anchor)} "
@@ -279,7 +278,7 @@ def write_report(results: dict, out: Path, plots: bool = True) -> Path:
     for name in STUDY_ORDER:
         if name in results:
             lines += ["", f"## {TITLES[name]}", ""]
-            lines += SECTIONS[name](results[name], figures)
+            lines += section(name, results[name], figures)
             notes = results[name].get("notes", [])
             if notes:
                 lines += ["", "Notes from the run:", ""] + [f"- {n}" for n in notes]
@@ -302,15 +301,94 @@ def _figure(figures, key, caption):
     return [f"![{caption}](figures/{figures[key]})", ""] if key in figures else []
 
 
-def section_unstructured(res, figures):
-    rows = res.get("rows", [])
-    lines = ["GroupCOO, ELL and CELL `fmt @ B` (the generated kernel) against cuSPARSE (`torch` CSR @ dense) "
-             "and against the torch reference lowering of the same statement (eager, and under "
-             "`torch.compile` with dynamic shapes, one compilation for every matrix; bounds checks off). Matrices: DLMC pruned weights (a spread of the "
-             "subset in ../shared/data), the Planetoid citation graphs, generated power-law graphs.", ""]
-    lines += set_table(rows) + [""]
-    lines += _figure(figures, "unstructured_bars", "fp32 N=128 per matrix")
-    lines += _figure(figures, "unstructured_scatter", "ratio vs nonzeros")
+def field(key: str, show=str):
+    """A column's cell: row[key] shown by `show` (None passes through to it)."""
+    return lambda r: show(r.get(key))
+
+
+def table(rows: list[dict], columns: list[tuple[str, object]]) -> list[str]:
+    """The one table of the report: a header per column, a line per row, each cell its
+    column's function of the row."""
+    return _table([header for header, _ in columns], [[cell(r) for _, cell in columns] for r in rows])
+
+
+COMMON = [("insum", field("insum_ms", _ms)), ("anchor time", field("anchor_ms", _ms)), ("ratio", field("ratio", _x))]
+
+#: Per study: its introduction, whether a per-set summary opens it, its figures, and the
+#: caption and columns of its table of every row (a study may add its own pivot below).
+SECTIONS = {
+    "unstructured": dict(
+        intro="GroupCOO, ELL and CELL `fmt @ B` (the generated kernel) against cuSPARSE (`torch` CSR @ dense) "
+              "and against the torch reference lowering of the same statement (eager, and under "
+              "`torch.compile` with dynamic shapes, one compilation for every matrix; bounds checks off). Matrices: DLMC pruned weights (a spread of the "
+              "subset in ../shared/data), the Planetoid citation graphs, generated power-law graphs.",
+        sets=True,
+        figures=[("unstructured_bars", "fp32 N=128 per matrix"), ("unstructured_scatter", "ratio vs nonzeros")],
+    ),
+    "structured": dict(
+        intro="BlockGroupCOO `fmt @ B` against dense cuBLAS (`A @ B`) and TorchBSR "
+              "(`torch.sparse._triton_ops.bsr_dense_mm`) on square matrices with uniformly random "
+              "zero blocks. For each point the faster of the group-size candidates is kept: the paper's rule "
+              "(`rule`) or one group per block row (`row`, Block-ELL without atomics where the format "
+              "offers `group_size=\"row\"`). Ideal speed-up over dense: 1/(1−s).",
+        sets=True,
+        figures=[("structured", "speed-up over dense vs sparsity")],
+    ),
+    "nm": dict(
+        intro="Vector-wise N:M (`NM.from_dense`, magnitude pruning, best vector length of the candidates) "
+              "against dense cuBLAS on the unpruned shape (fp32: TF32 allowed on both sides) and, at 2:4 "
+              "in fp16, cuSPARSELt (`torch.sparse.to_sparse_semi_structured` of the same pruned matrix). "
+              "Ideal speed-up over dense: M/N.",
+        sets=True,
+        figures=[("nm", "N:M fraction of ideal")],
+        caption="Every configuration:",
+        columns=[("dtype", field("dtype")), ("N:M", field("pattern")),
+                 ("sparsity", lambda r: f"{r.get('sparsity', 0):.1%}"), ("size", field("size")),
+                 ("L", field("vector_len")), ("anchor", field("anchor")), *COMMON,
+                 ("of ideal", lambda r: _pct(r["ratio"] / r["ideal"]) if r.get("anchor") == "cuBLAS" and r.get("ratio") else ""),
+                 ("roofline", field("roof_frac", _pct)), ("check", _check)],
+    ),
+    "fusion": dict(
+        intro="One statement each, the generated kernel (one fused launch) against the same statement "
+              "lowered to torch operations by `insum.reference` (gathers, one einsum, index_put), "
+              "eager and under `torch.compile` (default mode, static shapes).",
+        sets=True,
+        figures=[("fusion", "fusion ablation")],
+        columns=[("statement", lambda r: f"`{r.get('expr', '')}`"), ("case", field("case")), ("dtype", field("dtype")),
+                 ("anchor", field("anchor")), *COMMON, ("roofline", field("roof_frac", _pct)), ("check", _check)],
+    ),
+    "costs": dict(
+        intro="First call (compile + autotune + run) in a fresh process with empty insum, Triton and "
+              "inductor caches, then in a second process with those disk caches warm, against "
+              "`torch.compile` of the lowering in the same processes; packing time per format against "
+              "torch's own conversion; host time per cached call against a bare launch of the same "
+              "compiled Triton kernel (wall clock over many calls, one sync at the end).",
+        columns=[("set", field("set")), ("case", field("case")), ("insum", field("insum_ms", _ms)),
+                 ("anchor", field("anchor")), ("anchor time", field("anchor_ms", _ms)), ("ratio", field("ratio", _x)),
+                 ("check", _check)],
+    ),
+}
+
+
+def section(name: str, res: dict, figures: dict) -> list[str]:
+    """A study's section, from its entry in SECTIONS (and its pivot in PIVOTS)."""
+    spec, rows = SECTIONS[name], res.get("rows", [])
+    lines = [spec["intro"], ""]
+    lines += PIVOTS.get(name + ":before", lambda rows: [])(rows)
+    if spec.get("sets"):
+        lines += set_table(rows) + [""]
+    for key, caption in spec.get("figures", []):
+        lines += _figure(figures, key, caption)
+    lines += PIVOTS.get(name, lambda rows: [])(rows)
+    if spec.get("columns") and rows:
+        lines += ["", spec["caption"], ""] if spec.get("caption") else []
+        lines += table(rows, spec["columns"])
+    return lines
+
+
+def _unstructured_per_matrix(rows) -> list[str]:
+    """The best format per matrix, and fp32 N = 128 with one column per format."""
+    lines = []
     main = [r for r in rows if r.get("dtype") == "fp32" and r.get("N") == 128 and r.get("anchor") == "cuSPARSE"]
     best = defaultdict(float)
     for r in good(main):
@@ -318,296 +396,61 @@ def section_unstructured(res, figures):
     if best:
         lines += [f"Best of the formats per matrix (fp32, N = 128, vs cuSPARSE; not a target set): geomean "
                   f"{_x(geomean(best.values()))} over {len(best)} matrices.", ""]
-    if main:
-        by_case = defaultdict(dict)
-        meta = {}
-        for r in main:
-            by_case[r["case"]][r["format"]] = r
-            meta[r["case"]] = r
-        lines += ["", "fp32, N = 128, per matrix (ratio vs cuSPARSE; insum time):", ""]
-        body = []
-        for case, fmts in by_case.items():
-            m = meta[case]
-            cells = []
-            for f in ("GroupCOO", "ELL", "CELL"):
-                r = fmts.get(f)
-                cells.append("—" if r is None else f"{_x(r['ratio'])} ({_ms(r['insum_ms'])})" + ("" if r["ok"] else " **FAILED**"))
-            body.append([case, "×".join(map(str, m["shape"])), m["nnz"], _ms(m["anchor_ms"]), *cells])
-        lines += _table(["matrix", "shape", "nnz", "cuSPARSE", "GroupCOO", "ELL", "CELL"], body)
-    return lines
+    if not main:
+        return lines
+    formats = list(dict.fromkeys(r["format"] for r in main))
+    by_case = defaultdict(dict)
+    for r in main:
+        by_case[r["case"]][r["format"]] = r
+
+    def cell(f, case_rows):
+        r = case_rows.get(f)
+        return "—" if r is None else f"{_x(r['ratio'])} ({_ms(r['insum_ms'])})" + ("" if r["ok"] else " **FAILED**")
+
+    first = {case: next(iter(fmts.values())) for case, fmts in by_case.items()}
+    columns = [("matrix", lambda c: c[0]), ("shape", lambda c: "×".join(map(str, first[c[0]]["shape"]))),
+               ("nnz", lambda c: first[c[0]]["nnz"]), ("cuSPARSE", lambda c: _ms(first[c[0]]["anchor_ms"])),
+               *[(f, lambda c, f=f: cell(f, c[1])) for f in formats]]
+    return lines + ["", "fp32, N = 128, per matrix (ratio vs cuSPARSE; insum time):", ""] + table(list(by_case.items()), columns)
 
 
-def section_structured(res, figures):
-    rows = res.get("rows", [])
-    lines = ["BlockGroupCOO `fmt @ B` against dense cuBLAS (`A @ B`) and TorchBSR "
-             "(`torch.sparse._triton_ops.bsr_dense_mm`) on square matrices with uniformly random "
-             "zero blocks. For each point the faster of the group-size candidates is kept: the paper's rule "
-             "(`rule`) or one group per block row (`row`, Block-ELL without atomics where the format "
-             "offers `group_size=\"row\"`). Ideal speed-up over dense: 1/(1−s).", ""]
+def _structured_crossovers(rows) -> list[str]:
     cross = crossovers(rows)
-    if cross:
-        lines += ["Crossover sparsity (insum faster than dense from):", ""]
-        lines += _table(["dtype", "size", "block", "crossover s", "points"],
-                        [[c["dtype"], f"{c['size']}³", c["block"], c["text"], c["points"]] for c in cross]) + [""]
-    lines += set_table(rows) + [""]
-    lines += _figure(figures, "structured", "speed-up over dense vs sparsity")
-    dense = {(r["dtype"], r["size"], r["block"], r["sparsity"]): r for r in rows if r.get("anchor") == "cuBLAS"}
-    bsr = {(r["dtype"], r["size"], r["block"], r["sparsity"]): r for r in rows if r.get("anchor") == "TorchBSR"}
-    body = []
-    for key, r in sorted(dense.items()):
-        b = bsr.get(key)
-        body.append([r["dtype"], r["size"], r["block"], r["sparsity"], f"{r.get('group_rule', '')} {r.get('group_size')}",
-                     _ms(r["insum_ms"]),
-                     _ms(r["anchor_ms"]), _x(r["ratio"]), f"{r['ideal']:.1f}×",
-                     _pct(r["ratio"] / r["ideal"]) if r.get("ratio") else "n/a",
-                     _ms(b["anchor_ms"]) if b else "n/a", _x(b["ratio"]) if b else "n/a", _pct(r.get("roof_frac")),
-                     "ok" if r["ok"] else "**FAILED**"])
-    if body:
-        lines += ["", "Every point:", ""]
-        lines += _table(["dtype", "size", "block", "s", "group", "insum", "cuBLAS", "vs cuBLAS", "ideal", "of ideal",
-                         "TorchBSR", "vs TorchBSR", "roofline", "check"], body)
-    return lines
+    if not cross:
+        return []
+    return ["Crossover sparsity (insum faster than dense from):", ""] + table(
+        cross, [("dtype", field("dtype")), ("size", lambda c: f"{c['size']}³"), ("block", field("block")),
+                ("crossover s", field("text")), ("points", field("points"))]) + [""]
 
 
-def section_nm(res, figures):
-    rows = res.get("rows", [])
-    lines = ["Vector-wise N:M (`NM.from_dense`, magnitude pruning, best vector length of the candidates) "
-             "against dense cuBLAS on the unpruned shape (fp32: TF32 allowed on both sides) and, at 2:4 "
-             "in fp16, cuSPARSELt (`torch.sparse.to_sparse_semi_structured` of the same pruned matrix). "
-             "Ideal speed-up over dense: M/N.", ""]
-    lines += set_table(rows) + [""]
-    lines += _figure(figures, "nm", "N:M fraction of ideal")
-    body = []
-    for r in rows:
-        body.append([r.get("dtype"), r.get("pattern"), f"{r.get('sparsity', 0):.1%}", r.get("size"), r.get("vector_len"),
-                     r.get("anchor"), _ms(r.get("insum_ms")), _ms(r.get("anchor_ms")), _x(r.get("ratio")),
-                     _pct(r["ratio"] / r["ideal"]) if r.get("anchor") == "cuBLAS" and r.get("ratio") else "",
-                     _pct(r.get("roof_frac")), _check(r)])
-    if body:
-        lines += ["", "Every configuration:", ""]
-        lines += _table(["dtype", "N:M", "sparsity", "size", "L", "anchor", "insum", "anchor time", "ratio",
-                         "of ideal", "roofline", "check"], body)
-    return lines
+def _structured_points(rows) -> list[str]:
+    """Every point against cuBLAS, with TorchBSR's time for the same point beside it."""
+    def key(r):
+        return (r["dtype"], r["size"], r["block"], r["sparsity"])
+
+    bsr = {key(r): r for r in rows if r.get("anchor") == "TorchBSR"}
+    dense = sorted((r for r in rows if r.get("anchor") == "cuBLAS"), key=key)
+    if not dense:
+        return []
+
+    def b(show):
+        return lambda r: show(bsr[key(r)]) if key(r) in bsr else "n/a"
+
+    columns = [("dtype", field("dtype")), ("size", field("size")), ("block", field("block")), ("s", field("sparsity")),
+               ("group", lambda r: f"{r.get('group_rule', '')} {r.get('group_size')}"), ("insum", field("insum_ms", _ms)),
+               ("cuBLAS", field("anchor_ms", _ms)), ("vs cuBLAS", field("ratio", _x)), ("ideal", lambda r: f"{r['ideal']:.1f}×"),
+               ("of ideal", lambda r: _pct(r["ratio"] / r["ideal"]) if r.get("ratio") else "n/a"),
+               ("TorchBSR", b(lambda x: _ms(x["anchor_ms"]))), ("vs TorchBSR", b(lambda x: _x(x["ratio"]))),
+               ("roofline", field("roof_frac", _pct)), ("check", lambda r: "ok" if r["ok"] else "**FAILED**")]
+    return ["", "Every point:", ""] + table(dense, columns)
 
 
-def section_fusion(res, figures):
-    rows = res.get("rows", [])
-    lines = ["One statement each, the generated kernel (one fused launch) against the same statement "
-             "lowered to torch operations by `insum.reference` (gathers, one einsum, index_put), "
-             "eager and under `torch.compile` (default mode, static shapes).", ""]
-    lines += set_table(rows) + [""]
-    lines += _figure(figures, "fusion", "fusion ablation")
-    lines += _table(["statement", "case", "dtype", "anchor", "insum", "anchor time", "ratio", "roofline", "check"],
-                    [[f"`{r.get('expr', '')}`", r.get("case"), r.get("dtype"), r.get("anchor"), _ms(r.get("insum_ms")),
-                      _ms(r.get("anchor_ms")), _x(r.get("ratio")), _pct(r.get("roof_frac")), _check(r)] for r in rows])
-    return lines
-
-
-def section_costs(res, figures):
-    rows = res.get("rows", [])
-    lines = ["First call (compile + autotune + run) in a fresh process with empty insum, Triton and "
-             "inductor caches, then in a second process with those disk caches warm, against "
-             "`torch.compile` of the lowering in the same processes; packing time per format against "
-             "torch's own conversion; host time per cached call against a bare launch of the same "
-             "compiled Triton kernel (wall clock over many calls, one sync at the end).", ""]
-    lines += _table(["set", "case", "insum", "anchor", "anchor time", "ratio", "check"],
-                    [[r.get("set"), r.get("case"), _ms(r.get("insum_ms")), r.get("anchor"), _ms(r.get("anchor_ms")),
-                      _x(r.get("ratio")), _check(r)] for r in rows])
-    return lines
-
-
-SECTIONS = {
-    "unstructured": section_unstructured,
-    "structured": section_structured,
-    "nm": section_nm,
-    "fusion": section_fusion,
-    "costs": section_costs,
+#: Study-specific tables that are not one line per row.
+PIVOTS = {
+    "unstructured": _unstructured_per_matrix,
+    "structured:before": _structured_crossovers,
+    "structured": _structured_points,
 }
-
-
-# --------------------------------------------------------------------------- plots
-
-
-def make_plots(results: dict, folder: Path) -> dict | None:
-    """PNG figures by key; None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: skipping plots")
-        return None
-    folder.mkdir(parents=True, exist_ok=True)
-    made = {}
-    for key, fn in (("unstructured_bars", _plot_unstructured_bars), ("unstructured_scatter", _plot_unstructured_scatter),
-                    ("structured", _plot_structured), ("nm", _plot_nm), ("fusion", _plot_fusion)):
-        try:
-            fig = fn(results, plt)
-        except Exception as e:  # a plot must never lose the report
-            print(f"plot {key} failed: {type(e).__name__}: {e}")
-            continue
-        if fig is None:
-            continue
-        name = f"{key}.png"
-        fig.savefig(folder / name, dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        made[key] = name
-    return made
-
-
-def _short(case: str) -> str:
-    """A DLMC path as 'rn50 0.8 bottleneck_1_block_g…'; other names unchanged."""
-    if "/" not in case:
-        return case
-    model, sparsity, name = case.split("/")[:3]
-    name = name.replace("body_", "").replace("_fully_connected", "").replace("multihead_attention_", "")
-    return f"{model} {sparsity} {name[:26]}"
-
-
-def _log_ticks(ax) -> None:
-    """Plain numbers on a log axis (0.5, 1, 2 rather than 10^0 alone)."""
-    from matplotlib.ticker import FuncFormatter
-
-    fmt = FuncFormatter(lambda v, _: f"{v:g}")
-    ax.yaxis.set_major_formatter(fmt)
-    ax.yaxis.set_minor_formatter(fmt)
-    ax.tick_params(axis="y", which="minor", labelsize=7)
-
-
-def _plot_unstructured_bars(results, plt):
-    rows = [r for r in good(results.get("unstructured", {}).get("rows", []))
-            if r["dtype"] == "fp32" and r["N"] == 128 and r["anchor"] == "cuSPARSE"]
-    if not rows:
-        return None
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    fmts = [f for f in ("GroupCOO", "ELL", "CELL") if any(r["format"] == f for r in rows)]
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(cases) * len(fmts)), 4))
-    width = 0.8 / len(fmts)
-    for i, f in enumerate(fmts):
-        vals = {r["case"]: r["ratio"] for r in rows if r["format"] == f}
-        xs = [j + i * width for j, c in enumerate(cases) if c in vals]
-        ax.bar(xs, [vals[c] for c in cases if c in vals], width, label=f)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(1.5, color="r", lw=0.8, ls="--", label="target 1.5×")
-    ax.set_yscale("log")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-    ax.set_xticklabels([_short(c) for c in cases], rotation=70, ha="right", fontsize=7)
-    _log_ticks(ax)
-    ax.set_ylabel("speed-up over cuSPARSE")
-    ax.set_title("Unstructured SpMM, fp32, N = 128")
-    ax.legend(fontsize=8)
-    return fig
-
-
-def _plot_unstructured_scatter(results, plt):
-    rows = [r for r in good(results.get("unstructured", {}).get("rows", [])) if r["anchor"] == "cuSPARSE"]
-    if not rows:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    markers = {"GroupCOO": "o", "ELL": "s", "CELL": "^"}
-    for ax, dtype in zip(axes, ("fp32", "fp16")):
-        for f, m in markers.items():
-            for n, color in zip((32, 64, 128, 256), ("C0", "C1", "C2", "C3")):
-                sel = [r for r in rows if r["dtype"] == dtype and r["format"] == f and r["N"] == n]
-                if sel:
-                    ax.scatter([r["nnz"] for r in sel], [r["ratio"] for r in sel], marker=m, color=color, s=18,
-                               label=f"{f} N={n}", alpha=0.8)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        _log_ticks(ax)
-        ax.set_xlabel("nonzeros")
-        ax.set_title(f"{dtype}: speed-up over cuSPARSE")
-    axes[0].set_ylabel("cuSPARSE time / insum time")
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, ncol=2)
-    return fig
-
-
-def _plot_structured(results, plt):
-    rows = good(results.get("structured", {}).get("rows", []))
-    if not rows:
-        return None
-    panels = sorted({(r["dtype"], r["size"]) for r in rows})
-    cols = min(2, len(panels))
-    grid = -(-len(panels) // cols)
-    fig, axes = plt.subplots(grid, cols, figsize=(6 * cols, 4.2 * grid), squeeze=False)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax, (dtype, size) in zip(axes.flat, panels):
-        sel = [r for r in rows if r["dtype"] == dtype and r["size"] == size]
-        for block, color in zip((16, 32, 64), ("C0", "C1", "C2")):
-            dense = sorted((r["sparsity"], r["ratio"]) for r in sel if r["block"] == block and r["anchor"] == "cuBLAS")
-            bsr = {r["sparsity"]: r["ratio"] for r in sel if r["block"] == block and r["anchor"] == "TorchBSR"}
-            if dense:
-                ax.plot([s for s, _ in dense], [v for _, v in dense], "-o", color=color, ms=3, label=f"insum {block}×{block}")
-                pts = [(s, v / bsr[s]) for s, v in dense if s in bsr]
-                if pts:
-                    ax.plot([s for s, _ in pts], [v for _, v in pts], ":x", color=color, ms=3, label=f"TorchBSR {block}×{block}")
-        ss = sorted({r["sparsity"] for r in sel})
-        ax.plot(ss, [1 / (1 - s) for s in ss], "k--", lw=0.8, label="ideal 1/(1−s)")
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_yscale("log")
-        _log_ticks(ax)
-        ax.set_xlabel("block sparsity s")
-        ax.set_ylabel("speed-up over dense cuBLAS")
-        ax.set_title(f"{dtype}, {size}³")
-        ax.legend(fontsize=6)
-    return fig
-
-
-def _plot_nm(results, plt):
-    rows = [r for r in good(results.get("nm", {}).get("rows", [])) if r["anchor"] in ("cuBLAS", "cuSPARSELt")]
-    if not rows:
-        return None
-    dtypes = sorted({r["dtype"] for r in rows})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes):
-        sel = [r for r in rows if r["dtype"] == dtype and r["anchor"] == "cuBLAS"]
-        patterns = list(dict.fromkeys(r["pattern"] for r in sorted(sel, key=lambda r: r["sparsity"])))
-        sizes = sorted({r["size"] for r in sel})
-        width = 0.8 / max(len(sizes), 1)
-        for i, size in enumerate(sizes):
-            vals = {r["pattern"]: r["ratio"] / r["ideal"] for r in sel if r["size"] == size}
-            xs = [j + i * width for j, p in enumerate(patterns) if p in vals]
-            ax.bar(xs, [vals[p] for p in patterns if p in vals], width, label=f"{size}³")
-        lt = {(r["size"]): r["ratio"] for r in rows if r["dtype"] == dtype and r["anchor"] == "cuSPARSELt"}
-        ax.axhline(0.8, color="r", ls="--", lw=0.8, label="target 80% of ideal")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(patterns))])
-        ax.set_xticklabels(patterns)
-        ax.set_ylabel("(dense time / insum time) / (M/N)")
-        title = f"N:M {dtype}: fraction of the ideal speed-up over dense"
-        if lt:
-            title += "\n2:4 vs cuSPARSELt: " + ", ".join(f"{s}³ {v:.2f}×" for s, v in sorted(lt.items()))
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
-    return fig
-
-
-def _plot_fusion(results, plt):
-    rows = good(results.get("fusion", {}).get("rows", []))
-    if not rows:
-        return None
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    anchors = list(dict.fromkeys(r["anchor"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cases)), 4))
-    width = 0.8 / len(anchors)
-    for i, a in enumerate(anchors):
-        vals = {r["case"]: r["ratio"] for r in rows if r["anchor"] == a}
-        xs = [j + i * width for j, c in enumerate(cases) if c in vals]
-        ax.bar(xs, [vals[c] for c in cases if c in vals], width, label=f"vs {a}")
-    ax.axhline(2.0, color="r", ls="--", lw=0.8, label="target 2× vs torch.compile")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_yscale("log")
-    _log_ticks(ax)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-    ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("anchor time / insum time")
-    ax.set_title("Fusion ablation: one generated kernel vs the torch lowering")
-    ax.legend(fontsize=8)
-    return fig
 
 
 def main(argv=None) -> int:
