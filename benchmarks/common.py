@@ -90,6 +90,8 @@ def bare_launcher(expr: str, tensors: dict) -> Callable[[], None]:
     """Relaunch insum's cached kernel for `tensors` with the launch insum() prepared for them
     (call insum() with these tensors first). Reads runtime internals: raises when those
     have changed shape, and the caller notes it."""
+    # TODO(core hook): a public launcher on Kernel (e.g. `Kernel.launcher(tensors)`) instead of
+    # bind + runtime.kernel_for + Kernel._launchers.
     from insum.bind import bind
     from insum.parser import parse
     from insum.runtime import kernel_for
@@ -396,7 +398,7 @@ def free_memory() -> None:
 # --------------------------------------------------------------------------- torch lowering
 
 
-def _walk(access):
+def _walk(access):  # TODO(core hook): Statement.walk()
     stack = [access]
     while stack:
         node = stack.pop(0)
@@ -434,6 +436,8 @@ class Lowering:
         self.out_name = self.stmt.output.name
 
     def _run(self, *values):
+        # TODO(core hook): run_reference on a statement and tensors without a Bound (this
+        # builds a stand-in, _BoundView, for what run_reference reads).
         from insum import reference
 
         tensors = dict(zip(self.names, values))
@@ -451,6 +455,8 @@ class Lowering:
         return self._call(fn, tensors)
 
     def _call(self, fn, tensors):
+        # TODO(core hook): run_reference(..., check_bounds=False) instead of patching
+        # reference._check_bounds.
         from insum import reference
 
         checked = reference._check_bounds

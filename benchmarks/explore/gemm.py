@@ -20,6 +20,7 @@ from ..common import median_ms, relative_error, rotating
 
 
 def chosen_config(expr: str, tensors: dict) -> str:
+    # TODO(core hook): the chosen tile configuration from a public Kernel launcher.
     bound = bind(parse(expr), tensors)
     kernel = kernel_for(bound)
     launcher = kernel._launchers.get(bound.signature)
