@@ -78,10 +78,14 @@ def overwrite(expression: str) -> str:
 class SparseFormat:
     """A sparse matrix packed as dense index/value tensors plus its SpMM statement.
 
-    Subclasses set `name` (the registry key) and `expression`, implement `_pack(coords,
-    **params)` and `to_dense()` (and `_spmm(...)` when the output is not C (M, N)), and
-    list their value tensors in `_value_names` so that `padding_ratio` can count stored
-    slots.
+    Adding a format is one module: a subclass sets `name` (the registry key) and
+    `expression`, implements `_pack(coords, **params)`, lists its value tensors in
+    `_value_names` (so that `padding_ratio` can count stored slots) and, where the
+    defaults do not fit, overrides the computation hooks below: `statements()` (several
+    statements), the views `operand` / `from_operand` / `output_shape` / `result` /
+    `output_view` (blocked or padded operands), `fan_in`, `pruning_block`, and the
+    transposed pattern (`_slot_rows()` for scalar slots AV/AK, which also gives
+    `to_dense()`, or `transposed_pattern()` with `input_gradient()`).
 
     Attributes: shape (M, K); nnz (entries packed, explicit zeros included); dtype (of the
     values); index_dtype; device; params (the chosen parameters); each packed tensor is
@@ -229,7 +233,11 @@ class SparseFormat:
 
     def to_dense(self) -> torch.Tensor:
         """The matrix as a dense tensor; padding adds exact zeros, so this is exact."""
-        raise NotImplementedError
+        slots = self._slot_rows()
+        if slots is None:
+            raise NotImplementedError
+        dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return dense.index_put_((slots[0].long(), self.AK.long()), self.AV, accumulate=True)
 
     # ----------------------------------------------------------------- SpMM
 

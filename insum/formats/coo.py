@@ -45,10 +45,6 @@ class COO(SparseFormat):
         }
         return cls._packed(coords, tensors, itype, {"fan_in": host[0]})
 
-    def to_dense(self) -> torch.Tensor:
-        dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        return dense.index_put_((self.AM.long(), self.AK.long()), self.AV, accumulate=True)
-
     def _slot_rows(self) -> tuple[torch.Tensor, bool]:
         return self.AM, False
 

@@ -57,12 +57,6 @@ class ELL(SparseFormat):
         """W, the padded row length."""
         return int(self.AK.shape[1])
 
-    def to_dense(self) -> torch.Tensor:
-        M, W = self.AK.shape
-        dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        rows = torch.arange(M, device=self.device).unsqueeze(1).expand(M, W)
-        return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
-
     @property
     def fan_in(self) -> int:
         """One group per row: every output row has one owner."""

@@ -111,12 +111,6 @@ class GroupCOO(SparseFormat):
     def groups(self) -> int:
         return int(self.AK.shape[0])
 
-    def to_dense(self) -> torch.Tensor:
-        G, g = self.AK.shape
-        dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        rows = self.AM.long().unsqueeze(1).expand(G, g)
-        return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
-
     def _slot_rows(self) -> tuple[torch.Tensor, bool]:
         return self.AM.unsqueeze(1).expand_as(self.AK), False
 
