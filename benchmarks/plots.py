@@ -64,7 +64,7 @@ def _plot_unstructured_bars(results, plt):
     if not rows:
         return None
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    fmts = [f for f in ("GroupCOO", "ELL", "CELL") if any(r["format"] == f for r in rows)]
+    fmts = list(dict.fromkeys(r["format"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(cases) * len(fmts)), 4))
     width = 0.8 / len(fmts)
     for i, f in enumerate(fmts):
