@@ -259,7 +259,7 @@ class SparseFormat:
                 f"cannot multiply {type(self).__name__} of shape {self.shape} with B of shape "
                 f"{tuple(B.shape)}: A has {self.shape[1]} columns, B dimension 0 has {B.shape[0] if B.dim() else 0}"
             )
-        check_values(B.dtype)
+        check_values(B.dtype, f"the dense operand B of {type(self).__name__} @ B has")
         if B.device != self.device:
             raise InsumTypeError(
                 f"B is on {B.device} but the {type(self).__name__} tensors are on {self.device}; use .to()"
@@ -313,6 +313,14 @@ class SparseFormat:
     def statement_forms(cls) -> tuple[str, ...]:
         """Every statement text that an instance's `statements()` may run."""
         return (cls.expression,)
+
+    @property
+    def single_statement(self) -> bool:
+        """Whether the SpMM is one statement over C (M, N) and B (K, N) as given (COO,
+        GroupCOO, ELL), so that another product can add into its output with `+=`."""
+        cls = type(self)
+        hooks = ("statements", "operand", "output_shape", "result")
+        return not cls.accumulates and all(getattr(cls, h) is getattr(SparseFormat, h) for h in hooks)
 
     def statements(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """The (statement, tensors) pairs `spmm` runs, B and C excluded."""
@@ -382,4 +390,5 @@ class SparseFormat:
     def _run(
         expression: str, backend: str, precision: str, **tensors: torch.Tensor
     ) -> torch.Tensor:
-        return insum(expression, backend=backend, precision=precision, **tensors)
+        # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
+        return insum(expression, backend=backend, precision=precision, check_indices=False, **tensors)

@@ -113,10 +113,10 @@ class Coords:
         return Coords(self.shape, key // K, key % K, summed.index_add_(0, inverse, vals))
 
 
-def check_values(dtype: torch.dtype) -> None:
+def check_values(dtype: torch.dtype, what: str = "matrix values have") -> None:
     if dtype not in VALUE_DTYPES:
         raise InsumTypeError(
-            f"matrix values have dtype {dtype}; formats store float16, bfloat16, float32 or "
+            f"{what} dtype {dtype}; formats store and multiply float16, bfloat16, float32 or "
             "float64 values (convert with .float() first)"
         )
 
