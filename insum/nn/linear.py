@@ -91,6 +91,37 @@ def magnitude_prune(
     return weight * mask
 
 
+def pruned(weight: torch.Tensor, format: str, sparsity: float, format_params: dict[str, Any]) -> torch.Tensor:
+    """weight pruned by magnitude to `sparsity` at the format's granularity (its
+    `pruning_block`: whole blocks for BlockGroupCOO; NM refuses, it prunes itself)."""
+    if not sparsity:
+        return weight
+    return magnitude_prune(weight, sparsity, format_class(format).pruning_block(format_params))
+
+
+def pruned_linear(
+    linear: nn.Linear, format: str, sparsity: float, format_params: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An nn.Linear's (weight pruned for the format, bias), detached."""
+    bias = None if linear.bias is None else linear.bias.detach()
+    return pruned(linear.weight.detach(), format, sparsity, format_params), bias
+
+
+def initial_weight(
+    out_features: int, in_features: int, format: str, sparsity: float, format_params: dict[str, Any], device, dtype
+) -> torch.Tensor:
+    """A weight drawn as nn.Linear draws it, then pruned for the format (`pruned`)."""
+    weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # as nn.Linear
+    return pruned(weight, format, sparsity, format_params)
+
+
+def initial_bias(out_features: int, in_features: int, device, dtype) -> torch.Tensor:
+    """A bias drawn as nn.Linear draws it: uniform in +-1/sqrt(in_features)."""
+    bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+    return torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)
+
+
 # --------------------------------------------------------------------------- the one autograd path
 #
 # Every SparseLinear and `sparse_linear` runs through `_SparseLinearFunction`: the forward is
@@ -265,15 +296,10 @@ class SparseLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.backend, self.precision = backend, precision
         self.transposed_backward = transposed_backward
-        weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
-        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # as nn.Linear
-        cls = format_class(format)
-        if sparsity:
-            weight = magnitude_prune(weight, sparsity, cls.pruning_block(format_params))
-        self._set_format(cls.from_dense(weight, **format_params))
+        weight = initial_weight(out_features, in_features, format, sparsity, format_params, device, dtype)
+        self._set_format(format_class(format).from_dense(weight, **format_params))
         if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound))
+            self.bias = nn.Parameter(initial_bias(out_features, in_features, device, dtype))
         else:
             self.register_parameter("bias", None)
 
@@ -329,11 +355,7 @@ class SparseLinear(nn.Module):
         cls, linear: nn.Linear, format: str = "GroupCOO", *, sparsity: float = 0.0, **kwargs: Any
     ) -> SparseLinear:
         """Prune an nn.Linear's weight by magnitude (blocks for BlockGroupCOO) and pack it."""
-        weight = linear.weight.detach()
-        if sparsity:
-            weight = magnitude_prune(weight, sparsity, format_class(format).pruning_block(kwargs))
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls.from_dense(weight, bias, format, **kwargs)
+        return cls.from_dense(*pruned_linear(linear, format, sparsity, kwargs), format, **kwargs)
 
     def _set_format(self, fmt: SparseFormat) -> None:
         """Hold `fmt`'s tensors: values as parameters, indices as buffers."""
