@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import insum.nn as inn
-import insum.nn.linear as linear_module
+import insum.nn.sparse_autograd as sparse_autograd
 from insum import InsumError, InsumShapeError
 from insum.nn import SparseLinear, magnitude_prune
 
@@ -83,7 +83,7 @@ def test_gradcheck_functional(fmt, params):
 
     def f(x, bias, *vals):
         tensors = {**template.tensors, **dict(zip(values, vals))}
-        fmt_obj = linear_module._format(type(template), template.shape, layer._format_meta, tensors)
+        fmt_obj = sparse_autograd.rebuild_format(type(template), template.shape, layer._format_meta, tensors)
         return inn.sparse_linear(x, fmt_obj, bias, backend="torch")
 
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)

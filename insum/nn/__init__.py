@@ -7,6 +7,7 @@
     torch.Size([3, 4])
 
 - `linear`: `SparseLinear` (a weight held in a sparse format), `magnitude_prune`.
+- `sparse_autograd`: the one autograd path of `SparseLinear` and `sparse_linear`.
 - `distributed`: `DistributedSparseLinear` (output features split across ranks).
 - `functional`: the functional forms (`sparse_linear`).
 """
