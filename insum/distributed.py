@@ -142,7 +142,7 @@ def _packer(format: str | None) -> Callable[..., SparseFormat]:
 def _one_statement(fmt: SparseFormat) -> bool:
     """Whether fmt's SpMM is its one statement into C (M, N), so that the halo block can
     run it with `+=` into the local block's output (COO, GroupCOO, ELL)."""
-    return type(fmt)._spmm is SparseFormat._spmm
+    return fmt.single_statement
 
 
 def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) -> torch.Tensor:

@@ -8,7 +8,7 @@ markdown cell whose lines are comments); `cells()` returns them as (kind, source
 the builder that combines the notebook's parts. They show, on the CPU: a voxelised scene and
 its kernel map as pictures, the tiled and grouped-pairs packings, the statements and one
 generated kernel (`insum.explain`), a check against a dense `conv3d`, and the H200 speed read
-from `benchmarks/results/conv_h200.json` (never measured here).
+from `benchmarks/results/h200/conv.json` (never measured here).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ print(f"relative error against dense conv3d: {((y - want).norm() / want.norm()).
 # torch gather-mm-index_add loop. TFLOP/s count 2 * in * out per real pair.
 
 # %%
-path = ROOT / "benchmarks" / "results" / "conv_h200.json"
+path = ROOT / "benchmarks" / "results" / "h200" / "conv.json"
 if not path.exists():
     print(f"no results at {path}: run python -m benchmarks.study_conv on the GPU")
 else:

@@ -7,6 +7,7 @@
     torch.Size([3, 4])
 
 - `linear`: `SparseLinear` (a weight held in a sparse format), `magnitude_prune`.
+- `sparse_autograd`: the one autograd path of `SparseLinear` and `sparse_linear`.
 - `conv`: `SparseConv3d` (submanifold, strided and transposed sparse convolution).
 - `kernel_map`: the GPU kernel-map builder, its packings and `KernelMapCache`.
 - `distributed`: `DistributedSparseLinear` (output features split across ranks).
