@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+#: An integer, or an integer tensor (elementwise).
+Int = TypeVar("Int", int, "torch.Tensor")
+
 __all__ = ["cdiv", "next_power_of_2"]
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: how many blocks of `b` cover `a` (negative `a` rounds toward zero).
+def cdiv(a: Int, b: int) -> Int:
+    """Ceiling division: how many blocks of `b` cover `a` (negative `a` rounds toward zero);
+    elementwise on an integer tensor.
 
     >>> cdiv(10, 4), cdiv(8, 4), cdiv(0, 4), cdiv(-5, 2)
     (3, 2, 0, -2)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import formats
 from .api import insum
+from .arith import cdiv
 from .autograd import derive
 from .dtypes import VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
@@ -154,7 +155,7 @@ def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) ->
     ranks = torch.arange(world_size + 1, device=row_ptr.device)
     nnz = row_ptr[-1]
     if balance == "rows":
-        return -((-ranks * n) // world_size)  # ceil: the first ranks take the extra rows
+        return cdiv(ranks * n, world_size)  # the first ranks take the extra rows
     targets = (ranks * nnz) // world_size
     starts = torch.searchsorted(row_ptr, targets).clamp_(max=n)
     starts[-1] = n

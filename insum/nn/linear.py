@@ -22,13 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..arith import cdiv
+from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..errors import InsumError, InsumShapeError
 from ..formats.base import SparseFormat, format_class
 from .sparse_autograd import apply_sparse_linear, format_meta, gradient_statements, rebuild_format
 
 __all__ = ["SparseLinear", "sparse_linear", "magnitude_prune"]
 
-_DTYPES = {str(d): d for d in (torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+#: A saved state's dtype (written as str(dtype)) back to the dtype.
+_DTYPES = {str(d): d for d in (*INDEX_DTYPES, *VALUE_DTYPES)}
 
 
 def sparse_linear(
@@ -78,7 +81,7 @@ def magnitude_prune(
         bm = bk = 1
     else:
         bm, bk = (block, block) if isinstance(block, int) else block
-    MB, KB = -(-M // bm), -(-K // bk)
+    MB, KB = cdiv(M, bm), cdiv(K, bk)
     padded = torch.nn.functional.pad(weight.double(), (0, KB * bk - K, 0, MB * bm - M))
     norms = padded.view(MB, bm, KB, bk).square().sum(dim=(1, 3)).flatten()
     keep = norms.numel() - int(round(sparsity * norms.numel()))
