@@ -19,10 +19,12 @@ from pathlib import Path
 
 import torch
 
+from insum.dtypes import DTYPE_NAMES, VALUE_DTYPES, compute_dtype
+
 # Relative-error thresholds against a float64 product, by the value dtype of the inputs.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float64: 1e-9}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+#: Short name ("fp16") -> value dtype: insum.dtypes' names, read back.
+DTYPES = {DTYPE_NAMES[d]: d for d in VALUE_DTYPES}
 
 _DO_BENCH = None  # triton.testing.do_bench as imported, before any patching
 
@@ -88,20 +90,13 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 2000, sync: Callable
 
 def bare_launcher(expr: str, tensors: dict) -> Callable[[], None]:
     """Relaunch insum's cached kernel for `tensors` with the launch insum() prepared for them
-    (call insum() with these tensors first). Reads runtime internals: raises when those
-    have changed shape, and the caller notes it."""
-    # TODO(core hook): a public launcher on Kernel (e.g. `Kernel.launcher(tensors)`) instead of
-    # bind + runtime.kernel_for + Kernel._launchers.
+    (`Kernel.launcher`; call insum() with these tensors first, else KeyError)."""
     from insum.bind import bind
     from insum.parser import parse
     from insum.runtime import kernel_for
 
     bound = bind(parse(expr), tensors)
-    kernel = kernel_for(bound)
-    launcher = kernel._launchers[bound.signature]
-    args = launcher.args(bound.tensors, bound.tensors[bound.output_name])
-    fn, grid, config = kernel.fn, launcher.grid, launcher.config
-    return lambda: fn[grid](*args, **config)
+    return kernel_for(bound).launcher(bound)
 
 
 def rotating(fn, inputs: list):
@@ -384,6 +379,7 @@ def _json_default(value):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The short name ("fp16") the result rows carry."""
     return DTYPE_NAMES[dtype]
 
 
@@ -396,15 +392,6 @@ def free_memory() -> None:
 
 
 # --------------------------------------------------------------------------- torch lowering
-
-
-def _walk(access):  # TODO(core hook): Statement.walk()
-    stack = [access]
-    while stack:
-        node = stack.pop(0)
-        yield node
-        for index in node.indices:
-            stack.extend(index.indirect_accesses())
 
 
 class Lowering:
@@ -427,22 +414,20 @@ class Lowering:
         self.stmt = parse(expr)
         self.names = tuple(names)
         dims: dict[str, tuple[str, int]] = {}
-        for top in (self.stmt.output, *self.stmt.accesses()):
-            for access in _walk(top):
-                for d, index in enumerate(access.indices):
-                    if index.variable is not None:
-                        dims.setdefault(index.variable, (access.name, d))
+        for access, _ in self.stmt.walk():
+            for d, index in enumerate(access.indices):
+                if index.variable is not None:
+                    dims.setdefault(index.variable, (access.name, d))
         self.dims = dims
         self.out_name = self.stmt.output.name
 
     def _run(self, *values):
-        # TODO(core hook): run_reference on a statement and tensors without a Bound (this
-        # builds a stand-in, _BoundView, for what run_reference reads).
-        from insum import reference
+        # The index checks are off: validation (a host sync each), not the computation.
+        from insum.reference import run_reference
 
         tensors = dict(zip(self.names, values))
         view = _BoundView(self.stmt, {v: tensors[n].shape[d] for v, (n, d) in self.dims.items()}, tensors)
-        return reference.run_reference(view, tensors[self.out_name])
+        return run_reference(view, tensors[self.out_name], check_bounds=False)
 
     def eager(self, **tensors):
         return self._call(self._run, tensors)
@@ -455,24 +440,15 @@ class Lowering:
         return self._call(fn, tensors)
 
     def _call(self, fn, tensors):
-        # TODO(core hook): run_reference(..., check_bounds=False) instead of patching
-        # reference._check_bounds.
-        from insum import reference
-
-        checked = reference._check_bounds
-        reference._check_bounds = _no_check
-        try:
-            return fn(*(tensors[n] for n in self.names))
-        finally:
-            reference._check_bounds = checked
-
-
-def _no_check(*args) -> None:
-    return None
+        return fn(*(tensors[n] for n in self.names))
 
 
 class _BoundView:
-    """What run_reference reads from a Bound: the statement, extents, tensors, device."""
+    """What run_reference reads from a Bound: the statement, extents, tensors, device.
+
+    Not `insum.bind.bind`: its checks (aliasing, shapes) would run inside torch.compile's
+    trace, and one compiled lowering serves every shape, so its extents come from the
+    tensors at each call."""
 
     def __init__(self, stmt, extents, tensors):
         self.stmt = stmt
@@ -498,7 +474,7 @@ def lowered_spmm(fmt, B_dtype: torch.dtype, compiled: bool, dynamic: bool | None
     it accumulates from zeros with `+=`, half precision in float32.
     `dynamic` goes to torch.compile (True: one compilation for many matrices).
     """
-    acc = torch.float32 if B_dtype in (torch.float16, torch.bfloat16) else B_dtype
+    acc = compute_dtype(B_dtype)
     run = "compiled" if compiled else "eager"
     parts = [
         (getattr(Lowering(expr, tuple(sorted(tensors)) + ("B", "C"), dynamic=dynamic), run), tensors)

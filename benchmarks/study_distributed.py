@@ -39,8 +39,9 @@ import torch.distributed as dist
 from insum.distributed import partition_rows, spmm
 from insum.formats import GroupCOO, power_law_matrix
 
+from .common import DTYPES
+
 WORLD = 2
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 # --------------------------------------------------------------------------- graphs

@@ -46,7 +46,7 @@ def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int) -> dict[str, torc
 
 def swapped(kernel_expr: str, tensors: dict) -> Kernel:
     """The generated kernel with its dot's M and N variables exchanged."""
-    # TODO(core hook): an orientation override on compile(); reads runtime.spec_for.
+    # No public hook overrides the dot's orientation: this rebuilds the plan from spec_for's spec.
     bound = bind(parse(kernel_expr), tensors)
     spec = spec_for(bound)
     plan = Kernel(spec).plan

@@ -42,7 +42,7 @@ from insum.formats import NM
 from insum.parser import parse
 from insum.runtime import Kernel, spec_for
 
-from ..common import median_ms, relative_error, rotating
+from ..common import DTYPES, median_ms, relative_error, rotating
 
 try:  # main's generator, for the A/B
     import insum_main
@@ -60,7 +60,6 @@ CONFIGS = [
     (128, 64, 256, 8, 3), (128, 64, 256, 8, 4), (256, 64, 128, 8, 3), (128, 64, 128, 8, 4),
     (64, 64, 256, 4, 4), (64, 32, 128, 4, 4), (128, 128, 64, 4, 4), (256, 128, 32, 8, 3),
 ]
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ROWS: list[dict] = []
 LOG: list[str] = []
 
