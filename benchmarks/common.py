@@ -5,6 +5,7 @@ study context (device, time budget, result rows) and the torch lowering used as 
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import math
 import os
@@ -267,6 +268,19 @@ class Context:
     def note(self, text: str) -> None:
         print(f"  note: {text}", flush=True)
         self.notes.append(text)
+
+    def cuda_anchor(self, name: str, module: str, attr: str):
+        """`module.attr`, an anchor that runs on CUDA only; None (noted) where the installed
+        torch lacks it or the device is not CUDA."""
+        anchor = None
+        try:
+            anchor = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            self.note(f"{name} unavailable: {e}")
+        if not self.cuda:
+            anchor = None
+            self.note(f"{name} needs CUDA: only the dense anchor on this device")
+        return anchor
 
     def bench(self, fn, inputs: list | None = None) -> float:
         """Median ms of fn (called with each input set in turn when `inputs` is given)."""

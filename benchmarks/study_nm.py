@@ -40,14 +40,7 @@ def vector_lengths(ctx: Context, size: int) -> tuple[int, ...]:
 
 def run(ctx: Context) -> list[dict]:
     gen = torch.Generator(device=ctx.device).manual_seed(3)
-    try:
-        from torch.sparse import to_sparse_semi_structured
-    except ImportError as e:
-        to_sparse_semi_structured = None
-        ctx.note(f"cuSPARSELt anchor unavailable: {e}")
-    if not ctx.cuda:
-        to_sparse_semi_structured = None
-        ctx.note("cuSPARSELt needs CUDA: only the dense anchor on this device")
+    to_sparse_semi_structured = ctx.cuda_anchor("cuSPARSELt", "torch.sparse", "to_sparse_semi_structured")
     dense_cache: dict = {}
     for dtype, (n, m), sizes in plan(ctx):
         for size in sizes:

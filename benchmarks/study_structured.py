@@ -64,14 +64,7 @@ def run(ctx: Context) -> list[dict]:
     ctx.note("group-size candidates: the paper's rule and " + (
         'group_size="row" (one group per block row)' if by_row else
         "the longest block row's block count (group_size=\"row\" is not available in this checkout)"))
-    try:
-        from torch.sparse._triton_ops import bsr_dense_mm
-    except ImportError as e:
-        bsr_dense_mm = None
-        ctx.note(f"TorchBSR unavailable: {e}")
-    if not ctx.cuda:
-        bsr_dense_mm = None
-        ctx.note("TorchBSR needs CUDA: only the dense anchor on this device")
+    bsr_dense_mm = ctx.cuda_anchor("TorchBSR", "torch.sparse._triton_ops", "bsr_dense_mm")
     for dtype, size, block, sparsities in plan(ctx):
         for s in sparsities:
             if ctx.over_budget(f"points ({dtype_name(dtype)} {size}^3)"):

@@ -124,6 +124,22 @@ def chosen(names: tuple[str, ...]) -> list[str]:
     return [v for v in names if v != "main" or insum_main is not None]
 
 
+def time_variant(section: str, variant: str, expr: str, tensors: dict, Bs: list, point: str, dtype_name: str,
+                 expected, anchor_ms, flops, plan: str | None = None):
+    """Compile one variant of `expr` (plan: the variant whose plan it runs, default its own)
+    for `tensors`, check it with Bs[0] and time it over `Bs` swapped in as B: (ms, kernel),
+    or None when it does not compile. The output "C" is poisoned first."""
+    try:
+        run, kernel = generated(expr, tensors, "C", "B", plan or variant)
+    except Exception as e:
+        say(f"  {section} {variant}: no kernel: {e}")
+        return None
+    tensors["C"].fill_(float("nan"))
+    ms = record(section, f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bs]),
+                lambda: run(Bs[0]).clone(), expected, anchor_ms, flops)
+    return ms, kernel
+
+
 def dense_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(size)
@@ -142,16 +158,9 @@ def dense_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None
     ]:
         for variant in chosen(ab):
             tensors = {"A": A, "B": Bs[0], "C": C, **extra}
-            try:
-                run, kernel = generated(expr, tensors, "C", "B", variant)
-            except Exception as e:
-                say(f"  {name} {variant}: no kernel: {e}")
-                continue
-            C.fill_(float("nan"))
-            ms = record(name, f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bs]),
-                        lambda run=run: run(Bs[0]).clone(), expected, t_cublas, flops)
-            if ms:
-                say(f"      {plan_line(kernel)}")
+            timed = time_variant(name, variant, expr, tensors, Bs, point, dtype_name, expected, t_cublas, flops)
+            if timed and timed[0]:
+                say(f"      {plan_line(timed[1])}")
 
 
 def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int, rows: int = 1) -> dict[str, torch.Tensor]:
@@ -206,14 +215,11 @@ def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: 
             packed = block_ell(keep, A, block, rows)
             C = torch.empty(nb // rows, block * rows, size, device="cuda", dtype=dtype)
             tensors = {**packed, "B": Bv[0], "C": C}
-            try:
-                run, kernel = generated(expr, tensors, "C", "B", "tma" if rows > 1 else variant)
-            except Exception as e:
-                say(f"  block {variant}: no kernel: {e}")
+            timed = time_variant("block", variant, expr, tensors, Bv, point, dtype_name, expected, anchor, flops,
+                                 plan="tma" if rows > 1 else variant)
+            if timed is None:
                 continue
-            C.fill_(float("nan"))
-            ms = record("block", f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bv]),
-                        lambda run=run, Bv=Bv: run(Bv[0]).clone(), expected, anchor, flops)
+            ms, kernel = timed
             if rows > 1:
                 say(f"      coarsened: {packed['AK'].shape[1]} of {keep.shape[1]} block columns per {rows}-row group")
             if ms and (s == sparsities[0] or rows > 1):
@@ -246,16 +252,9 @@ def nm_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None:
         expr = fmt.expression.replace("+=", "=")
         for variant in chosen(ab):
             tensors = {**fmt.tensors, "B": Bs[0], "C": Cn}
-            try:
-                run, kernel = generated(expr, tensors, "C", "B", variant)
-            except Exception as e:
-                say(f"  nm {variant}: no kernel: {e}")
-                continue
-            Cn.fill_(float("nan"))
-            ms = record("nm", f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bs]),
-                        lambda run=run: run(Bs[0]).clone(), expected, t_cublas, flops)
-            if ms:
-                say(f"      {plan_line(kernel)}")
+            timed = time_variant("nm", variant, expr, tensors, Bs, point, dtype_name, expected, t_cublas, flops)
+            if timed and timed[0]:
+                say(f"      {plan_line(timed[1])}")
 
 
 def main() -> None:
