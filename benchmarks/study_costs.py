@@ -27,7 +27,9 @@ import torch
 import insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, load_smtx, power_law_matrix
 
-from .common import Context, bare_launcher, host_us_per_call, lowered_spmm, relative_error
+from .common import bare_launcher, host_us_per_call, relative_error
+from .context import Context
+from .lowering import lowered_spmm
 
 ROOT = Path(__file__).resolve().parents[1]
 

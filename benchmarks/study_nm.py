@@ -15,7 +15,8 @@ import torch
 
 from insum.formats import NM
 
-from .common import Context, dtype_name, relative_error, rotations_for
+from .common import dtype_name, relative_error, rotations_for
+from .context import Context
 
 SIZES = (512, 1024, 2048, 4096)
 

@@ -15,7 +15,8 @@ import torch
 
 from insum.formats import BlockGroupCOO
 
-from .common import Context, dtype_name, relative_error, rotations_for
+from .common import dtype_name, relative_error, rotations_for
+from .context import Context
 
 S_SMALL = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.95, 0.99)
 S_LARGE = (0.25, 0.5, 0.75, 0.9, 0.99)

@@ -21,7 +21,9 @@ import torch
 
 from insum.formats import CELL, ELL, GroupCOO, load_mtx, load_smtx, power_law_matrix
 
-from .common import Context, dtype_name, lowered_spmm, relative_error, rotations_for
+from .common import dtype_name, relative_error, rotations_for
+from .context import Context
+from .lowering import lowered_spmm
 
 FORMATS = {"GroupCOO": GroupCOO, "ELL": ELL, "CELL": CELL}
 #: Formats that pad every row to the longest: skipped above MAX_SLOTS padded slots.
