@@ -3,6 +3,9 @@
 
 `python notebooks/build_formats.py` turns it into the notebook and executes it; the code
 also runs as a plain script (`python notebooks/formats.py`), with figures left unshown.
+
+Over 400 lines, as one file: it is one notebook's cells in reading order (a notebook is one
+file), and every section draws with the helpers of the cells before it.
 """
 
 # %% [markdown]
