@@ -94,6 +94,13 @@ def bare_launcher(expr: str, tensors: dict) -> Callable[[], None]:
     return kernel_for(bound).launcher(bound)
 
 
+def padded_slots(fmt_cls, csr: torch.Tensor, params: dict | None = None) -> int:
+    """At most how many value slots packing the CSR matrix `csr` with `fmt_cls` (and
+    `params`) pads it to, by the format's `row_padding_slots` (0: no row padding)."""
+    longest = int(csr.crow_indices().diff().max()) if csr.shape[0] else 0
+    return fmt_cls.row_padding_slots(tuple(csr.shape), longest, params or {})
+
+
 def rotating(fn, inputs: list):
     """A no-argument callable that cycles through input sets so caches do not flatter."""
     state = {"i": 0}

@@ -352,6 +352,14 @@ class SparseFormat:
         (None: single entries)."""
         return None
 
+    @classmethod
+    def row_padding_slots(cls, shape: tuple[int, int], longest: int, params: Mapping[str, Any]) -> int:
+        """At most how many value slots packing a matrix of `shape` whose longest row holds
+        `longest` entries stores, for a format that pads rows toward the longest (0: it does
+        not, its slots stay within a small multiple of the nonzeros). Read before packing,
+        to skip a matrix whose padding would not fit."""
+        return 0
+
     def _slot_rows(self) -> tuple[torch.Tensor, bool] | None:
         """For a format of scalar slots (values AV, columns AK): the output row of every slot,
         and whether each row is one group; None when the format has no transposed pattern."""

@@ -264,6 +264,15 @@ class BlockGroupCOO(SparseFormat):
         """Whole blocks of the packer's block size."""
         return _block_of(params.get("block", (16, 16)))
 
+    @classmethod
+    def row_padding_slots(cls, shape: tuple[int, int], longest: int, params: Mapping[str, Any]) -> int:
+        """group_size="row" (Block-ELL) pads every block row to the longest: at most bm rows'
+        worth of blocks per block row. Groups pad little (0)."""
+        if params.get("group_size") != "row":
+            return 0
+        (M, K), (bm, bk) = shape, cls.pruning_block(params)
+        return cdiv(M, bm) * min(cdiv(K, bk), bm * longest) * bm * bk
+
     def transposed_pattern(self) -> dict[str, torch.Tensor]:
         AM = self._tensors.get("AM")  # absent when each block row is one group ("row")
         one_group_per_row = AM is None
