@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from insum.dtypes import DTYPE_NAMES, VALUE_DTYPES
+from insum.formats.tuning import median_wall_time
 
 #: Short name ("fp16") -> value dtype: insum.dtypes' names, read back.
 DTYPES = {DTYPE_NAMES[d]: d for d in VALUE_DTYPES}
@@ -60,13 +61,7 @@ def median_ms(fn, rotations: int = 1, *, warmup: int = 25, rep: int = 100) -> fl
 
 def cpu_median_ms(fn, reps: int = 3) -> float:
     """Median wall time of `fn` on the host after one warm-up call (the CPU smoke path)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+    return median_wall_time(fn, reps) * 1e3
 
 
 def host_us_per_call(fn: Callable[[], object], calls: int = 2000, sync: Callable[[], None] | None = None) -> float:

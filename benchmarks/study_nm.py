@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from insum.dtypes import HALF_DTYPES
 from insum.formats import NM
 
 from .common import dtype_name, relative_error, rotations_for
@@ -92,7 +93,7 @@ def config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured) 
     ctx.add(dict(base, set=f"{dtype_name(dtype)} {n}:{m} vs cuBLAS", anchor="cuBLAS",
                  anchor_ms=t_dense, anchor_err=dense_err))
     if (n, m) == (2, 4) and to_sparse_semi_structured is not None:
-        if dtype not in (torch.float16, torch.bfloat16):
+        if dtype not in HALF_DTYPES:
             note = f"cuSPARSELt: no {dtype_name(dtype)} support in torch's semi-structured sparsity"
             if note not in ctx.notes:
                 ctx.note(note)
