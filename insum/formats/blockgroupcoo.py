@@ -152,7 +152,7 @@ class BlockGroupCOO(SparseFormat):
                 per_row = rule.per_row(g)
         else:
             g = group_size
-            per_row = torch.div(counts + (g - 1), g, rounding_mode="floor")
+            per_row = cdiv(counts, g)
             host = coords.read(counts.sum(), per_row.sum(), F.pad(per_row, (0, 1)).max())
             if host is not None:
                 blocks, G, fan_in = host

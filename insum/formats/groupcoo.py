@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..arith import next_power_of_2
+from ..arith import cdiv, next_power_of_2
 from ..errors import InsumError
 from .base import SparseFormat
 from .coords import Coords, check_positive_int, index_dtype_for
@@ -75,7 +75,7 @@ class GroupCOO(SparseFormat):
             per_row = rule.per_row(g)
         else:
             g = group_size
-            per_row = torch.div(counts + (g - 1), g, rounding_mode="floor")
+            per_row = cdiv(counts, g)
             host = coords.read(per_row.sum(), F.pad(per_row, (0, 1)).max())
             if host is None:
                 return cls._pack(coords.canonical(), group_size=g, index_dtype=index_dtype)
