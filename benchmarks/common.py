@@ -96,6 +96,18 @@ def padded_slots(fmt_cls, csr: torch.Tensor, params: dict | None = None) -> int:
     return fmt_cls.row_padding_slots(tuple(csr.shape), longest, params or {})
 
 
+def block_sparse(size: int, block: int, s: float, dtype, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, keep): a size x size matrix whose block x block tiles are zero with probability s
+    (one kept at least), and the (size/block)^2 mask of kept tiles."""
+    nb = size // block
+    keep = torch.rand(nb, nb, device=device, generator=gen) >= s
+    if not bool(keep.any()):
+        keep[0, 0] = True
+    mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    A = torch.randn(size, size, device=device, generator=gen).to(dtype) * mask
+    return A, keep
+
+
 def rotating(fn, inputs: list):
     """A no-argument callable that cycles through input sets so caches do not flatter."""
     state = {"i": 0}

@@ -27,7 +27,7 @@ import torch
 import insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, load_smtx, power_law_matrix
 
-from .common import bare_launcher, host_us_per_call, padded_slots, relative_error
+from .common import bare_launcher, block_sparse, host_us_per_call, padded_slots, relative_error
 from .context import Context
 from .lowering import lowered_spmm
 
@@ -143,7 +143,6 @@ def packing(ctx: Context) -> None:
     size = 64 if ctx.smoke else 4096
     block = 16 if ctx.smoke else 32
     gen = torch.Generator(device=dev).manual_seed(8)
-    from .study_structured import block_sparse
 
     A, _ = block_sparse(size, block, 0.9, torch.float16, gen, dev)
     t_bsr = wall_ms(ctx, lambda: A.to_sparse_bsr((block, block)), reps)
@@ -218,7 +217,6 @@ def child_cases(smoke: bool, device) -> list[dict]:
     B = torch.randn(rows, 16 if smoke else 128, device=device, generator=gen)
     cases = [dict(name=f"GroupCOO SpMM fp32 ({rows}^2, {csr._nnz()} nnz, N={B.shape[1]})", dtype="fp32",
                   fmt=GroupCOO.from_torch(csr), B=B, expected=csr.to(torch.float64) @ B.double())]
-    from .study_structured import block_sparse
 
     size, block = (64, 16) if smoke else (4096, 32)
     A, _ = block_sparse(size, block, 0.9, torch.float16, gen, device)

@@ -15,7 +15,7 @@ import torch
 
 from insum.formats import BlockGroupCOO
 
-from .common import dtype_name, relative_error, rotations_for
+from .common import block_sparse, dtype_name, relative_error, rotations_for
 from .context import Context
 
 S_SMALL = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.95, 0.99)
@@ -46,17 +46,6 @@ def row_groups_supported(device) -> bool:
         return True
     except Exception:
         return False
-
-
-def block_sparse(size: int, block: int, s: float, dtype, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A size x size matrix whose block x block tiles are zero with probability s (one kept at least)."""
-    nb = size // block
-    keep = torch.rand(nb, nb, device=device, generator=gen) >= s
-    if not bool(keep.any()):
-        keep[0, 0] = True
-    mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    A = torch.randn(size, size, device=device, generator=gen).to(dtype) * mask
-    return A, keep
 
 
 def run(ctx: Context) -> list[dict]:

@@ -42,7 +42,7 @@ from insum.formats import NM
 from insum.parser import parse
 from insum.runtime import Kernel, spec_for
 
-from ..common import DTYPES, median_ms, relative_error, rotating
+from ..common import DTYPES, block_sparse, median_ms, relative_error, rotating
 
 try:  # main's generator, for the A/B
     import insum_main
@@ -196,9 +196,7 @@ def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: 
         say(f"  block    {size}^3 {dtype_name} cuBLAS {t_cublas[key] * 1e3:.1f} us")
     expr = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
     for s in sparsities:
-        keep = torch.rand(nb, nb, device="cuda", generator=gen) >= s
-        mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
-        A = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) * mask
+        A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
         expected = A.double() @ Bs[0].double()
         flops = 2 * size**3 * keep.float().mean().item()
         point = f"{size}^3 b{block} s={s}"
