@@ -140,12 +140,6 @@ def _packer(format: str | None) -> Callable[..., SparseFormat]:
     return format_class(format).from_torch
 
 
-def _one_statement(fmt: SparseFormat) -> bool:
-    """Whether fmt's SpMM is its one statement into C (M, N), so that the halo block can
-    run it with `+=` into the local block's output (COO, GroupCOO, ELL)."""
-    return fmt.single_statement
-
-
 def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) -> torch.Tensor:
     """First row of every rank plus n (world_size + 1), on row_ptr's device.
 
@@ -357,7 +351,7 @@ def _accumulate(fmt: SparseFormat, C: torch.Tensor, B: torch.Tensor, backend: st
         if first:
             C.zero_()
         return
-    if not _one_statement(fmt):
+    if not fmt.single_statement:
         product = fmt.spmm(B, backend=backend, precision=precision)
         C.copy_(product) if first else C.add_(product)
         return
@@ -370,7 +364,7 @@ def _transposed(fmt: SparseFormat, dC: torch.Tensor, dB: torch.Tensor, backend: 
     autograd through `fmt.spmm` for formats of several statements."""
     if fmt.nnz == 0 or dC.shape[1] == 0:
         return
-    if not _one_statement(fmt):
+    if not fmt.single_statement:
         with torch.enable_grad():  # the product is linear in B: any B gives its gradient
             B = dC.new_zeros(fmt.shape[1], dC.shape[1], dtype=fmt.dtype, requires_grad=True)
             product = fmt.spmm(B, backend=backend, precision=precision)
