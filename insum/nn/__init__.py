@@ -7,10 +7,24 @@
     torch.Size([3, 4])
 
 - `linear`: `SparseLinear` (a weight held in a sparse format), `magnitude_prune`.
+- `tensor_product`: `FullyConnectedTensorProduct`, `TensorProduct` ("uvw" and channel-wise
+  "uvu" paths), e3nn-compatible, `from_e3nn`.
+- `irreps`: `Irreps` and the Clebsch–Gordan (Wigner-3j) tables in e3nn's real basis.
 - `functional`: the functional forms (`sparse_linear`).
 """
 
 from . import functional
+from .irreps import Irreps, wigner_3j
 from .linear import SparseLinear, magnitude_prune, sparse_linear
+from .tensor_product import FullyConnectedTensorProduct, TensorProduct
 
-__all__ = ["SparseLinear", "sparse_linear", "magnitude_prune", "functional"]
+__all__ = [
+    "SparseLinear",
+    "sparse_linear",
+    "magnitude_prune",
+    "functional",
+    "FullyConnectedTensorProduct",
+    "TensorProduct",
+    "Irreps",
+    "wigner_3j",
+]

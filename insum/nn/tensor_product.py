@@ -1,0 +1,327 @@
+"""insum.nn.tensor_product: e3nn-compatible equivariant tensor products as one insum statement.
+
+    >>> import torch
+    >>> from insum.nn import FullyConnectedTensorProduct
+    >>> tp = FullyConnectedTensorProduct("4x0e+4x1o", "0e+1o", "4x0e+4x1o")
+    >>> tp(torch.randn(10, 16), torch.randn(10, 4)).shape
+    torch.Size([10, 16])
+
+A tensor product of irreps sums, over its paths (l1 ⊗ l2 → l3), the Clebsch–Gordan table
+contracted with the two inputs and a weight. Grouping the table's nonzero entries by the
+output component they feed (padded to the longest group, Q) turns the whole layer into
+one indirect Einsum; for the fully connected ("uvw") product
+
+    Z[b,p,w] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u,w]
+
+where p is an output component (irrep entry, m), q its q-th CG entry, CGV the entry times
+the path's normalisation, CGJ the flat position in input 2 (multiplicity v folded in),
+CGI the component of input 1, and PW the weight slab of the entry's (path, v). The code
+generator runs it as a `tl.dot` over the channels u (M = batch, N = output channels) with
+the CG entries as the loop: no dense CG tensor, no zero entries. The channel-wise ("uvu")
+product of MACE-style models keeps the channel: `Z[b,p,u] = ... X[b,CGI[p,q],u] * W[PW[p,q],u]`
+(or `W[b,PW[p,q],u]` with one weight vector per edge), a broadcast-multiply-and-sum.
+
+Layouts and normalisation are e3nn's (`irrep_normalization="component"`,
+`path_normalization="element"` by default), and so is the flat weight vector (paths in
+instruction order, each `[mul1, mul2, mul_out]` or `[mul1, mul2]`), so `from_e3nn(tp)`
+copies an e3nn module's weights. Input 1 is permuted once into component-major
+`[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks (two gathers).
+Gradients are insum's derived statements; the layer runs under `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..api import insum
+from ..errors import InsumShapeError
+from .irreps import Irreps, IrrepsError, wigner_3j
+
+__all__ = ["TensorProduct", "FullyConnectedTensorProduct", "Instruction", "STATEMENTS", "tensor_product_tables"]
+
+# The layer's statements, by (connection mode, weights shared across the batch).
+STATEMENTS = {
+    ("uvw", True): "Z[b,p,w] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u,w]",
+    ("uvw", False): "Z[b,p,w] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u,w]",
+    ("uvu", True): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u]",
+    ("uvu", False): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u]",
+}
+_MODES = ("uvw", "uvu")
+_IRREP_NORMALIZATIONS = ("component", "norm", "none")
+_PATH_NORMALIZATIONS = ("element", "path", "none")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One path: input-1 entry, input-2 entry, output entry, mode, and its coefficient."""
+
+    i_in1: int
+    i_in2: int
+    i_out: int
+    mode: str
+    coefficient: float
+
+    def weight_shape(self, irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps) -> tuple[int, ...]:
+        mul1, mul2, mul_out = irreps1[self.i_in1][0], irreps2[self.i_in2][0], irreps_out[self.i_out][0]
+        return (mul1, mul2, mul_out) if self.mode == "uvw" else (mul1, mul2)
+
+
+def _normalised(
+    irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, paths: list[tuple[int, int, int, str, float]],
+    irrep_normalization: str, path_normalization: str,
+) -> list[Instruction]:
+    """e3nn's path coefficients: sqrt(alpha), alpha from the output's dimension and fan-in."""
+
+    def fan_in(i1: int, i2: int, mode: str) -> int:
+        return irreps1[i1][0] * irreps2[i2][0] if mode == "uvw" else irreps2[i2][0]
+
+    out = []
+    for i1, i2, io, mode, path_weight in paths:
+        ir1, ir2, ir_out = irreps1[i1][1], irreps2[i2][1], irreps_out[io][1]
+        alpha = {"component": ir_out.dim, "norm": ir1.dim * ir2.dim, "none": 1}[irrep_normalization]
+        if path_normalization == "element":
+            x = sum(fan_in(a, b, m) for a, b, o, m, _ in paths if o == io)
+        elif path_normalization == "path":
+            x = fan_in(i1, i2, mode) * sum(1 for path in paths if path[2] == io)
+        else:
+            x = 1
+        if x > 0:
+            alpha /= x
+        out.append(Instruction(i1, i2, io, mode, math.sqrt(alpha * path_weight)))
+    return out
+
+
+def _check(irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, ins: Instruction) -> None:
+    for name, irreps, i in (("irreps_in1", irreps1, ins.i_in1), ("irreps_in2", irreps2, ins.i_in2), ("irreps_out", irreps_out, ins.i_out)):
+        if not 0 <= i < len(irreps):
+            raise IrrepsError(f"instruction {ins}: {name} has {len(irreps)} entries, no entry {i}")
+    (mul1, ir1), (_, ir2), (mul_out, ir_out) = irreps1[ins.i_in1], irreps2[ins.i_in2], irreps_out[ins.i_out]
+    if ir_out not in ir1 * ir2:
+        raise IrrepsError(f"instruction {ins}: {ir_out} is not in {ir1} x {ir2}")
+    if ins.mode not in _MODES:
+        raise IrrepsError(f"instruction {ins}: connection mode {ins.mode!r} is not supported (choose one of {', '.join(_MODES)})")
+    if ins.mode == "uvu" and mul1 != mul_out:
+        raise IrrepsError(f"instruction {ins}: 'uvu' needs the output multiplicity ({mul_out}) to equal input 1's ({mul1})")
+
+
+def tensor_product_tables(
+    irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, instructions: list[Instruction]
+) -> dict[str, np.ndarray]:
+    """The index and value tables of the layer's statement (numpy, built once per layer).
+
+    CGV, CGJ, CGI, PW [P, Q]: the CG entries grouped by output component p (padded with
+    zero entries); X_INDEX [C1, U]: input 1's flat position of (component, channel);
+    W_INDEX [S, U, Wd] or [S, U]: the flat weight position of each slab element;
+    OUT_INDEX [D_out]: where each e3nn output position lies in the flattened Z.
+    Padded positions point one past the end (a zero appended there).
+    """
+    mode = instructions[0].mode if instructions else "uvw"
+    offsets1, offsets2, offsets_out = irreps1.offsets(), irreps2.offsets(), irreps_out.offsets()
+    U = max((mul for mul, _ in irreps1), default=1) or 1
+    Wd = U if mode == "uvu" else (max((mul for mul, _ in irreps_out), default=1) or 1)
+    comp1 = np.cumsum([0] + [ir.dim for _, ir in irreps1])  # first component row of each entry
+    x_index = np.full((int(comp1[-1]), U), irreps1.dim, dtype=np.int64)
+    for e, (mul, ir) in enumerate(irreps1):
+        for i in range(ir.dim):
+            x_index[comp1[e] + i, :mul] = offsets1[e] + np.arange(mul) * ir.dim + i
+
+    comp_out = np.cumsum([0] + [ir.dim for _, ir in irreps_out])
+    rows: list[list[tuple[int, float, int, int]]] = [[] for _ in range(int(comp_out[-1]))]  # (slab, v, j, i)
+    slabs: list[np.ndarray] = []
+    weight_numel, weight_offset = 0, 0
+    for ins in instructions:
+        (mul1, ir1), (mul2, ir2), (mul_out, ir_out) = irreps1[ins.i_in1], irreps2[ins.i_in2], irreps_out[ins.i_out]
+        cg = wigner_3j(ir1.l, ir2.l, ir_out.l).numpy()
+        size = int(np.prod(ins.weight_shape(irreps1, irreps2, irreps_out)))
+        for v in range(mul2):
+            slab = len(slabs)
+            u = np.arange(mul1)[:, None]
+            if mode == "uvw":
+                index = np.full((U, Wd), -1, dtype=np.int64)
+                index[:mul1, :mul_out] = weight_offset + (u * mul2 + v) * mul_out + np.arange(mul_out)[None, :]
+            else:
+                index = np.full((U,), -1, dtype=np.int64)
+                index[:mul1] = weight_offset + u[:, 0] * mul2 + v
+            slabs.append(index)
+            for i, j, k in zip(*np.nonzero(cg)):
+                rows[comp_out[ins.i_out] + k].append(
+                    (slab, ins.coefficient * float(cg[i, j, k]), offsets2[ins.i_in2] + v * ir2.dim + j, comp1[ins.i_in1] + i)
+                )
+        weight_offset += size
+        weight_numel += size
+    Q = max((len(r) for r in rows), default=1) or 1
+    P = len(rows)
+    cgv, cgj, cgi, pw = np.zeros((P, Q)), np.zeros((P, Q), np.int64), np.zeros((P, Q), np.int64), np.zeros((P, Q), np.int64)
+    for p, row in enumerate(rows):
+        row.sort(key=lambda entry: (entry[0], entry[3], entry[2]))  # neighbouring entries share weight slabs
+        for q, (slab, value, j, i) in enumerate(row):
+            pw[p, q], cgv[p, q], cgj[p, q], cgi[p, q] = slab, value, j, i
+    w_index = np.stack(slabs) if slabs else np.full((1, U, Wd) if mode == "uvw" else (1, U), -1, dtype=np.int64)
+    w_index[w_index < 0] = weight_numel
+
+    out_index = np.zeros(irreps_out.dim, dtype=np.int64)
+    for e, (mul, ir) in enumerate(irreps_out):
+        w, k = np.meshgrid(np.arange(mul), np.arange(ir.dim), indexing="ij")
+        out_index[offsets_out[e] + w * ir.dim + k] = (comp_out[e] + k) * Wd + w
+    return {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index,
+            "OUT_INDEX": out_index, "weight_numel": np.array(weight_numel)}
+
+
+class TensorProduct(nn.Module):
+    """An e3nn-compatible tensor product with "uvw" or "uvu" paths, run as one insum statement.
+
+    instructions: `(i_in1, i_in2, i_out, mode)` or `(..., mode, has_weight)` or
+    `(..., has_weight, path_weight)` tuples as e3nn takes them; every path is weighted, and
+    all share one mode ("uvw": fully connected channels, "uvu": channel-wise).
+    shared_weights: one weight vector for the batch (a parameter when internal_weights),
+    else `forward(x1, x2, weight)` takes `weight[..., weight_numel]`, one per batch element.
+    backend, precision: passed to `insum` ("tf32" or "ieee" float32 `tl.dot`).
+    """
+
+    def __init__(
+        self,
+        irreps_in1: Any,
+        irreps_in2: Any,
+        irreps_out: Any,
+        instructions: list[tuple],
+        *,
+        irrep_normalization: str = "component",
+        path_normalization: str = "element",
+        shared_weights: bool = True,
+        internal_weights: bool | None = None,
+        backend: str = "auto",
+        precision: str = "tf32",
+    ) -> None:
+        super().__init__()
+        if irrep_normalization not in _IRREP_NORMALIZATIONS:
+            raise IrrepsError(f"irrep_normalization {irrep_normalization!r}: choose one of {', '.join(_IRREP_NORMALIZATIONS)}")
+        if path_normalization not in _PATH_NORMALIZATIONS:
+            raise IrrepsError(f"path_normalization {path_normalization!r}: choose one of {', '.join(_PATH_NORMALIZATIONS)}")
+        self.irreps_in1, self.irreps_in2, self.irreps_out = Irreps(irreps_in1), Irreps(irreps_in2), Irreps(irreps_out)
+        paths = []
+        for raw in instructions:
+            if len(raw) < 4:
+                raise IrrepsError(f"instruction {raw!r}: expected (i_in1, i_in2, i_out, mode[, has_weight[, path_weight]])")
+            i1, i2, io, mode = raw[:4]
+            if len(raw) > 4 and not raw[4]:
+                raise IrrepsError(f"instruction {raw!r}: paths without weights are not supported")
+            paths.append((int(i1), int(i2), int(io), str(mode), float(raw[5]) if len(raw) > 5 else 1.0))
+        self.instructions = _normalised(
+            self.irreps_in1, self.irreps_in2, self.irreps_out, paths, irrep_normalization, path_normalization
+        )
+        self._setup(shared_weights, internal_weights, backend, precision)
+
+    def _setup(self, shared_weights: bool, internal_weights: bool | None, backend: str, precision: str) -> None:
+        for ins in self.instructions:
+            _check(self.irreps_in1, self.irreps_in2, self.irreps_out, ins)
+        modes = {ins.mode for ins in self.instructions}
+        if len(modes) > 1:
+            raise IrrepsError(f"all paths must share one connection mode, got {sorted(modes)}")
+        self.mode = modes.pop() if modes else "uvw"
+        self.shared_weights = shared_weights
+        self.internal_weights = shared_weights if internal_weights is None else internal_weights
+        if self.internal_weights and not shared_weights:
+            raise IrrepsError("internal_weights=True needs shared_weights=True")
+        self.backend, self.precision = backend, precision
+        tables = tensor_product_tables(self.irreps_in1, self.irreps_in2, self.irreps_out, self.instructions)
+        self.weight_numel = int(tables.pop("weight_numel"))
+        # Whether a padded (channel or weight) position reads the zero appended to x1 / weight.
+        self._pad_x = bool((tables["X_INDEX"] == self.irreps_in1.dim).any())
+        self._pad_w = bool((tables["W_INDEX"] == self.weight_numel).any())
+        # float64, cast per call: the CG values must stay exact for a float64 product
+        self.register_buffer("CGV", torch.from_numpy(tables.pop("CGV")), persistent=False)
+        for name, table in tables.items():
+            self.register_buffer(name, torch.from_numpy(table).to(torch.int32 if name in ("CGJ", "CGI", "PW") else torch.int64), persistent=False)
+        self.statement = STATEMENTS[(self.mode, shared_weights)]
+        if self.internal_weights:
+            self.weight = nn.Parameter(torch.randn(self.weight_numel))
+        else:
+            self.register_parameter("weight", None)
+
+    @classmethod
+    def from_e3nn(cls, tp: Any, **options: Any) -> TensorProduct:
+        """The same product as an `e3nn.o3.TensorProduct` (or FullyConnectedTensorProduct),
+        its path coefficients and (internal) weights copied."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.irreps_in1, layer.irreps_in2, layer.irreps_out = Irreps(tp.irreps_in1), Irreps(tp.irreps_in2), Irreps(tp.irreps_out)
+        layer.instructions = []
+        for ins in tp.instructions:
+            if not ins.has_weight:
+                raise IrrepsError(f"from_e3nn: path {ins} has no weight; paths without weights are not supported")
+            layer.instructions.append(Instruction(ins.i_in1, ins.i_in2, ins.i_out, ins.connection_mode, float(ins.path_weight)))
+        layer._setup(tp.shared_weights, tp.internal_weights, options.get("backend", "auto"), options.get("precision", "tf32"))
+        if layer.internal_weights:
+            with torch.no_grad():
+                layer.weight.copy_(tp.weight.detach().reshape(-1))
+            layer.to(tp.weight.device)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, {len(self.instructions)} paths "
+                f"({self.mode}), weight_numel={self.weight_numel}")
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x1[..., irreps_in1.dim], x2[..., irreps_in2.dim] -> [..., irreps_out.dim] (leading dims broadcast)."""
+        if x1.shape[-1] != self.irreps_in1.dim:
+            raise InsumShapeError(f"x1 has {x1.shape[-1]} features (shape {tuple(x1.shape)}), irreps_in1 {self.irreps_in1} has {self.irreps_in1.dim}")
+        if x2.shape[-1] != self.irreps_in2.dim:
+            raise InsumShapeError(f"x2 has {x2.shape[-1]} features (shape {tuple(x2.shape)}), irreps_in2 {self.irreps_in2} has {self.irreps_in2.dim}")
+        if weight is None:
+            if self.weight is None:
+                raise InsumShapeError("this tensor product has no internal weights: pass weight[..., weight_numel]")
+            weight = self.weight
+        if weight.shape[-1] != self.weight_numel:
+            raise InsumShapeError(f"weight has {weight.shape[-1]} entries (shape {tuple(weight.shape)}), the paths need {self.weight_numel}")
+        lead = torch.broadcast_shapes(x1.shape[:-1], x2.shape[:-1], weight.shape[:-1] if not self.shared_weights else ())
+        batch = math.prod(lead)
+        x1 = x1.expand(*lead, x1.shape[-1]).reshape(batch, -1)
+        x2 = x2.expand(*lead, x2.shape[-1]).reshape(batch, -1)
+        dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
+        if batch == 0 or not self.instructions:
+            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
+        X = _gather(x1, self.X_INDEX, self._pad_x)
+        if self.shared_weights:
+            W = _gather(weight.reshape(-1), self.W_INDEX, self._pad_w)
+        else:
+            W = _gather(weight.expand(*lead, self.weight_numel).reshape(batch, -1), self.W_INDEX, self._pad_w)
+        Z = insum(self.statement, backend=self.backend, precision=self.precision,
+                  CGV=self.CGV.to(dtype), Y=x2.to(dtype), X=X.to(dtype), W=W.to(dtype),
+                  CGJ=self.CGJ, CGI=self.CGI, PW=self.PW)
+        out = Z.reshape(batch, -1)[:, self.OUT_INDEX]
+        return out.reshape(*lead, self.irreps_out.dim)
+
+
+
+def _gather(t: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
+    """t[..., index] along the last dimension; when padded, index t.shape[-1] reads a zero."""
+    if padded:
+        t = nn.functional.pad(t, (0, 1))
+    return t[..., index]
+
+
+class FullyConnectedTensorProduct(TensorProduct):
+    """e3nn's FullyConnectedTensorProduct: every (in1, in2) -> out path allowed by O(3), "uvw".
+
+        >>> import torch
+        >>> tp = FullyConnectedTensorProduct("2x0e+2x1o", "1x0e+1x1o", "3x1o")
+        >>> tp.weight_numel, tp(torch.randn(5, 8), torch.randn(5, 4)).shape
+        (18, torch.Size([5, 9]))
+    """
+
+    def __init__(self, irreps_in1: Any, irreps_in2: Any, irreps_out: Any, **options: Any) -> None:
+        irreps1, irreps2, irreps_out_ = Irreps(irreps_in1), Irreps(irreps_in2), Irreps(irreps_out)
+        paths = [
+            (i1, i2, io, "uvw")
+            for i1, (_, ir1) in enumerate(irreps1)
+            for i2, (_, ir2) in enumerate(irreps2)
+            for io, (_, ir_out) in enumerate(irreps_out_)
+            if ir_out in ir1 * ir2
+        ]
+        super().__init__(irreps1, irreps2, irreps_out_, paths, **options)
