@@ -175,7 +175,7 @@ def real_to_complex(l: int) -> np.ndarray:  # noqa: E741
     return (-1j) ** l * q
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _wigner_3j(l1: int, l2: int, l3: int) -> np.ndarray:
     cg = clebsch_gordan_complex(l1, l2, l3).astype(np.complex128)
     q1, q2, q3 = real_to_complex(l1), real_to_complex(l2), real_to_complex(l3)

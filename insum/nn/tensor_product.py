@@ -280,22 +280,29 @@ class TensorProduct(nn.Module):
         if weight.shape[-1] != self.weight_numel:
             raise InsumShapeError(f"weight has {weight.shape[-1]} entries (shape {tuple(weight.shape)}), the paths need {self.weight_numel}")
         lead = torch.broadcast_shapes(x1.shape[:-1], x2.shape[:-1], weight.shape[:-1] if not self.shared_weights else ())
+        dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
+        if math.prod(lead) == 0 or not self.instructions:
+            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
+        Z = insum(self.statement, backend=self.backend, precision=self.precision, **self.statement_tensors(x1, x2, weight))
+        out = Z.reshape(Z.shape[0], -1)[:, self.OUT_INDEX]
+        return out.reshape(*lead, self.irreps_out.dim)
+
+    def statement_tensors(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The tensors of `self.statement` for these inputs: X gathered component-major, the
+        weight slabs W, input 2 as Y, and the CG tables (Z, the output, is left to insum)."""
+        weight = self.weight if weight is None else weight
+        lead = torch.broadcast_shapes(x1.shape[:-1], x2.shape[:-1], weight.shape[:-1] if not self.shared_weights else ())
         batch = math.prod(lead)
+        dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
         x1 = x1.expand(*lead, x1.shape[-1]).reshape(batch, -1)
         x2 = x2.expand(*lead, x2.shape[-1]).reshape(batch, -1)
-        dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
-        if batch == 0 or not self.instructions:
-            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
-        X = _gather(x1, self.X_INDEX, self._pad_x)
         if self.shared_weights:
             W = _gather(weight.reshape(-1), self.W_INDEX, self._pad_w)
         else:
             W = _gather(weight.expand(*lead, self.weight_numel).reshape(batch, -1), self.W_INDEX, self._pad_w)
-        Z = insum(self.statement, backend=self.backend, precision=self.precision,
-                  CGV=self.CGV.to(dtype), Y=x2.to(dtype), X=X.to(dtype), W=W.to(dtype),
-                  CGJ=self.CGJ, CGI=self.CGI, PW=self.PW)
-        out = Z.reshape(batch, -1)[:, self.OUT_INDEX]
-        return out.reshape(*lead, self.irreps_out.dim)
+        X = _gather(x1, self.X_INDEX, self._pad_x)
+        return {"CGV": self.CGV.to(dtype), "Y": x2.to(dtype), "X": X.to(dtype), "W": W.to(dtype),
+                "CGJ": self.CGJ, "CGI": self.CGI, "PW": self.PW}
 
 
 
