@@ -34,6 +34,7 @@ from benchmarks.common import cpu_median_ms, geomean, median_ms, relative_error
 PARITY = "eo"
 DEVICE = "cuda"  # --smoke: "cpu", tiny sizes, the Triton interpreter (a check of this script)
 SMOKE = False
+MEASURE = {"e3nn", "insum", "cue", "oeq"}  # --measure: which implementations to time
 
 
 def _chain(C: int, L: int) -> str:
@@ -107,17 +108,19 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             traceback.print_exc()
 
-    measure("e3nn", ref, [ref.weight])
-    for precision in ("tf32", "ieee"):
-        layer = FullyConnectedTensorProduct.from_e3nn(ref, precision=precision)
-        measure(f"insum_{precision}", layer, [layer.weight])
-    try:
-        tensors = layer.statement_tensors(x1, x2)
-        with torch.no_grad():
-            row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", **tensors))
-    except Exception as e:  # noqa: BLE001
-        row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    if cuet is not None:
+    if "e3nn" in MEASURE:
+        measure("e3nn", ref, [ref.weight])
+    if "insum" in MEASURE:
+        for precision in ("tf32", "ieee"):
+            layer = FullyConnectedTensorProduct.from_e3nn(ref, precision=precision)
+            measure(f"insum_{precision}", layer, [layer.weight])
+        try:
+            tensors = layer.statement_tensors(x1, x2)
+            with torch.no_grad():
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", **tensors))
+        except Exception as e:  # noqa: BLE001
+            row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if cuet is not None and "cue" in MEASURE:
         try:
             mod = cuet.FullyConnectedTensorProduct(
                 _cue_irreps(cue, irreps1), _cue_irreps(cue, irreps2), _cue_irreps(cue, irreps1),
@@ -129,7 +132,7 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
         except Exception as e:  # noqa: BLE001
             row["cue_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             traceback.print_exc()
-    if oeq is not None:
+    if oeq is not None and "oeq" in MEASURE:
         try:
             problem = oeq.TPProblem(
                 irreps1, irreps2, irreps1,
@@ -209,16 +212,18 @@ def _uvu_point(edges: int, libs: dict) -> dict:
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             traceback.print_exc()
 
-    measure("e3nn", ref)
-    layer = TensorProduct.from_e3nn(ref)
-    measure("insum", layer)
-    try:
-        tensors = layer.statement_tensors(x1, x2, w)
-        with torch.no_grad():
-            row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, **tensors))
-    except Exception as e:  # noqa: BLE001
-        row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    if cuet is not None:
+    if "e3nn" in MEASURE:
+        measure("e3nn", ref)
+    if "insum" in MEASURE:
+        layer = TensorProduct.from_e3nn(ref)
+        measure("insum", layer)
+        try:
+            tensors = layer.statement_tensors(x1, x2, w)
+            with torch.no_grad():
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, **tensors))
+        except Exception as e:  # noqa: BLE001
+            row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if cuet is not None and "cue" in MEASURE:
         try:
             mod = cuet.ChannelWiseTensorProduct(
                 _cue_irreps(cue, str(irreps1)), _cue_irreps(cue, str(irreps2)),
@@ -232,7 +237,7 @@ def _uvu_point(edges: int, libs: dict) -> dict:
         except Exception as e:  # noqa: BLE001
             row["cue_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             traceback.print_exc()
-    if oeq is not None:
+    if oeq is not None and "oeq" in MEASURE:
         try:
             problem = oeq.TPProblem(str(irreps1), str(irreps2), str(irreps_out), [(*i, 1.0) for i in ins],
                                     shared_weights=False, internal_weights=False)
@@ -318,14 +323,17 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget", type=float, default=200.0)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (TRITON_INTERPRET=1)")
-    parser.add_argument("--anchors", default="cue,oeq", help="which of cue,oeq to import")
+    parser.add_argument("--measure", default="e3nn,insum,cue,oeq", help="which implementations to time")
+    parser.add_argument("--tag", default="", help="suffix of the output files")
     args = parser.parse_args()
     global DEVICE, SMOKE
     if args.smoke:
         DEVICE, SMOKE = "cpu", True
     start = time.time()
     libs = {}
-    anchors = args.anchors.split(",")
+    anchors = args.measure.split(",")
+    MEASURE.clear()
+    MEASURE.update(anchors)
     cue = _optional("cuequivariance") if "cue" in anchors else None
     cuet = _optional("cuequivariance_torch") if cue is not None else None
     if cuet is not None:
@@ -354,9 +362,9 @@ def main() -> None:
                 traceback.print_exc()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tensor_product.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    (out / f"tensor_product{args.tag}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
     text = table(rows)
-    (out / "tensor_product_table.txt").write_text(text + "\n")
+    (out / f"tensor_product{args.tag}_table.txt").write_text(text + "\n")
     print(f"\n(total {time.time() - start:.0f} s)\n" + text)
 
 
