@@ -211,6 +211,9 @@ class TensorProduct(nn.Module):
             i1, i2, io, mode = raw[:4]
             if len(raw) > 4 and not raw[4]:
                 raise IrrepsError(f"instruction {raw!r}: paths without weights are not supported")
+            for name, irreps, i in (("irreps_in1", self.irreps_in1, i1), ("irreps_in2", self.irreps_in2, i2), ("irreps_out", self.irreps_out, io)):
+                if not 0 <= int(i) < len(irreps):
+                    raise IrrepsError(f"instruction {raw!r}: {name} has {len(irreps)} entries, no entry {i}")
             paths.append((int(i1), int(i2), int(io), str(mode), float(raw[5]) if len(raw) > 5 else 1.0))
         self.instructions = _normalised(
             self.irreps_in1, self.irreps_in2, self.irreps_out, paths, irrep_normalization, path_normalization
