@@ -52,6 +52,32 @@ STATEMENTS = {
     ("uvu", True): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u]",
     ("uvu", False): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u]",
 }
+# The backward statements (the same CG entries regrouped: see _gradient_tables), by
+# (mode, weights shared): the gradients of X, of W, and of Y (through T for "uvw").
+GRADIENT_STATEMENTS = {
+    ("uvw", True): {
+        "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],w] * W[XS[c,q],u,w]",
+        "W": "DW[s,u,w] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],w]",
+        "T": "T[b,r,w] = X[b,RC[r],u] * W[RS[r],u,w]",
+        "Y": "DY[b,j] = YV[j,q] * T[b,YR[j,q],w] * DZ[b,YP[j,q],w]",
+    },
+    ("uvw", False): {
+        "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],w] * W[b,XS[c,q],u,w]",
+        "W": "DW[b,s,u,w] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],w]",
+        "T": "T[b,r,w] = X[b,RC[r],u] * W[b,RS[r],u,w]",
+        "Y": "DY[b,j] = YV[j,q] * T[b,YR[j,q],w] * DZ[b,YP[j,q],w]",
+    },
+    ("uvu", True): {
+        "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],u] * W[XS[c,q],u]",
+        "W": "DW[s,u] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],u]",
+        "Y": "DY[b,j] = YV[j,q] * X[b,YC[j,q],u] * W[YS[j,q],u] * DZ[b,YP[j,q],u]",
+    },
+    ("uvu", False): {
+        "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],u] * W[b,XS[c,q],u]",
+        "W": "DW[b,s,u] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],u]",
+        "Y": "DY[b,j] = YV[j,q] * X[b,YC[j,q],u] * W[b,YS[j,q],u] * DZ[b,YP[j,q],u]",
+    },
+}
 _MODES = ("uvw", "uvu")
 _IRREP_NORMALIZATIONS = ("component", "norm", "none")
 _PATH_NORMALIZATIONS = ("element", "path", "none")
@@ -169,8 +195,46 @@ def tensor_product_tables(
     for e, (mul, ir) in enumerate(irreps_out):
         w, k = np.meshgrid(np.arange(mul), np.arange(ir.dim), indexing="ij")
         out_index[offsets_out[e] + w * ir.dim + k] = (comp_out[e] + k) * Wd + w
-    return {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index,
-            "OUT_INDEX": out_index, "weight_numel": np.array(weight_numel)}
+    tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index,
+              "OUT_INDEX": out_index, "weight_numel": np.array(weight_numel)}
+    entries = [(p, slab, value, j, c) for p, row in enumerate(rows) for slab, value, j, c in row]
+    tables.update(_gradient_tables(entries, mode, n_components=len(x_index), n_slabs=len(w_index), n_in2=irreps2.dim))
+    return tables
+
+
+def _grouped(entries: list[tuple], key: int, fields: tuple[int, ...], n_rows: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The CG entries (p, slab, value, j, c) grouped by entry[key] into n_rows padded rows;
+    one [n_rows, Q] table per field (value tables float64, index tables int64)."""
+    rows: list[list[tuple]] = [[] for _ in range(n_rows)]
+    for entry in entries:
+        rows[entry[key]].append(entry)
+    Q = max((len(r) for r in rows), default=1) or 1
+    out = {name: np.zeros((n_rows, Q), np.float64 if f == 2 else np.int64) for name, f in zip(names, fields)}
+    for r, row in enumerate(rows):
+        for q, entry in enumerate(sorted(row)):
+            for name, f in zip(names, fields):
+                out[name][r, q] = entry[f]
+    return out
+
+
+def _gradient_tables(entries: list[tuple], mode: str, n_components: int, n_slabs: int, n_in2: int) -> dict[str, np.ndarray]:
+    """Tables of the backward statements: the same CG entries grouped by the input-1
+    component (dX), by the weight slab (dW) and by the input-2 position (dY), so that
+    every gradient is owned by one row and stored without atomics."""
+    P, S, V, J, C = range(5)
+    tables = _grouped(entries, C, (V, J, P, S), n_components, ("XV", "XJ", "XP", "XS"))
+    tables.update(_grouped(entries, S, (V, J, C, P), n_slabs, ("WV", "WJ", "WC", "WP")))
+    if mode == "uvu":
+        tables.update(_grouped(entries, J, (V, C, S, P), n_in2, ("YV", "YC", "YS", "YP")))
+        return tables
+    # uvw: dY goes through T[b, r, w] = X[b, c_r, :] @ W[s_r] for each (component, slab) pair r.
+    pairs = sorted({(e[C], e[S]) for e in entries}) or [(0, 0)]
+    pair_of = {pair: r for r, pair in enumerate(pairs)}
+    with_pair = [e + (pair_of[(e[C], e[S])],) for e in entries]
+    tables.update(_grouped(with_pair, J, (V, 5, P), n_in2, ("YV", "YR", "YP")))
+    tables["RC"] = np.array([c for c, _ in pairs], np.int64)
+    tables["RS"] = np.array([s for _, s in pairs], np.int64)
+    return tables
 
 
 class TensorProduct(nn.Module):
@@ -238,10 +302,14 @@ class TensorProduct(nn.Module):
         self._pad_x = bool((tables["X_INDEX"] == self.irreps_in1.dim).any())
         self._pad_w = bool((tables["W_INDEX"] == self.weight_numel).any())
         # float64, cast per call: the CG values must stay exact for a float64 product
-        self.register_buffer("CGV", torch.from_numpy(tables.pop("CGV")), persistent=False)
         for name, table in tables.items():
-            self.register_buffer(name, torch.from_numpy(table).to(torch.int32 if name in ("CGJ", "CGI", "PW") else torch.int64), persistent=False)
+            if table.dtype == np.float64:
+                self.register_buffer(name, torch.from_numpy(table), persistent=False)
+            else:
+                gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX")  # torch indexing: int64
+                self.register_buffer(name, torch.from_numpy(table).to(torch.int64 if name in gathers else torch.int32), persistent=False)
         self.statement = STATEMENTS[(self.mode, shared_weights)]
+        self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
         if self.internal_weights:
             self.weight = nn.Parameter(torch.randn(self.weight_numel))
         else:
@@ -286,9 +354,13 @@ class TensorProduct(nn.Module):
         dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
         if math.prod(lead) == 0 or not self.instructions:
             return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
-        Z = insum(self.statement, backend=self.backend, precision=self.precision, **self.statement_tensors(x1, x2, weight))
+        t = self.statement_tensors(x1, x2, weight)
+        Z = _ProductFunction.apply(self, t["Y"], t["X"], t["W"])
         out = Z.reshape(Z.shape[0], -1)[:, self.OUT_INDEX]
         return out.reshape(*lead, self.irreps_out.dim)
+
+    def _run(self, statement: str, **tensors: torch.Tensor) -> torch.Tensor:
+        return insum(statement, backend=self.backend, precision=self.precision, **tensors)
 
     def statement_tensors(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The tensors of `self.statement` for these inputs: X gathered component-major, the
@@ -307,6 +379,36 @@ class TensorProduct(nn.Module):
         return {"CGV": self.CGV.to(dtype), "Y": x2.to(dtype), "X": X.to(dtype), "W": W.to(dtype),
                 "CGJ": self.CGJ, "CGI": self.CGI, "PW": self.PW}
 
+
+
+class _ProductFunction(torch.autograd.Function):
+    """Z from (Y, X, W) by the layer's statement; the backward runs the regrouped
+    statements of GRADIENT_STATEMENTS (each gradient element owned by one row: no atomics)
+    instead of insum's derived ones, which scatter every CG entry into dX and dW."""
+
+    @staticmethod
+    def forward(ctx, layer: TensorProduct, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        ctx.layer = layer
+        ctx.save_for_backward(Y, X, W)
+        return layer._run(layer.statement, Y=Y, X=X, W=W, CGV=layer.CGV.to(Y.dtype), CGJ=layer.CGJ, CGI=layer.CGI, PW=layer.PW)
+
+    @staticmethod
+    def backward(ctx, DZ: torch.Tensor):
+        layer: TensorProduct = ctx.layer
+        Y, X, W = ctx.saved_tensors
+        dtype, stmts = DZ.dtype, layer.gradient_statements
+        need_y, need_x, need_w = ctx.needs_input_grad[1:4]
+        dY = dX = dW = None
+        if need_x:
+            dX = layer._run(stmts["X"], XV=layer.XV.to(dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
+        if need_w:
+            dW = layer._run(stmts["W"], WV=layer.WV.to(dtype), Y=Y, X=X, DZ=DZ, WJ=layer.WJ, WC=layer.WC, WP=layer.WP)
+        if need_y and layer.mode == "uvu":
+            dY = layer._run(stmts["Y"], YV=layer.YV.to(dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
+        elif need_y:
+            T = layer._run(stmts["T"], X=X, W=W, RC=layer.RC, RS=layer.RS)
+            dY = layer._run(stmts["Y"], YV=layer.YV.to(dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP)
+        return None, dY, dX, dW
 
 
 def _gather(t: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
