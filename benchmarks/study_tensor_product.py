@@ -76,6 +76,7 @@ def fctp(rows: list, budget_end: float, libs: dict) -> None:
             row = _fctp_point(L, C, 16 if SMOKE else 10_000, libs)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            _save(rows)
             torch.cuda.empty_cache()
 
 
@@ -98,12 +99,13 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
     row = {"case": "fctp", "L": L, "C": C, "batch": batch, "weight_numel": ref.weight_numel}
     x1g, x2g = x1.clone().requires_grad_(), x2.clone().requires_grad_()
 
-    def measure(name, call, params):
+    def measure(name, call, params, backward=True):
         try:
             with torch.no_grad():
                 row[f"{name}_err"] = relative_error(call(x1, x2), expect)
                 row[f"{name}_fwd_ms"] = _time(lambda: call(x1, x2))
-            row[f"{name}_fb_ms"] = _time(_fwd_bwd(lambda: call(x1g, x2g), [x1g, x2g], params, g))
+            if backward:
+                row[f"{name}_fb_ms"] = _time(_fwd_bwd(lambda: call(x1g, x2g), [x1g, x2g], params, g))
         except Exception as e:  # noqa: BLE001
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             traceback.print_exc()
@@ -111,15 +113,18 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
     if "e3nn" in MEASURE:
         measure("e3nn", ref, [ref.weight])
     if "insum" in MEASURE:
-        for precision in ("tf32", "ieee"):
+        for precision in ("ieee", "tf32"):  # float32 dots: forward only (the sweep's tuning time)
             layer = FullyConnectedTensorProduct.from_e3nn(ref, precision=precision)
-            measure(f"insum_{precision}", layer, [layer.weight])
+            measure(f"insum_{precision}", layer, [layer.weight], backward=precision == "tf32")
         try:
             tensors = layer.statement_tensors(x1, x2)
             with torch.no_grad():
                 row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", **tensors))
+            if C == (4 if SMOKE else 64):
+                row.update(_backward_breakdown(layer, tensors, g))
         except Exception as e:  # noqa: BLE001
             row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            traceback.print_exc()
     if cuet is not None and "cue" in MEASURE:
         try:
             mod = cuet.FullyConnectedTensorProduct(
@@ -148,6 +153,41 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
     return row
 
 
+def _backward_breakdown(layer, tensors: dict, g: torch.Tensor) -> dict:
+    """The statement's forward + backward (no layout gathers) with the layer's regrouped
+    gradient statements and with insum's derived ones, and each gradient statement alone."""
+    from insum import insum
+    from insum.nn.tensor_product import _ProductFunction
+
+    leaves = {k: tensors[k].detach().clone().requires_grad_() for k in ("Y", "X", "W")}
+    rest = {k: v for k, v in tensors.items() if k not in leaves}
+    out = {}
+    grads = list(leaves.values())
+    z = insum(layer.statement, precision=layer.precision, **tensors)
+    dz = torch.randn_like(z)
+    out["stmt_fb_grouped_ms"] = _time(_fwd_bwd(lambda: _ProductFunction.apply(layer, *grads), grads, [], dz))
+    out["stmt_fb_derived_ms"] = _time(_fwd_bwd(lambda: insum(layer.statement, precision=layer.precision, **rest, **leaves), grads, [], dz))
+    with torch.no_grad():
+        common = {"Y": tensors["Y"], "X": tensors["X"], "W": tensors["W"], "DZ": dz}
+        stmts = layer.gradient_statements
+        if "T" in stmts:
+            common["T"] = insum(stmts["T"], precision=layer.precision, **_tables(layer, stmts["T"], common))
+        for name, stmt in stmts.items():
+            args = _tables(layer, stmt, common)
+            out[f"grad_{name}_ms"] = _time(lambda stmt=stmt, args=args: insum(stmt, precision=layer.precision, **args))
+    return out
+
+
+def _tables(layer, stmt: str, given: dict) -> dict:
+    """The tensors a gradient statement reads: `given` ones, else the layer's tables."""
+    import re
+
+    names = set(re.findall(r"([A-Z][A-Z0-9]*)\[", stmt.split("=", 1)[1]))
+    dtype = given["X"].dtype
+    return {n: given[n] if n in given else (getattr(layer, n).to(dtype) if getattr(layer, n).is_floating_point()
+            else getattr(layer, n)) for n in names}
+
+
 def _mace_instructions(o3, irreps1, irreps2, lmax: int):
     """MACE's tp_out_irreps_with_instructions: uvu paths into the target irreps, sorted."""
     target = [o3.Irrep(l, (-1) ** l) for l in range(lmax + 1)]  # noqa: E741
@@ -172,6 +212,7 @@ def uvu(rows: list, budget_end: float, libs: dict) -> None:
         row = _uvu_point(edges, libs)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        _save(rows)
         torch.cuda.empty_cache()
 
 
@@ -276,8 +317,17 @@ def compiled(rows: list, budget_end: float, libs: dict) -> None:
         except Exception as e:  # noqa: BLE001
             row[f"{name}_compiled_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
+        print(json.dumps(row), flush=True)
     rows.append(row)
     print(json.dumps(row), flush=True)
+
+
+SAVE_TO: list = []  # the partial-results file (set by main), rewritten after every row
+
+
+def _save(rows: list) -> None:
+    if SAVE_TO:
+        SAVE_TO[0].write_text(json.dumps(rows, indent=1))
 
 
 def _fmt(v) -> str:
@@ -352,6 +402,8 @@ def main() -> None:
 
         shorten_autotune()
     rows: list = []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    SAVE_TO.append(Path(args.out) / f"tensor_product{args.tag}_partial.json")
     parts = args.parts.split(",")
     end = start + args.budget
     for part, fn in (("uvu", uvu), ("fctp", fctp), ("compile", compiled)):
