@@ -116,6 +116,8 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
         for precision in ("ieee", "tf32"):  # float32 dots: forward only (the sweep's tuning time)
             layer = FullyConnectedTensorProduct.from_e3nn(ref, precision=precision)
             measure(f"insum_{precision}", layer, [layer.weight], backward=precision == "tf32")
+        views = FullyConnectedTensorProduct.from_e3nn(ref, output="views")
+        measure("insum_views", views, [views.weight], backward=False)
         try:
             tensors = layer.statement_tensors(x1, x2)
             with torch.no_grad():
@@ -258,6 +260,7 @@ def _uvu_point(edges: int, libs: dict) -> dict:
     if "insum" in MEASURE:
         layer = TensorProduct.from_e3nn(ref)
         measure("insum", layer)
+        measure("insum_views", TensorProduct.from_e3nn(ref, output="views"))
         try:
             tensors = layer.statement_tensors(x1, x2, w)
             with torch.no_grad():
@@ -343,17 +346,17 @@ def table(rows: list) -> str:
     grid = [r for r in rows if r["case"] == "fctp"]
     if grid:
         lines.append("FullyConnectedTensorProduct, batch 10,000, fp32 (ms; err vs float64)")
-        lines.append("L  C  | e3nn fwd/fb | insum tf32 fwd/fb | insum ieee fwd/fb | stmt | cue fwd/fb | oeq fwd/fb | err tf32/ieee/cue/oeq")
+        lines.append("L  C  | e3nn fwd/fb | insum tf32 fwd/fb | insum ieee fwd/fb | stmt | views | cue fwd/fb | oeq fwd/fb | err tf32/ieee/cue/oeq")
         for r in grid:
             lines.append(" ".join(_fmt(x) for x in (
                 r["L"], r["C"], "|", r.get("e3nn_fwd_ms"), r.get("e3nn_fb_ms"), "|", r.get("insum_tf32_fwd_ms"),
                 r.get("insum_tf32_fb_ms"), "|", r.get("insum_ieee_fwd_ms"), r.get("insum_ieee_fb_ms"), "|",
-                r.get("statement_fwd_ms"), "|", r.get("cue_fwd_ms"), r.get("cue_fb_ms"), "|", r.get("oeq_fwd_ms"),
+                r.get("statement_fwd_ms"), "|", r.get("insum_views_fwd_ms"), "|", r.get("cue_fwd_ms"), r.get("cue_fb_ms"), "|", r.get("oeq_fwd_ms"),
                 r.get("oeq_fb_ms"), "|", r.get("insum_tf32_err"), r.get("insum_ieee_err"), r.get("cue_err"), r.get("oeq_err"))))
         for anchor in ("e3nn", "cue", "oeq"):
-            for prec in ("tf32", "ieee"):
+            for prec in ("tf32", "ieee", "views"):
                 for what in ("fwd", "fb"):
-                    ratios = [r.get(f"{anchor}_{what}_ms", 0) / r[f"insum_{prec}_{what}_ms"] for r in grid
+                    ratios = [r[f"{anchor}_{what}_ms"] / r[f"insum_{prec}_{what}_ms"] for r in grid
                               if r.get(f"insum_{prec}_{what}_ms") and r.get(f"{anchor}_{what}_ms")]
                     if ratios:
                         lines.append(f"speed-up over {anchor} ({what}, insum {prec}): geomean {geomean(ratios):.2f}x, "

@@ -207,3 +207,29 @@ def test_wrong_feature_count_names_the_input():
         layer(torch.randn(3, 4), torch.randn(3, 1))
     with pytest.raises(InsumError, match="x2 has 2 features"):
         layer(torch.randn(3, 5), torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("mode", ["uvw", "uvu"])
+def test_views_output_equals_gather_output(mode):
+    """output="views" (a launch per run of equal output entries into e3nn's layout) and
+    the default gather agree, forward and backward, with multiplicities that differ."""
+    torch.manual_seed(7)
+    if mode == "uvw":
+        ref = o3.FullyConnectedTensorProduct("3x0e+2x1o", "0e+1o", "2x0e+3x1o+1x1o+2x2e")
+        args = ()
+    else:
+        irreps1, irreps2 = o3.Irreps("3x0e+3x1o+3x2e"), o3.Irreps("0e+1o+2e")
+        irreps_out, ins = _mace(irreps1, irreps2, 2)
+        ref = o3.TensorProduct(irreps1, irreps2, irreps_out, ins, shared_weights=False, internal_weights=False)
+        args = (torch.randn(4, ref.weight_numel, requires_grad=True),)
+    x1 = torch.randn(4, ref.irreps_in1.dim, requires_grad=True)
+    x2 = torch.randn(4, ref.irreps_in2.dim, requires_grad=True)
+    expected = ref(x1, x2, *args)
+    g = torch.randn_like(expected)
+    want = torch.autograd.grad(expected, [x1, x2, *args], g)
+    for output in ("gather", "views"):
+        layer = TensorProduct.from_e3nn(ref, backend="torch", output=output)
+        out = layer(x1, x2, *args)
+        _close(out, expected)
+        for a, b in zip(torch.autograd.grad(out, [x1, x2, *args], g), want):
+            _close(a, b)

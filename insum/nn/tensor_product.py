@@ -52,6 +52,16 @@ STATEMENTS = {
     ("uvu", True): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u]",
     ("uvu", False): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u]",
 }
+# The same products writing straight into e3nn's layout: one launch per run of consecutive
+# output entries of one multiplicity and dimension, Z a strided view [batch, entry, m, channel].
+RUN_STATEMENTS = {
+    ("uvw", True): "Z[b,j,k,w] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[PW[j,k,q],u,w]",
+    ("uvw", False): "Z[b,j,k,w] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[b,PW[j,k,q],u,w]",
+    ("uvu", True): "Z[b,j,k,u] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[PW[j,k,q],u]",
+    ("uvu", False): "Z[b,j,k,u] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[b,PW[j,k,q],u]",
+}
+_OUTPUTS = ("gather", "views")
+
 # The backward statements (the same CG entries regrouped: see _gradient_tables), by
 # (mode, weights shared): the gradients of X, of W, and of Y (through T for "uvw").
 GRADIENT_STATEMENTS = {
@@ -195,7 +205,9 @@ def tensor_product_tables(
     for e, (mul, ir) in enumerate(irreps_out):
         w, k = np.meshgrid(np.arange(mul), np.arange(ir.dim), indexing="ij")
         out_index[offsets_out[e] + w * ir.dim + k] = (comp_out[e] + k) * Wd + w
-    tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index,
+    out_inverse = np.full(P * Wd, irreps_out.dim, dtype=np.int64)  # Z position -> e3nn position
+    out_inverse[out_index] = np.arange(irreps_out.dim)
+    tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index, "OUT_INVERSE": out_inverse,
               "OUT_INDEX": out_index, "weight_numel": np.array(weight_numel)}
     entries = [(p, slab, value, j, c) for p, row in enumerate(rows) for slab, value, j, c in row]
     tables.update(_gradient_tables(entries, mode, n_components=len(x_index), n_slabs=len(w_index), n_in2=irreps2.dim))
@@ -246,6 +258,9 @@ class TensorProduct(nn.Module):
     shared_weights: one weight vector for the batch (a parameter when internal_weights),
     else `forward(x1, x2, weight)` takes `weight[..., weight_numel]`, one per batch element.
     backend, precision: passed to `insum` ("tf32" or "ieee" float32 `tl.dot`).
+    output: "gather" (one launch into component-major Z, then one gather into e3nn's
+    layout) or "views" (one launch per run of equal output entries, each writing its
+    strided view of the e3nn-layout output: no gather pass, more launches).
     """
 
     def __init__(
@@ -261,6 +276,7 @@ class TensorProduct(nn.Module):
         internal_weights: bool | None = None,
         backend: str = "auto",
         precision: str = "tf32",
+        output: str = "gather",
     ) -> None:
         super().__init__()
         if irrep_normalization not in _IRREP_NORMALIZATIONS:
@@ -282,9 +298,12 @@ class TensorProduct(nn.Module):
         self.instructions = _normalised(
             self.irreps_in1, self.irreps_in2, self.irreps_out, paths, irrep_normalization, path_normalization
         )
-        self._setup(shared_weights, internal_weights, backend, precision)
+        self._setup(shared_weights, internal_weights, backend, precision, output)
 
-    def _setup(self, shared_weights: bool, internal_weights: bool | None, backend: str, precision: str) -> None:
+    def _setup(self, shared_weights: bool, internal_weights: bool | None, backend: str, precision: str, output: str = "gather") -> None:
+        if output not in _OUTPUTS:
+            raise IrrepsError(f"output {output!r}: choose one of {', '.join(_OUTPUTS)}")
+        self.output = output
         for ins in self.instructions:
             _check(self.irreps_in1, self.irreps_in2, self.irreps_out, ins)
         modes = {ins.mode for ins in self.instructions}
@@ -306,10 +325,12 @@ class TensorProduct(nn.Module):
             if table.dtype == np.float64:
                 self.register_buffer(name, torch.from_numpy(table), persistent=False)
             else:
-                gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX")  # torch indexing: int64
+                gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX", "OUT_INVERSE")  # torch indexing: int64
                 self.register_buffer(name, torch.from_numpy(table).to(torch.int64 if name in gathers else torch.int32), persistent=False)
         self.statement = STATEMENTS[(self.mode, shared_weights)]
         self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
+        self.run_statement = RUN_STATEMENTS[(self.mode, shared_weights)]
+        self._runs = self._output_runs()
         if self.internal_weights:
             self.weight = nn.Parameter(torch.randn(self.weight_numel))
         else:
@@ -327,7 +348,8 @@ class TensorProduct(nn.Module):
             if not ins.has_weight:
                 raise IrrepsError(f"from_e3nn: path {ins} has no weight; paths without weights are not supported")
             layer.instructions.append(Instruction(ins.i_in1, ins.i_in2, ins.i_out, ins.connection_mode, float(ins.path_weight)))
-        layer._setup(tp.shared_weights, tp.internal_weights, options.get("backend", "auto"), options.get("precision", "tf32"))
+        layer._setup(tp.shared_weights, tp.internal_weights, options.get("backend", "auto"),
+                     options.get("precision", "tf32"), options.get("output", "gather"))
         if layer.internal_weights:
             with torch.no_grad():
                 layer.weight.copy_(tp.weight.detach().reshape(-1))
@@ -355,9 +377,42 @@ class TensorProduct(nn.Module):
         if math.prod(lead) == 0 or not self.instructions:
             return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
         t = self.statement_tensors(x1, x2, weight)
-        Z = _ProductFunction.apply(self, t["Y"], t["X"], t["W"])
-        out = Z.reshape(Z.shape[0], -1)[:, self.OUT_INDEX]
+        out = _ProductFunction.apply(self, t["Y"], t["X"], t["W"])
         return out.reshape(*lead, self.irreps_out.dim)
+
+    def _output_runs(self) -> list[tuple[int, int, int, int, int, int]]:
+        """(first component row, entries, mul, dim, output offset, Q) per run of consecutive
+        output entries with one multiplicity and dimension; Q trims the run's padding."""
+        runs: list[list[int]] = []
+        row, offset = 0, 0
+        counts = (self.CGV != 0).sum(1).tolist() if self.CGV.numel() else []
+        for mul, ir in self.irreps_out:
+            if runs and runs[-1][2:4] == [mul, ir.dim]:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, 1, mul, ir.dim, offset, 0])
+            row += ir.dim
+            offset += mul * ir.dim
+        for run in runs:
+            first, n, _, dim = run[:4]
+            run[5] = max([1] + counts[first : first + n * dim])
+        return [tuple(r) for r in runs]
+
+    def _forward_views(self, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """The e3nn-layout output written run by run through strided views (no gather)."""
+        batch = Y.shape[0]
+        out = Y.new_empty(batch, self.irreps_out.dim)
+        cgv = self.CGV.to(Y.dtype)
+        for first, n, mul, dim, offset, Q in self._runs:
+            rows = slice(first, first + n * dim)
+            view = out[:, offset : offset + n * mul * dim].view(batch, n, mul, dim).transpose(2, 3)
+            # The run's output channels: w (the weight's last axis) for uvw, u for uvu.
+            channels = X if self.mode == "uvw" else X[:, :, :mul]
+            weights = W[..., :mul]
+            self._run(self.run_statement, Z=view, Y=Y, X=channels, W=weights,
+                      CGV=cgv[rows, :Q].view(n, dim, Q), CGJ=self.CGJ[rows, :Q].view(n, dim, Q),
+                      CGI=self.CGI[rows, :Q].view(n, dim, Q), PW=self.PW[rows, :Q].view(n, dim, Q))
+        return out
 
     def _run(self, statement: str, **tensors: torch.Tensor) -> torch.Tensor:
         return insum(statement, backend=self.backend, precision=self.precision, **tensors)
@@ -390,12 +445,18 @@ class _ProductFunction(torch.autograd.Function):
     def forward(ctx, layer: TensorProduct, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         ctx.layer = layer
         ctx.save_for_backward(Y, X, W)
-        return layer._run(layer.statement, Y=Y, X=X, W=W, CGV=layer.CGV.to(Y.dtype), CGJ=layer.CGJ, CGI=layer.CGI, PW=layer.PW)
+        if layer.output == "views":
+            return layer._forward_views(Y, X, W)
+        Z = layer._run(layer.statement, Y=Y, X=X, W=W, CGV=layer.CGV.to(Y.dtype), CGJ=layer.CGJ, CGI=layer.CGI, PW=layer.PW)
+        return Z.reshape(Z.shape[0], -1)[:, layer.OUT_INDEX]
 
     @staticmethod
-    def backward(ctx, DZ: torch.Tensor):
+    def backward(ctx, d_out: torch.Tensor):
         layer: TensorProduct = ctx.layer
         Y, X, W = ctx.saved_tensors
+        # The output gradient, component-major like Z (padded channels read a zero).
+        P, channels = layer.CGV.shape[0], (X.shape[2] if layer.mode == "uvu" else W.shape[-1])
+        DZ = nn.functional.pad(d_out, (0, 1))[:, layer.OUT_INVERSE].view(d_out.shape[0], P, channels)
         dtype, stmts = DZ.dtype, layer.gradient_statements
         need_y, need_x, need_w = ctx.needs_input_grad[1:4]
         dY = dX = dW = None
