@@ -159,15 +159,16 @@ def _backward_breakdown(layer, tensors: dict, g: torch.Tensor) -> dict:
     """The statement's forward + backward (no layout gathers) with the layer's regrouped
     gradient statements and with insum's derived ones, and each gradient statement alone."""
     from insum import insum
-    from insum.nn.tensor_product import _ProductFunction
+    from insum.nn.tensor_product import _batch_groups, _ProductFunction
 
     leaves = {k: tensors[k].detach().clone().requires_grad_() for k in ("Y", "X", "W")}
     rest = {k: v for k, v in tensors.items() if k not in leaves}
     out = {}
     grads = list(leaves.values())
-    z = insum(layer.statement, precision=layer.precision, **tensors)
+    z = insum(layer.statement, precision=layer.precision, **tensors)  # component-major [b, p, w]
     dz = torch.randn_like(z)
-    out["stmt_fb_grouped_ms"] = _time(_fwd_bwd(lambda: _ProductFunction.apply(layer, *grads), grads, [], dz))
+    d_out = torch.randn_like(_ProductFunction.apply(layer, *grads).detach())  # e3nn layout
+    out["stmt_fb_grouped_ms"] = _time(_fwd_bwd(lambda: _ProductFunction.apply(layer, *grads), grads, [], d_out))
     out["stmt_fb_derived_ms"] = _time(_fwd_bwd(lambda: insum(layer.statement, precision=layer.precision, **rest, **leaves), grads, [], dz))
     with torch.no_grad():
         common = {"Y": tensors["Y"], "X": tensors["X"], "W": tensors["W"], "DZ": dz}
@@ -175,7 +176,11 @@ def _backward_breakdown(layer, tensors: dict, g: torch.Tensor) -> dict:
         if "T" in stmts:
             common["T"] = insum(stmts["T"], precision=layer.precision, **_tables(layer, stmts["T"], common))
         for name, stmt in stmts.items():
-            args = _tables(layer, stmt, common)
+            given = common
+            if name == "W" and layer.shared_weights:  # the batch split into groups, as the layer does
+                groups = _batch_groups(z.shape[0])
+                given = {k: v.reshape(groups, v.shape[0] // groups, *v.shape[1:]) for k, v in common.items() if k != "W"}
+            args = _tables(layer, stmt, given)
             out[f"grad_{name}_ms"] = _time(lambda stmt=stmt, args=args: insum(stmt, precision=layer.precision, **args))
     return out
 
@@ -234,7 +239,7 @@ def _uvu_point(edges: int, libs: dict) -> dict:
     x2 = torch.randn(edges, irreps2.dim, device=DEVICE)
     w = torch.randn(edges, ref.weight_numel, device=DEVICE)
     g = torch.randn(edges, irreps_out.dim, device=DEVICE)
-    layer64 = TensorProduct.from_e3nn(ref, backend="torch").double()
+    layer64 = TensorProduct.from_e3nn(ref, backend="torch").to(DEVICE).double()
     with torch.no_grad():
         expect = layer64(x1.double(), x2.double(), w.double())
     row = {"case": "uvu", "edges": edges, "irreps_in1": str(irreps1), "irreps_out_dim": irreps_out.dim,
@@ -258,9 +263,9 @@ def _uvu_point(edges: int, libs: dict) -> dict:
     if "e3nn" in MEASURE:
         measure("e3nn", ref)
     if "insum" in MEASURE:
-        layer = TensorProduct.from_e3nn(ref)
+        layer = TensorProduct.from_e3nn(ref).to(DEVICE)
         measure("insum", layer)
-        measure("insum_views", TensorProduct.from_e3nn(ref, output="views"))
+        measure("insum_views", TensorProduct.from_e3nn(ref, output="views").to(DEVICE))
         try:
             tensors = layer.statement_tensors(x1, x2, w)
             with torch.no_grad():

@@ -233,3 +233,18 @@ def test_views_output_equals_gather_output(mode):
         _close(out, expected)
         for a, b in zip(torch.autograd.grad(out, [x1, x2, *args], g), want):
             _close(a, b)
+
+
+def test_shared_weight_gradient_split_over_batch_groups():
+    """A batch of 768 splits the shared weight's gradient into 3 groups (summed after)."""
+    from insum.nn.tensor_product import _batch_groups
+
+    assert _batch_groups(768) == 3 and _batch_groups(10_000) == 25 and _batch_groups(9973) == 1
+    torch.manual_seed(8)
+    ref = o3.FullyConnectedTensorProduct("2x0e+1x1o", "0e+1o", "1x0e+2x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    x1, x2 = torch.randn(768, 5), torch.randn(768, 4)
+    g = torch.randn(768, ref.irreps_out.dim)
+    (mine,) = torch.autograd.grad(layer(x1, x2), [layer.weight], g)
+    (theirs,) = torch.autograd.grad(ref(x1, x2), [ref.weight], g)
+    _close(mine, theirs)

@@ -67,7 +67,8 @@ _OUTPUTS = ("gather", "views")
 GRADIENT_STATEMENTS = {
     ("uvw", True): {
         "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],w] * W[XS[c,q],u,w]",
-        "W": "DW[s,u,w] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],w]",
+        # split over batch groups g (summed after): one weight slab alone is too little parallel work
+        "W": "DW[g,s,u,w] = WV[s,q] * Y[g,i,WJ[s,q]] * X[g,i,WC[s,q],u] * DZ[g,i,WP[s,q],w]",
         "T": "T[b,r,w] = X[b,RC[r],u] * W[RS[r],u,w]",
         "Y": "DY[b,j] = YV[j,q] * T[b,YR[j,q],w] * DZ[b,YP[j,q],w]",
     },
@@ -79,7 +80,7 @@ GRADIENT_STATEMENTS = {
     },
     ("uvu", True): {
         "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],u] * W[XS[c,q],u]",
-        "W": "DW[s,u] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],u]",
+        "W": "DW[g,s,u] = WV[s,q] * Y[g,i,WJ[s,q]] * X[g,i,WC[s,q],u] * DZ[g,i,WP[s,q],u]",
         "Y": "DY[b,j] = YV[j,q] * X[b,YC[j,q],u] * W[YS[j,q],u] * DZ[b,YP[j,q],u]",
     },
     ("uvu", False): {
@@ -353,8 +354,8 @@ class TensorProduct(nn.Module):
         if layer.internal_weights:
             with torch.no_grad():
                 layer.weight.copy_(tp.weight.detach().reshape(-1))
-            layer.to(tp.weight.device)
-        return layer
+        device = next((t.device for t in (*tp.parameters(), *tp.buffers())), None)
+        return layer.to(device) if device is not None else layer
 
     def extra_repr(self) -> str:
         return (f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, {len(self.instructions)} paths "
@@ -448,7 +449,7 @@ class _ProductFunction(torch.autograd.Function):
         if layer.output == "views":
             return layer._forward_views(Y, X, W)
         Z = layer._run(layer.statement, Y=Y, X=X, W=W, CGV=layer.CGV.to(Y.dtype), CGJ=layer.CGJ, CGI=layer.CGI, PW=layer.PW)
-        return Z.reshape(Z.shape[0], -1)[:, layer.OUT_INDEX]
+        return Z.reshape(Z.shape[0], -1).index_select(1, layer.OUT_INDEX)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
@@ -456,14 +457,23 @@ class _ProductFunction(torch.autograd.Function):
         Y, X, W = ctx.saved_tensors
         # The output gradient, component-major like Z (padded channels read a zero).
         P, channels = layer.CGV.shape[0], (X.shape[2] if layer.mode == "uvu" else W.shape[-1])
-        DZ = nn.functional.pad(d_out, (0, 1))[:, layer.OUT_INVERSE].view(d_out.shape[0], P, channels)
+        DZ = _gather(d_out, layer.OUT_INVERSE, True).view(d_out.shape[0], P, channels)
         dtype, stmts = DZ.dtype, layer.gradient_statements
         need_y, need_x, need_w = ctx.needs_input_grad[1:4]
         dY = dX = dW = None
         if need_x:
             dX = layer._run(stmts["X"], XV=layer.XV.to(dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
         if need_w:
-            dW = layer._run(stmts["W"], WV=layer.WV.to(dtype), Y=Y, X=X, DZ=DZ, WJ=layer.WJ, WC=layer.WC, WP=layer.WP)
+            tables = {"WV": layer.WV.to(dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
+            if layer.shared_weights:
+                groups = _batch_groups(Y.shape[0])
+
+                def split(t: torch.Tensor) -> torch.Tensor:
+                    return t.reshape(groups, t.shape[0] // groups, *t.shape[1:])
+
+                dW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), **tables).sum(0)
+            else:
+                dW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, **tables)
         if need_y and layer.mode == "uvu":
             dY = layer._run(stmts["Y"], YV=layer.YV.to(dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
         elif need_y:
@@ -472,11 +482,21 @@ class _ProductFunction(torch.autograd.Function):
         return None, dY, dX, dW
 
 
+def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
+    """How many groups the batch splits into for a shared weight's gradient: the largest
+    divisor of the batch up to `most` that leaves each group `least_rows` rows (else 1)."""
+    for groups in range(min(most, batch // least_rows), 1, -1):
+        if batch % groups == 0:
+            return groups
+    return 1
+
+
 def _gather(t: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
-    """t[..., index] along the last dimension; when padded, index t.shape[-1] reads a zero."""
+    """t[..., index] along the last dimension; when padded, index t.shape[-1] reads a zero.
+    (index_select on the flat index: far less host time per call than advanced indexing.)"""
     if padded:
         t = nn.functional.pad(t, (0, 1))
-    return t[..., index]
+    return t.index_select(t.dim() - 1, index.reshape(-1)).view(*t.shape[:-1], *index.shape)
 
 
 class FullyConnectedTensorProduct(TensorProduct):
