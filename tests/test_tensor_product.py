@@ -248,3 +248,29 @@ def test_shared_weight_gradient_split_over_batch_groups():
     (mine,) = torch.autograd.grad(layer(x1, x2), [layer.weight], g)
     (theirs,) = torch.autograd.grad(ref(x1, x2), [ref.weight], g)
     _close(mine, theirs)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch.manual_seed(9)
+    ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    compiled = torch.compile(layer, fullgraph=True)
+    x1 = torch.randn(5, 8, requires_grad=True)
+    x2 = torch.randn(5, 4, requires_grad=True)
+    out = compiled(x1, x2)
+    _close(out, ref(x1, x2))
+    mine = torch.autograd.grad(out.sum(), [x1, x2, layer.weight])
+    theirs = torch.autograd.grad(ref(x1, x2).sum(), [x1, x2, ref.weight])
+    for a, b in zip(mine, theirs):
+        _close(a, b)
+
+
+def test_converted_tables_follow_the_module_dtype():
+    """The per-dtype copies of the CG values are dropped by .to()/.float()/.double()."""
+    torch.manual_seed(10)
+    ref = o3.FullyConnectedTensorProduct("2x0e+1x1o", "0e+1o", "1x0e+1x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch").float()
+    x1, x2 = torch.randn(3, 5), torch.randn(3, 4)
+    _close(layer(x1.float(), x2.float()).double(), ref(x1, x2), 1e-5)
+    layer.double()
+    _close(layer(x1, x2), ref(x1, x2))

@@ -305,6 +305,7 @@ class TensorProduct(nn.Module):
         if output not in _OUTPUTS:
             raise IrrepsError(f"output {output!r}: choose one of {', '.join(_OUTPUTS)}")
         self.output = output
+        self._cast: dict = {}
         for ins in self.instructions:
             _check(self.irreps_in1, self.irreps_in2, self.irreps_out, ins)
         modes = {ins.mode for ins in self.instructions}
@@ -322,6 +323,7 @@ class TensorProduct(nn.Module):
         self._pad_x = bool((tables["X_INDEX"] == self.irreps_in1.dim).any())
         self._pad_w = bool((tables["W_INDEX"] == self.weight_numel).any())
         # float64, cast per call: the CG values must stay exact for a float64 product
+        self._value_tables = {name: table for name, table in tables.items() if table.dtype == np.float64}
         for name, table in tables.items():
             if table.dtype == np.float64:
                 self.register_buffer(name, torch.from_numpy(table), persistent=False)
@@ -373,13 +375,53 @@ class TensorProduct(nn.Module):
             weight = self.weight
         if weight.shape[-1] != self.weight_numel:
             raise InsumShapeError(f"weight has {weight.shape[-1]} entries (shape {tuple(weight.shape)}), the paths need {self.weight_numel}")
-        lead = torch.broadcast_shapes(x1.shape[:-1], x2.shape[:-1], weight.shape[:-1] if not self.shared_weights else ())
-        dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
+        lead = self._lead(x1, x2, weight)
         if math.prod(lead) == 0 or not self.instructions:
+            dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
             return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
-        t = self.statement_tensors(x1, x2, weight)
-        out = _ProductFunction.apply(self, t["Y"], t["X"], t["W"])
+        t = self.statement_tensors(x1, x2, weight, lead)
+        Y, X, W = t["Y"], t["X"], t["W"]
+        if torch.is_grad_enabled() and (Y.requires_grad or X.requires_grad or W.requires_grad):
+            out = _ProductFunction.apply(self, Y, X, W)
+        else:
+            out = self._product(Y, X, W)  # no autograd node: less host time per call
         return out.reshape(*lead, self.irreps_out.dim)
+
+    def _lead(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
+        """The broadcast leading shape (torch.broadcast_shapes only when the shapes differ)."""
+        shapes = [x1.shape[:-1], x2.shape[:-1]] + ([] if self.shared_weights else [weight.shape[:-1]])
+        if all(shape == shapes[0] for shape in shapes):
+            return tuple(shapes[0])
+        return tuple(torch.broadcast_shapes(*shapes))
+
+    def _table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A value table (kept in float64) in the product's dtype, converted once per dtype."""
+        table = getattr(self, name)
+        if torch.compiler.is_compiling():
+            return table.to(dtype)  # a traced graph converts once anyway; no cache mutation in it
+        key = (name, dtype, table.device)
+        cached = self._cast.get(key)
+        if cached is None:
+            cached = self._cast[key] = table.to(dtype)
+        return cached
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda(), .float(), ...: the value tables stay float64 (exact CG values for a
+        float64 product after a float32 one) on the new device; the per-dtype copies go."""
+        module = super()._apply(fn, *args, **kwargs)
+        self._cast = {}
+        for name, table in self._value_tables.items():
+            buffer = self._buffers[name]
+            if buffer.dtype != torch.float64:
+                self._buffers[name] = torch.from_numpy(table).to(buffer.device)
+        return module
+
+    def _product(self, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """The e3nn-layout output [batch, irreps_out.dim] of the forward statement(s)."""
+        if self.output == "views":
+            return self._forward_views(Y, X, W)
+        Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=self.CGJ, CGI=self.CGI, PW=self.PW)
+        return Z.reshape(Z.shape[0], -1).index_select(1, self.OUT_INDEX)
 
     def _output_runs(self) -> list[tuple[int, int, int, int, int, int]]:
         """(first component row, entries, mul, dim, output offset, Q) per run of consecutive
@@ -403,7 +445,7 @@ class TensorProduct(nn.Module):
         """The e3nn-layout output written run by run through strided views (no gather)."""
         batch = Y.shape[0]
         out = Y.new_empty(batch, self.irreps_out.dim)
-        cgv = self.CGV.to(Y.dtype)
+        cgv = self._table("CGV", Y.dtype)
         for first, n, mul, dim, offset, Q in self._runs:
             rows = slice(first, first + n * dim)
             view = out[:, offset : offset + n * mul * dim].view(batch, n, mul, dim).transpose(2, 3)
@@ -418,21 +460,27 @@ class TensorProduct(nn.Module):
     def _run(self, statement: str, **tensors: torch.Tensor) -> torch.Tensor:
         return insum(statement, backend=self.backend, precision=self.precision, **tensors)
 
-    def statement_tensors(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def statement_tensors(
+        self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None, lead: tuple[int, ...] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The tensors of `self.statement` for these inputs: X gathered component-major, the
         weight slabs W, input 2 as Y, and the CG tables (Z, the output, is left to insum)."""
         weight = self.weight if weight is None else weight
-        lead = torch.broadcast_shapes(x1.shape[:-1], x2.shape[:-1], weight.shape[:-1] if not self.shared_weights else ())
+        lead = self._lead(x1, x2, weight) if lead is None else lead
         batch = math.prod(lead)
         dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
-        x1 = x1.expand(*lead, x1.shape[-1]).reshape(batch, -1)
-        x2 = x2.expand(*lead, x2.shape[-1]).reshape(batch, -1)
+        if x1.shape[:-1] != lead:
+            x1 = x1.expand(*lead, x1.shape[-1])
+        if x2.shape[:-1] != lead:
+            x2 = x2.expand(*lead, x2.shape[-1])
+        x1, x2 = x1.reshape(batch, -1), x2.reshape(batch, -1)
         if self.shared_weights:
             W = _gather(weight.reshape(-1), self.W_INDEX, self._pad_w)
         else:
-            W = _gather(weight.expand(*lead, self.weight_numel).reshape(batch, -1), self.W_INDEX, self._pad_w)
+            weight = weight if weight.shape[:-1] == lead else weight.expand(*lead, self.weight_numel)
+            W = _gather(weight.reshape(batch, -1), self.W_INDEX, self._pad_w)
         X = _gather(x1, self.X_INDEX, self._pad_x)
-        return {"CGV": self.CGV.to(dtype), "Y": x2.to(dtype), "X": X.to(dtype), "W": W.to(dtype),
+        return {"CGV": self._table("CGV", dtype), "Y": x2.to(dtype), "X": X.to(dtype), "W": W.to(dtype),
                 "CGJ": self.CGJ, "CGI": self.CGI, "PW": self.PW}
 
 
@@ -446,10 +494,7 @@ class _ProductFunction(torch.autograd.Function):
     def forward(ctx, layer: TensorProduct, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
         ctx.layer = layer
         ctx.save_for_backward(Y, X, W)
-        if layer.output == "views":
-            return layer._forward_views(Y, X, W)
-        Z = layer._run(layer.statement, Y=Y, X=X, W=W, CGV=layer.CGV.to(Y.dtype), CGJ=layer.CGJ, CGI=layer.CGI, PW=layer.PW)
-        return Z.reshape(Z.shape[0], -1).index_select(1, layer.OUT_INDEX)
+        return layer._product(Y, X, W)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
@@ -462,9 +507,9 @@ class _ProductFunction(torch.autograd.Function):
         need_y, need_x, need_w = ctx.needs_input_grad[1:4]
         dY = dX = dW = None
         if need_x:
-            dX = layer._run(stmts["X"], XV=layer.XV.to(dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
+            dX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
         if need_w:
-            tables = {"WV": layer.WV.to(dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
+            tables = {"WV": layer._table("WV", dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
             if layer.shared_weights:
                 groups = _batch_groups(Y.shape[0])
 
@@ -475,10 +520,10 @@ class _ProductFunction(torch.autograd.Function):
             else:
                 dW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, **tables)
         if need_y and layer.mode == "uvu":
-            dY = layer._run(stmts["Y"], YV=layer.YV.to(dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
+            dY = layer._run(stmts["Y"], YV=layer._table("YV", dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
         elif need_y:
             T = layer._run(stmts["T"], X=X, W=W, RC=layer.RC, RS=layer.RS)
-            dY = layer._run(stmts["Y"], YV=layer.YV.to(dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP)
+            dY = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP)
         return None, dY, dX, dW
 
 
