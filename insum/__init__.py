@@ -7,32 +7,25 @@ Differentiable (`insum.autograd`), traceable by torch.compile (`insum.library`),
 `insum.nn.SparseLinear` for models.
 """
 
-from . import autograd, library  # noqa: F401  (registers the torch.library operators)
-from .api import explain, insum
-from .errors import InsumError, InsumShapeError, InsumSyntaxError, InsumTypeError
+from . import autograd, errors, library  # noqa: F401  (registers the torch.library operators)
+from .api import compile, explain, insum
+from .errors import (  # noqa: F401  (exported by errors.__all__ below)
+    InsumError,
+    InsumIndexError,
+    InsumShapeError,
+    InsumSyntaxError,
+    InsumTypeError,
+    UnsupportedStatement,
+)
 from .parser import parse
 
-__all__ = [
-    "insum",
-    "explain",
-    "compile",
-    "parse",
-    "InsumError",
-    "InsumSyntaxError",
-    "InsumShapeError",
-    "InsumTypeError",
-]
+__all__ = ["insum", "explain", "compile", "parse", *errors.__all__]  # every error class by name
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # compile() lives with the runtime, which imports triton: load it on first use.
-    if name == "compile":
-        from .runtime import compile
-
-        return compile
-    if name in ("formats", "nn"):
+    if name in ("formats", "nn", "distributed"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -1,32 +1,42 @@
-"""The public entry points: insum(), compile(), explain()."""
+"""The public entry points: insum(), compile(), explain().
+
+Each parses and binds its statement once and hands it down: `insum()` to the executor
+(`insum.execute`) for an eager call, or to the torch.library operators (`insum.library`)
+while torch.compile traces or when a tensor requires grad; `compile()` to the runtime.
+"""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from .bind import Bound, bind
-from .errors import InsumError
+from .bind import bind
+from .errors import UnsupportedStatement
+from .execute import (
+    BACKENDS,
+    OPTIONS,
+    PRECISIONS,
+    Backend,
+    Precision,
+    check_names,
+    check_options,
+    run,
+)
 from .library import call
 from .parser import parse
-from .reference import run_reference
 
-__all__ = ["insum", "explain", "run_bound", "BACKENDS", "PRECISIONS"]
-
-BACKENDS = ("auto", "torch", "triton")
-PRECISIONS = ("tf32", "ieee")
-_warned_fallback: set[str] = set()
+__all__ = ["insum", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
 
-def _check_options(backend: str, precision: str) -> None:
-    if backend not in BACKENDS:
-        raise InsumError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if precision not in PRECISIONS:
-        raise InsumError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-
-
-def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **tensors: torch.Tensor) -> torch.Tensor:
+def insum(
+    expr: str,
+    /,
+    *,
+    backend: Backend = "auto",
+    precision: Precision = "tf32",
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
+    **tensors: torch.Tensor,
+) -> torch.Tensor:
     """Evaluate one indirect Einsum and return its output.
 
     `+=` accumulates into the output, `=` overwrites it. When the output is passed by its
@@ -36,6 +46,10 @@ def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **ten
     backend: "torch" (the reference lowering), "triton" (the generated kernel), or "auto"
     (the generated kernel on CUDA when the statement is supported, else the reference).
     precision: "tf32" (default) or "ieee" for float32 `tl.dot`.
+    autotune: measure tile candidates on a new size's first call (None: INSUM_AUTOTUNE,
+    default on); False bounds the first call's latency.
+    check_indices: check index values before the generated kernel runs (None:
+    INSUM_CHECK_INDICES, default off); the torch backend always checks. See `insum.bounds`.
 
     >>> import torch
     >>> AV = torch.ones(2, 3); AK = torch.tensor([[0, 1, 2], [2, 2, 0]]); B = torch.eye(3)
@@ -43,12 +57,16 @@ def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **ten
     tensor([[1., 1., 1.],
             [1., 0., 2.]])
     """
-    _check_options(backend, precision)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
-        # torch.compile traces the registered operators; autograd needs their derived backward.
-        return call(expr, tensors, backend, precision)
-    bound = bind(parse(expr), tensors)
-    return run_bound(bound, bound.output(), backend, precision)
+    check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+    options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
+    if torch.compiler.is_compiling():  # torch.compile traces the registered operators
+        return call(expr, tensors, **options)
+    stmt = parse(expr)
+    check_names(stmt)
+    if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
+        return call(expr, tensors, stmt=stmt, **options)
+    bound = bind(stmt, tensors)
+    return run(bound, bound.output(), **options)
 
 
 def _any_requires_grad(tensors: dict) -> bool:
@@ -58,36 +76,26 @@ def _any_requires_grad(tensors: dict) -> bool:
     return False
 
 
-def run_bound(
-    bound: Bound, out: torch.Tensor, backend: str, precision: str, *, strict: bool | None = None
-) -> torch.Tensor:
-    """Run a bound statement into `out` on `backend`, directly (no dispatcher, no autograd).
+def compile(expr: str, /, *, precision: Precision = "tf32", autotune: bool | None = None, **example_tensors: torch.Tensor):
+    """Compile a statement for tensors like the examples into an `insum.runtime.Kernel`,
+    callable with tensors of the same dtypes and ranks.
 
-    strict: raise when the generated kernel cannot run the statement (default: when
-    backend is "triton"); otherwise fall back to the torch lowering with one warning.
+    autotune: measure tile candidates on each new size's first call (None: INSUM_AUTOTUNE,
+    default on; False bounds the first call's latency).
+
+    >>> k = insum.compile("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)  # doctest: +SKIP
+    >>> print(k.source); k(C=C, AM=AM, AV=AV, AK=AK, B=B)  # doctest: +SKIP
     """
-    if backend == "torch" or (backend == "auto" and bound.device.type != "cuda"):
-        return run_reference(bound, out)
-    from .runtime import UnsupportedStatement, kernel_for
+    check_options(precision=precision, autotune=autotune)
+    bound = bind(parse(expr), example_tensors)
+    from .runtime import cached_kernel, spec_for  # loads the code generator: on first use
 
-    try:
-        kernel = kernel_for(bound, precision=precision)
-    except UnsupportedStatement as e:
-        if strict is None:
-            strict = backend == "triton"
-        if strict:
-            raise
-        key = str(bound.stmt)
-        if key not in _warned_fallback:
-            _warned_fallback.add(key)
-            warnings.warn(f"insum: falling back to the torch lowering: {e}", stacklevel=3)
-        return run_reference(bound, out)
-    return kernel.launch(bound, out)
+    return cached_kernel(spec_for(bound, precision), autotune)
 
 
-def explain(expr: str, /, *, precision: str = "tf32", **tensors: torch.Tensor) -> str:
+def explain(expr: str, /, *, precision: Precision = "tf32", **tensors: torch.Tensor) -> str:
     """Describe how a statement is understood and compiled: IR, extents, roles, plan, source."""
-    _check_options("auto", precision)
+    check_options(precision=precision)
     bound = bind(parse(expr), tensors)
     lines = [f"statement: {bound.stmt}", f"ir: {bound.stmt!r}", "variables:"]
     for var in bound.stmt.variables():
@@ -95,7 +103,7 @@ def explain(expr: str, /, *, precision: str = "tf32", **tensors: torch.Tensor) -
     lines.append(f"index tensors: {', '.join(bound.index_names) or '-'}")
     lines.append(f"value tensors: {', '.join(bound.value_names) or '-'}")
     lines.append(f"output: {bound.output_name} {list(bound.out_shape)} {bound.out_dtype}")
-    from .runtime import UnsupportedStatement, kernel_for
+    from .runtime import kernel_for
 
     try:
         kernel = kernel_for(bound, precision=precision)

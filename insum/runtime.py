@@ -5,45 +5,42 @@ width, precision). Each kernel's source is written to a content-hashed file that
 reads back. Tile sizes are tuned with `triton.autotune` once per bucket of extents (each
 tiled extent rounded up to a power of two) and device, and remembered in memory and in a
 JSON file beside the source, so another process does not tune again.
+
+Tensor descriptors (TMA) are offered to the schedule for input tensors whose layout fits
+one (`box_layout`) on a GPU that has them (compute capability 9.0 and up, compiled code,
+INSUM_TMA not "0"); the start address's alignment is then part of the kernel's cache key.
+
+Over 400 lines, as one module: a `Kernel` owns its loaded source, its prepared launches and
+its tuning (in memory and on disk), and each reads the others' state.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import json
 import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .arith import cdiv, next_power_of_2
 from .bind import Bound, bind
+from .cache import BoundedCache
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
-from .codegen.schedule import NARROW
-from .codegen.tune import next_power_of_2
-from .errors import InsumError
-from .parser import parse
+from .codegen.schedule import NARROW, box_layout
+from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
+from .errors import InsumTypeError, UnsupportedStatement
 
-__all__ = ["Kernel", "UnsupportedStatement", "compile", "kernel_for", "cache_dir"]
+__all__ = ["Kernel", "BareLaunch", "UnsupportedStatement", "kernel_for", "cached_kernel", "spec_for", "cache_dir"]
 
-_DTYPE_NAMES = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
-_INT32_MAX = 2**31 - 1
-_KERNELS: dict[KernelSpec, Kernel] = {}
+_KERNELS: BoundedCache[KernelSpec, Kernel] = BoundedCache()
 # The spec follows from the tensor signature (dtypes, shapes, strides), so repeated calls skip it.
-_BY_SIGNATURE: dict[tuple, Kernel] = {}
-_BY_SIGNATURE_LIMIT = 4096
-
-
-class UnsupportedStatement(InsumError):
-    """The generated-kernel backend cannot run this statement here."""
+_BY_SIGNATURE: BoundedCache[tuple, Kernel] = BoundedCache()
 
 
 def cache_dir() -> Path:
@@ -53,11 +50,15 @@ def cache_dir() -> Path:
 
 
 def _interpreting() -> bool:
+    """TRITON_INTERPRET, read at call time."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _tuning_enabled() -> bool:
-    """INSUM_AUTOTUNE=0 uses the first candidate configuration instead of measuring."""
+def _tuning_enabled(autotune: bool | None = None) -> bool:
+    """autotune=False (or INSUM_AUTOTUNE=0 when it is None) takes the first candidate
+    configuration instead of measuring."""
+    if autotune is not None:
+        return bool(autotune)
     return os.environ.get("INSUM_AUTOTUNE", "1") not in ("", "0")
 
 
@@ -65,16 +66,45 @@ def _max_offset(shape, strides) -> int:
     return sum((s - 1) * abs(st) for s, st in zip(shape, strides) if s > 0)
 
 
-def spec_for(bound: Bound, precision: str = "tf32") -> KernelSpec:
-    """The parts of a bound statement that a kernel depends on."""
-    dtypes = {name: _DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
-    dtypes[bound.output_name] = _DTYPE_NAMES[bound.out_dtype]
+def descriptors_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` may load through tensor descriptors (TMA): Hopper or later,
+    compiled (the interpreter has no TMA), and not switched off with INSUM_TMA=0."""
+    if device.type != "cuda" or _interpreting() or os.environ.get("INSUM_TMA", "1") in ("", "0"):
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def box_tensors(bound: Bound, descriptors: bool) -> frozenset[str]:
+    """Input value tensors whose layout fits a tensor descriptor (none unless `descriptors`,
+    and none for fake tensors seen while tracing, which have no address)."""
+    if not descriptors or bound.signature is None:
+        return frozenset()
+    return frozenset(
+        name
+        for name in bound.value_names
+        if box_layout(tuple(bound.tensors[name].shape), bound.tensors[name].stride(),
+                      bound.tensors[name].element_size(), bound.tensors[name].data_ptr())
+    )
+
+
+def spec_for(bound: Bound, precision: str = "tf32", descriptors: bool | None = None) -> KernelSpec:
+    """The parts of a bound statement that a kernel depends on.
+
+    descriptors: allow tensor-descriptor loads (default: `descriptors_supported` on the
+    tensors' device)."""
+    dtypes = {name: DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
+    dtypes[bound.output_name] = DTYPE_NAMES[bound.out_dtype]
     wide = {
         name
         for name, t in bound.tensors.items()
-        if t.untyped_storage().nbytes() > _INT32_MAX and _max_offset(t.shape, t.stride()) > _INT32_MAX
+        if t.untyped_storage().nbytes() > INT32_MAX and _max_offset(t.shape, t.stride()) > INT32_MAX
     }
-    if bound.output_name not in bound.tensors and math.prod(bound.out_shape) > _INT32_MAX:
+    if bound.output_name not in bound.tensors and math.prod(bound.out_shape) > INT32_MAX:
         wide.add(bound.output_name)
     narrow = {v for v, role in bound.roles.items() if role != "reduced" and bound.extents[v] < NARROW}
     return KernelSpec(
@@ -84,48 +114,80 @@ def spec_for(bound: Bound, precision: str = "tf32") -> KernelSpec:
         wide=frozenset(wide),
         precision=precision,
         narrow=frozenset(narrow),
+        boxes=box_tensors(bound, descriptors_supported(bound.device) if descriptors is None else descriptors),
     )
 
 
-class Kernel:
-    """A generated kernel: `.source`, `.plan`, and a launcher that tunes on first use."""
+def _plan_here(spec: KernelSpec) -> Plan:
+    """The schedule, with bf16 dots in float32 under the interpreter.
 
-    def __init__(self, spec: KernelSpec, plan: Plan | None = None):
+    The interpreter stores bf16 as raw 16-bit integers and its `tl.dot` multiplies those
+    (garbage results): there the operands are upcast, multiplied in float32 ("ieee") and the
+    result rounded once at the store, as a GPU's bf16 tensor cores accumulate in float32.
+    """
+    plan = schedule(spec)
+    if plan.dot_dtype == "bf16" and _interpreting():
+        plan = dataclasses.replace(plan, dot_dtype="fp32", spec=dataclasses.replace(spec, precision="ieee"))
+    return plan
+
+
+class Kernel:
+    """A generated kernel: `.source`, `.plan`, and a launcher that tunes on first use.
+
+    Callable on any tensors of the compiled dtypes and ranks: extents that change the plan
+    (the narrow-tile orientation, 64-bit addressing) run the sibling kernel for them.
+    """
+
+    def __init__(self, spec: KernelSpec, plan: Plan | None = None, autotune: bool | None = None):
         self.spec = spec
-        self.plan = plan if plan is not None else schedule(spec)
+        self.plan = plan if plan is not None else _plan_here(spec)
+        self.autotune = autotune  # None: INSUM_AUTOTUNE decides
         generated = emit(self.plan)
         self.source: str = generated.text
         self.args = generated.args
         self.digest = generated.digest
         self.path = cache_dir() / "kernels" / f"insum_{self.digest}.py"
         self.fn = _load(self.path, self.source, self.digest)
+        if self.plan.boxes:
+            _set_descriptor_allocator()
         self.out_arg = f"{spec.stmt.output.name}_ptr"
-        self.tuned: dict[tuple, dict] = {}  # extents bucket -> configuration
-        self._launchers: dict[tuple, _Launcher] = {}  # tensor signature -> prepared launch
+        self.tuned: BoundedCache[tuple, dict] = BoundedCache()  # extents bucket -> configuration
+        self._launchers: BoundedCache[tuple, _Launcher] = BoundedCache()  # tensor signature -> prepared launch
+        self._siblings: BoundedCache[KernelSpec, Kernel] = BoundedCache()  # re-planned for other extents
 
     def __repr__(self) -> str:
         return f"insum.Kernel('{self.spec.stmt}', plan={self.plan.kind}, digest={self.digest})"
 
     def __call__(self, **tensors: torch.Tensor) -> torch.Tensor:
-        """Run the kernel's statement on new tensors of the same dtypes and ranks."""
+        """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents."""
         bound = bind(self.spec.stmt, tensors)
-        if spec_for(bound, self.spec.precision) != self.spec:
-            raise InsumError(f"tensors do not match the dtypes this kernel was compiled for: {self!r}")
-        return self.launch(bound, bound.output())
+        _check_device(bound)
+        spec = spec_for(bound, self.spec.precision)
+        if spec.dtypes != self.spec.dtypes:
+            compiled, given = dict(self.spec.dtypes), dict(spec.dtypes)
+            wrong = [f"{n} is {given[n]}, compiled for {compiled[n]}" for n in compiled if given[n] != compiled[n]]
+            raise InsumTypeError(f"tensor dtypes differ from this kernel's ({'; '.join(wrong)}): {self!r}")
+        kernel = self
+        if spec != self.spec:
+            kernel = self._siblings.get(spec)
+            if kernel is None:
+                kernel = self._siblings[spec] = cached_kernel(spec, self.autotune)
+        return kernel.launch(bound, bound.output())
 
     # -- launching ----------------------------------------------------------------------
-    def launch(self, bound: Bound, out: torch.Tensor) -> torch.Tensor:
-        """Run on a bound statement, writing into `out`; returns `out`."""
+    def launch(self, bound: Bound, out: torch.Tensor, *, autotune: bool | None = None) -> torch.Tensor:
+        """Run on a bound statement, writing into `out`; returns `out`.
+
+        autotune: measure the candidate tiles on a signature's first call (None: the kernel's
+        own setting, then INSUM_AUTOTUNE)."""
         launcher = self._launchers.get(bound.signature) if bound.signature is not None else None
         if launcher is None:
             launcher = _Launcher(self, bound)
             if bound.signature is not None:
-                if len(self._launchers) >= _BY_SIGNATURE_LIMIT:  # shapes that keep changing
-                    self._launchers.clear()
                 self._launchers[bound.signature] = launcher
         target = out
         if self.plan.output == "atomic":
-            if out.dtype in (torch.float16, torch.bfloat16) and not _half_atomics(out):
+            if out.dtype in HALF_DTYPES and not _half_atomics(out):
                 # No half-precision atomics here: scatter into float32, then add once.
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
             elif not self.plan.stmt.accumulate:
@@ -133,7 +195,7 @@ class Kernel:
         if launcher.launched:
             args = launcher.args(bound.tensors, target)
             if launcher.config is None:
-                self._first_run(launcher, args, bound.device)
+                self._first_run(launcher, args, bound.device, self.autotune if autotune is None else autotune)
             else:
                 self.fn[launcher.grid](*args, **launcher.config)
         if target is not out:
@@ -143,24 +205,37 @@ class Kernel:
                 out.copy_(target)
         return out
 
-    def _first_run(self, launcher: _Launcher, args: list, device: torch.device) -> None:
+    def launcher(self, bound: Bound, out: torch.Tensor | None = None) -> BareLaunch:
+        """The bare launch an earlier call prepared for `bound`'s signature, on bound's tensors
+        and `out` (default: the bound output): the kernel with the grid and tile configuration
+        chosen then, and nothing around it (no zero fill, no float32 scratch buffer).
+        Benchmarks time it beside `insum()` to measure the host overhead.
+
+        Raises KeyError when no call has prepared this signature yet."""
+        prepared = self._launchers[bound.signature]
+        if prepared.config is None:
+            raise KeyError(f"no launch of {self!r} has run for this signature yet")
+        args = prepared.args(bound.tensors, bound.output() if out is None else out)
+        return BareLaunch(self.fn, prepared.grid, prepared.config, tuple(args))
+
+    def _first_run(self, launcher: _Launcher, args: list, device: torch.device, autotune: bool | None) -> None:
         """Find the configuration for a new signature (tuning if needed) and run once."""
         bucket = tuple(next_power_of_2(launcher.extents[v]) for _, v in self.plan.tiles)
         config = self.tuned.get(bucket)
         if config is None:
-            config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device)
-        launcher.set_config(self.tuned[bucket])
+            config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device, autotune)
+        launcher.set_config(config if config is not None else self.tuned[bucket])
         if config is not None:  # else the autotuner's final run already produced the result
             self.fn[launcher.grid](*args, **launcher.config)
 
-    def _first_config(self, bucket, args, grid, extents, device) -> dict | None:
+    def _first_config(self, bucket, args, grid, extents, device, autotune) -> dict | None:
         """Configuration for a new bucket: interpreter, untuned, disk cache, or autotune."""
         candidates = prune_configs(self.plan, configs_for(self.plan), extents)
         if _interpreting():
             # The interpreter runs programs one at a time: the largest tile is the fastest.
             config = max(candidates, key=lambda c: math.prod(v for k, v in c.items() if k.startswith("BLOCK")))
-        elif not _tuning_enabled():
-            config = candidates[0]
+        elif not _tuning_enabled(autotune):
+            return candidates[0]  # not kept for the bucket: its other sizes still measure
         else:
             config = self._disk_config(bucket, device)
         if config is None:
@@ -175,7 +250,7 @@ class Kernel:
 
         configs = [
             triton.Config(
-                {k: v for k, v in c.items() if k.startswith("BLOCK")},
+                {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                 num_warps=c["num_warps"],
                 num_stages=c["num_stages"],
             )
@@ -215,6 +290,19 @@ class Kernel:
         os.replace(tmp, path)
 
 
+@dataclasses.dataclass(frozen=True)
+class BareLaunch:
+    """One prepared kernel launch (see `Kernel.launcher`); calling it runs the kernel."""
+
+    fn: Any
+    grid: tuple[int, ...]
+    config: dict
+    args: tuple
+
+    def __call__(self) -> None:
+        self.fn[self.grid](*self.args, **self.config)
+
+
 class _Launcher:
     """A launch prepared for one tensor signature: constant arguments, grid and config.
 
@@ -235,6 +323,8 @@ class _Launcher:
                 self.pointers.append((position, arg[1]))
             elif arg[0] == "size":
                 self.template.append(self.extents[arg[1]])
+            elif arg[0] == "shape":
+                self.template.append(bound.tensors[arg[1]].shape[arg[2]])
             elif arg[1] == out_name:  # the output may be a float32 scratch buffer: per call
                 self.template.append(None)
                 self.out_strides.append((position, arg[2]))
@@ -247,8 +337,11 @@ class _Launcher:
         fixed = math.prod(self.extents[v] for v in plan.grid)
         extents = self.extents
 
+        slots = _program_slots(bound.device) if plan.persistent else None
+
         def grid_fn(meta):
-            return (fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles),)
+            programs = fixed * math.prod(cdiv(extents[v], meta[b]) for v, b in tiles)
+            return (min(programs, slots) if slots else programs,)
 
         self.grid_fn = grid_fn
         self.config: dict | None = None
@@ -282,8 +375,28 @@ def _half_atomics(out: torch.Tensor) -> bool:
     return major >= (9 if out.dtype == torch.bfloat16 else 7)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+_ALLOCATOR_SET = False
+
+
+def _set_descriptor_allocator() -> None:
+    """Device-side tensor descriptors live in a scratch buffer Triton asks for at launch."""
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+    import triton
+
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, device="cuda", dtype=torch.int8)
+
+    triton.set_allocator(alloc)
+    _ALLOCATOR_SET = True
+
+
+def _program_slots(device: torch.device) -> int:
+    """Programs a persistent kernel launches: one per SM (per CPU core in the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
 
 
 def _load(path: Path, source: str, digest: str):
@@ -299,38 +412,61 @@ def _load(path: Path, source: str, digest: str):
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # never leave a half-loaded module for the next call to find
+            del sys.modules[module_name]
+            raise UnsupportedStatement(f"the generated kernel {path} does not load: {e!r}") from e
     return getattr(module, KERNEL_NAME)
+
+
+def _check_device(bound: Bound) -> None:
+    """The generated kernel runs on CUDA, or on the CPU under the interpreter; and triton
+    must have been imported in the mode TRITON_INTERPRET asks for now."""
+    interpreting = _interpreting()
+    if not interpreting and bound.device.type != "cuda":
+        raise UnsupportedStatement(
+            f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 set before importing "
+            f"insum (tensors are on {bound.device})"
+        )
+    imported = _triton_imported_interpreting()
+    if interpreting != imported:
+        raise UnsupportedStatement(
+            f"TRITON_INTERPRET is {os.environ.get('TRITON_INTERPRET', 'unset')!r} now, but triton "
+            f"was imported {'with' if imported else 'without'} it; set TRITON_INTERPRET before "
+            "importing insum (or triton)"
+        )
+
+
+@functools.cache
+def _triton_imported_interpreting() -> bool:
+    """The mode triton.language's own @jit helpers (tl.cdiv, tl.sum, ...) were built in when
+    triton was imported; a kernel of the other mode cannot call them."""
+    import triton.language as tl
+
+    return type(tl.cdiv).__name__ == "InterpretedFunction"
 
 
 def kernel_for(bound: Bound, precision: str = "tf32") -> Kernel:
     """The cached kernel for a bound statement, compiled on first use."""
-    if bound.device.type != "cuda" and not _interpreting():
-        raise UnsupportedStatement(
-            f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 (tensors are on {bound.device})"
-        )
+    _check_device(bound)
     if bound.signature is None:
-        return _cached_kernel(spec_for(bound, precision))
+        return cached_kernel(spec_for(bound, precision))
     key = (bound.stmt, bound.signature, precision)
+    if descriptors_supported(bound.device):  # descriptors need 16-byte aligned starts
+        key += tuple(bound.tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
     kernel = _BY_SIGNATURE.get(key)
     if kernel is None:
-        if len(_BY_SIGNATURE) >= _BY_SIGNATURE_LIMIT:
-            _BY_SIGNATURE.clear()
-        kernel = _BY_SIGNATURE[key] = _cached_kernel(spec_for(bound, precision))
+        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision))
     return kernel
 
 
-def _cached_kernel(spec: KernelSpec) -> Kernel:
+def cached_kernel(spec: KernelSpec, autotune: bool | None = None) -> Kernel:
+    """The shared kernel for `spec`, or (with an autotune setting) a kernel of its own."""
+    if autotune is not None:
+        return Kernel(spec, autotune=autotune)
     kernel = _KERNELS.get(spec)
     if kernel is None:
         kernel = _KERNELS[spec] = Kernel(spec)
     return kernel
 
-
-def compile(expr: str, /, *, precision: str = "tf32", **example_tensors: torch.Tensor) -> Kernel:
-    """Compile a statement for tensors like the examples; the kernel is callable with tensors.
-
-    >>> k = insum.compile("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)
-    >>> print(k.source); k(C=C, AM=AM, AV=AV, AK=AK, B=B)
-    """
-    return _cached_kernel(spec_for(bind(parse(expr), example_tensors), precision))

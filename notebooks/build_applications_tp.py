@@ -7,7 +7,7 @@
 into applications.ipynb beside the SparseConv3d part; `main` writes them as a notebook of
 their own (the same nbformat/nbclient path as build_formats.py). The cells run on the CPU
 (the layer's kernels in the Triton interpreter), with e3nn where it is installed, and read
-the H200 measurements from benchmarks/results/tensor_product_h200/tensor_product.json.
+the H200 measurements from benchmarks/results/h200/tensor_product/tensor_product.json.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ The paper's grid: in1 = C × (0e + 1o + … + L), in2 = the spherical harmonics 
 out = in1. Ratios of median times against cuEquivariance 0.13 (`cuet.FullyConnectedTensorProduct`,
 e3nn's weights copied) and e3nn eager, for the bare statement (the CG contraction alone),
 the layer (tf32 and float32 `tl.dot`), and the layer's forward + backward. From
-`python -m benchmarks.study_tensor_product` (benchmarks/results/tensor_product_h200)."""),
+`python -m benchmarks.study_tensor_product` (benchmarks/results/h200/tensor_product)."""),
     ("code", """\
-path = Path("..") / "benchmarks" / "results" / "tensor_product_h200" / "tensor_product.json"
+path = Path("..") / "benchmarks" / "results" / "h200" / "tensor_product" / "tensor_product.json"
 if not path.exists():
     print("no measurements at", path)
 else:
