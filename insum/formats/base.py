@@ -4,9 +4,9 @@ A format turns a sparse matrix into plain dense index and value tensors plus the
 Einsum(s) that multiply it with a dense matrix, and owns everything around them: the views
 its statements read B and write C through (`operand`, `output_shape`, `result`,
 `output_view`), the transposed pattern its input gradient runs on (`transposed_pattern`,
-`input_gradient`) and its pruning granularity (`pruning_block`). Nothing outside
-`insum.formats` needs to know which format it holds. `spmm` runs the statements through the
-public `insum()`.
+`input_gradient`), its pruning granularity (`pruning_block`) and how far it pads rows
+(`row_padding_slots`). Nothing outside `insum.formats` needs to know which format it holds.
+`spmm` runs the statements through the public `insum()`.
 
 The packers' helpers live beside it: `coords` (coordinates and checks), `grouping` (group
 sizes, the accumulation rule, slot grouping), `tuning` (group_size="tune"), `registry`. Formats never import the code generator or the runtime, so
