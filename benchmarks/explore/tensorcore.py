@@ -91,6 +91,7 @@ def record(section: str, label: str, point: str, dtype: str, fn, check, expected
 
 def generated(expr: str, tensors: dict, out_name: str, swap: str, variant: str):
     """(run(B) -> out, describe) for one variant of the generated kernel of `expr`."""
+    # No public hook picks a plan variant: this builds Kernel(spec, plan) from spec_for and schedule.
     if variant == "main":
         stmt = parse_main(expr)
         kernel = KernelMain(spec_for_main(bind_main(stmt, tensors)))
