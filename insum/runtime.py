@@ -148,8 +148,6 @@ class Kernel:
         self.digest = generated.digest
         self.path = cache_dir() / "kernels" / f"insum_{self.digest}.py"
         self.fn = _load(self.path, self.source, self.digest)
-        if self.plan.boxes:
-            _set_descriptor_allocator()
         self.out_arg = f"{spec.stmt.output.name}_ptr"
         self.tuned: BoundedCache[tuple, dict] = BoundedCache()  # extents bucket -> configuration
         self._launchers: BoundedCache[tuple, _Launcher] = BoundedCache()  # tensor signature -> prepared launch
@@ -192,6 +190,8 @@ class Kernel:
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
             elif not self.plan.stmt.accumulate:
                 out.zero_()
+        if self.plan.boxes:
+            _ensure_descriptor_allocator()
         if launcher.launched:
             args = launcher.args(bound.tensors, target)
             if launcher.config is None:
@@ -375,21 +375,24 @@ def _half_atomics(out: torch.Tensor) -> bool:
     return major >= (9 if out.dtype == torch.bfloat16 else 7)
 
 
-_ALLOCATOR_SET = False
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-def _set_descriptor_allocator() -> None:
-    """Device-side tensor descriptors live in a scratch buffer Triton asks for at launch."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET:
-        return
-    import triton
+def _ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors live in a scratch buffer Triton asks for at launch.
 
-    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-        return torch.empty(size, device="cuda", dtype=torch.int8)
+    Triton keeps its allocator in a ContextVar: a thread that never set one (autograd runs
+    CUDA backward passes on its own device threads) sees none. So this runs before every
+    launch of a kernel with descriptors, and keeps an allocator the caller set.
+    """
+    from triton.runtime import _allocation
 
-    triton.set_allocator(alloc)
-    _ALLOCATOR_SET = True
+    current = _allocation._allocator
+    if isinstance(getattr(current, "get", lambda: current)(), _allocation.NullAllocator):
+        import triton
+
+        triton.set_allocator(_descriptor_scratch)
 
 
 def _program_slots(device: torch.device) -> int:
