@@ -26,7 +26,15 @@ def _check_options(backend: str, precision: str) -> None:
         raise InsumError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
 
 
-def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **tensors: torch.Tensor) -> torch.Tensor:
+def insum(
+    expr: str,
+    /,
+    *,
+    backend: str = "auto",
+    precision: str = "tf32",
+    sorted_indices: frozenset[str] = frozenset(),
+    **tensors: torch.Tensor,
+) -> torch.Tensor:
     """Evaluate one indirect Einsum and return its output.
 
     `+=` accumulates into the output, `=` overwrites it. When the output is passed by its
@@ -36,6 +44,11 @@ def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **ten
     backend: "torch" (the reference lowering), "triton" (the generated kernel), or "auto"
     (the generated kernel on CUDA when the statement is supported, else the reference).
     precision: "tf32" (default) or "ieee" for float32 `tl.dot`.
+    sorted_indices: names of index tensors whose values the caller guarantees sorted
+    (equal values adjacent), such as a format's row index. A scatter through one
+    (`C[AM[p], n]` with AM sorted) then sums adjacent contributions to one row in
+    registers and writes once per row and tile. Unchecked: a wrong claim gives wrong
+    sums. Used by the direct call; under autograd or torch.compile it is ignored.
 
     >>> import torch
     >>> AV = torch.ones(2, 3); AK = torch.tensor([[0, 1, 2], [2, 2, 0]]); B = torch.eye(3)
@@ -48,7 +61,20 @@ def insum(expr: str, /, *, backend: str = "auto", precision: str = "tf32", **ten
         # torch.compile traces the registered operators; autograd needs their derived backward.
         return call(expr, tensors, backend, precision)
     bound = bind(parse(expr), tensors)
-    return run_bound(bound, bound.output(), backend, precision)
+    facts = _sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
+    return run_bound(bound, bound.output(), backend, precision, sorted_indices=facts)
+
+
+def _sorted_facts(bound: Bound, names) -> frozenset[str]:
+    """The declared sorted index tensors, each checked to be one the statement indexes with."""
+    facts = frozenset(names) if not isinstance(names, str) else frozenset((names,))
+    for name in facts:
+        if name not in bound.index_names:
+            raise InsumError(
+                f"sorted_indices names {name!r}, which is not an index tensor of '{bound.stmt}' "
+                f"(index tensors: {', '.join(bound.index_names) or 'none'})"
+            )
+    return facts
 
 
 def _any_requires_grad(tensors: dict) -> bool:
@@ -59,7 +85,13 @@ def _any_requires_grad(tensors: dict) -> bool:
 
 
 def run_bound(
-    bound: Bound, out: torch.Tensor, backend: str, precision: str, *, strict: bool | None = None
+    bound: Bound,
+    out: torch.Tensor,
+    backend: str,
+    precision: str,
+    *,
+    strict: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Run a bound statement into `out` on `backend`, directly (no dispatcher, no autograd).
 
@@ -71,7 +103,7 @@ def run_bound(
     from .runtime import UnsupportedStatement, kernel_for
 
     try:
-        kernel = kernel_for(bound, precision=precision)
+        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
     except UnsupportedStatement as e:
         if strict is None:
             strict = backend == "triton"

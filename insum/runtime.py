@@ -65,8 +65,8 @@ def _max_offset(shape, strides) -> int:
     return sum((s - 1) * abs(st) for s, st in zip(shape, strides) if s > 0)
 
 
-def spec_for(bound: Bound, precision: str = "tf32") -> KernelSpec:
-    """The parts of a bound statement that a kernel depends on."""
+def spec_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset()) -> KernelSpec:
+    """The parts of a bound statement that a kernel depends on (and the caller's facts)."""
     dtypes = {name: _DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
     dtypes[bound.output_name] = _DTYPE_NAMES[bound.out_dtype]
     wide = {
@@ -84,6 +84,7 @@ def spec_for(bound: Bound, precision: str = "tf32") -> KernelSpec:
         wide=frozenset(wide),
         precision=precision,
         narrow=frozenset(narrow),
+        sorted_indices=frozenset(sorted_indices),
     )
 
 
@@ -124,7 +125,7 @@ class Kernel:
                     self._launchers.clear()
                 self._launchers[bound.signature] = launcher
         target = out
-        if self.plan.output == "atomic":
+        if self.plan.output in ("atomic", "segment"):
             if out.dtype in (torch.float16, torch.bfloat16) and not _half_atomics(out):
                 # No half-precision atomics here: scatter into float32, then add once.
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
@@ -303,20 +304,23 @@ def _load(path: Path, source: str, digest: str):
     return getattr(module, KERNEL_NAME)
 
 
-def kernel_for(bound: Bound, precision: str = "tf32") -> Kernel:
-    """The cached kernel for a bound statement, compiled on first use."""
+def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset()) -> Kernel:
+    """The cached kernel for a bound statement, compiled on first use.
+
+    sorted_indices: index tensors the caller guarantees sorted (see `insum()`).
+    """
     if bound.device.type != "cuda" and not _interpreting():
         raise UnsupportedStatement(
             f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 (tensors are on {bound.device})"
         )
     if bound.signature is None:
-        return _cached_kernel(spec_for(bound, precision))
-    key = (bound.stmt, bound.signature, precision)
+        return _cached_kernel(spec_for(bound, precision, sorted_indices))
+    key = (bound.stmt, bound.signature, precision, sorted_indices)
     kernel = _BY_SIGNATURE.get(key)
     if kernel is None:
         if len(_BY_SIGNATURE) >= _BY_SIGNATURE_LIMIT:
             _BY_SIGNATURE.clear()
-        kernel = _BY_SIGNATURE[key] = _cached_kernel(spec_for(bound, precision))
+        kernel = _BY_SIGNATURE[key] = _cached_kernel(spec_for(bound, precision, sorted_indices))
     return kernel
 
 

@@ -12,13 +12,16 @@ import hashlib
 from dataclasses import dataclass
 
 from ..ir import Access, Index, Literal, Var
-from .schedule import Plan
+from .schedule import Plan, segment_index
 from .values import Value, broadcast, union
 
 __all__ = ["Source", "emit", "KERNEL_NAME"]
 
 KERNEL_NAME = "insum_kernel"
-_RESERVED = ("tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest")
+_RESERVED = (
+    "tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest",
+    "seg_key", "next_key", "seg_tail", "_segment_add",
+)
 _TL_DTYPES = {"fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
 
 
@@ -224,6 +227,39 @@ def _loop_lines(em: _Emitter) -> list[str]:
     return lines
 
 
+_SEGMENT_ADD = '''@triton.jit
+def _segment_add(key_a, acc_a, key_b, acc_b):
+    """Segmented sum: b adds a's running sum when both lanes belong to one output row."""
+    return key_b, acc_b + tl.where(key_a == key_b, acc_a, 0)'''
+
+
+def _segment_lines(em: _Emitter, acc_axes: tuple[str, ...], mask: str | None) -> str:
+    """Sum adjacent lanes of one output row (sorted index) and keep each segment's last lane.
+
+    Returns the mask argument of the write: only a segment's last lane in the tile writes.
+    """
+    access = segment_index(em.plan)
+    var = access.indices[0].variable
+    axis = em.plan.var_axis(var)
+    key = em.gather(access)  # the row of each lane, [var]
+    offs, size = em.offs[var], em.size[var]
+    index = f"{offs} + 1"
+    if access.name in em.plan.spec.wide:
+        index = f"({index}).to(tl.int64)"
+    following = f"{em.ptr[access.name]} + ({index}) * {em.stride(access.name, 0)}"
+    shape = em.shape_comment((axis,))
+    em.put(0, f"seg_key = tl.where({em.mask[var]}, {key.expr}, -1)" + shape)
+    em.put(0, f"next_key = tl.load({following}, mask={offs} + 1 < {size}, other=-1)" + shape)
+    em.put(0, f"seg_tail = (next_key != seg_key) | (tl.arange(0, BLOCK_{axis}) == BLOCK_{axis} - 1)" + shape)
+    keys = broadcast(Value("seg_key", (axis,), 0), acc_axes)
+    if acc_axes != (axis,):
+        blocks = ", ".join(f"BLOCK_{a}" for a in acc_axes)
+        keys = f"tl.broadcast_to({keys}, ({blocks}))"
+    em.put(0, f"_, acc = tl.associative_scan(({keys}, acc), {acc_axes.index(axis)}, _segment_add)" + em.shape_comment(acc_axes))
+    tail = broadcast(Value("seg_tail", (axis,), 0), acc_axes)
+    return f", mask={mask} & {tail}" if mask else f", mask={tail}"
+
+
 def emit(plan: Plan) -> Source:
     """Generate the Triton source for `plan`."""
     em = _Emitter(plan)
@@ -267,7 +303,9 @@ def emit(plan: Plan) -> Source:
     mask_arg = f", mask={mask}" if mask else ""
     value = broadcast(Value("acc", acc_axes, 0), out_axes) if out_axes != acc_axes else "acc"
     out_ty = f"{em.ptr[stmt.output.name]}.dtype.element_ty"
-    if plan.output == "atomic":
+    if plan.output == "segment":
+        mask_arg = _segment_lines(em, acc_axes, mask)
+    if plan.output in ("atomic", "segment"):
         # Into a float32 buffer, or the output's own dtype where the GPU has such atomics.
         cast = f"({value}).to({out_ty})" if value != "acc" else f"acc.to({out_ty})"
         em.put(0, f"tl.atomic_add(out_ptrs, {cast}{mask_arg}, sem=\"relaxed\")")
@@ -288,7 +326,10 @@ def emit(plan: Plan) -> Source:
     def group(kind):
         return ", ".join(arg_names[a] for a in args if a[0] == kind)
 
-    out = ["import triton", "import triton.language as tl", "", "", "@triton.jit", f"def {KERNEL_NAME}("]
+    out = ["import triton", "import triton.language as tl", "", ""]
+    if plan.output == "segment":
+        out += _SEGMENT_ADD.splitlines() + ["", ""]
+    out += ["@triton.jit", f"def {KERNEL_NAME}("]
     out.append(f"    # pointers\n    {group('ptr')},")
     out.append(f"    # extents\n    {group('size')},")
     if em.strides:
