@@ -524,6 +524,11 @@ class SparseFormat:
             f"index_dtype={self.index_dtype}, device={self.device})"
         )
 
+    def describe(self) -> str:
+        """The repr, and why this format was chosen when `formats.auto` chose it."""
+        chosen = self.params.get("chosen")
+        return repr(self) + (f"\n{chosen}" if chosen else "")
+
     def to(self, device: torch.device | str) -> SparseFormat:
         """A copy with every tensor on `device` (the packing itself is not repeated)."""
         moved = copy.copy(self)

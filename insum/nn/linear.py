@@ -25,6 +25,7 @@ from torch import nn
 from ..api import insum
 from ..autograd import derive
 from ..errors import InsumError, InsumShapeError
+from ..formats.auto import auto
 from ..formats.base import SparseFormat, format_class
 
 __all__ = ["SparseLinear", "sparse_linear", "magnitude_prune"]
@@ -226,6 +227,18 @@ class _SparseLinearFunction(torch.autograd.Function):
         return (None, dx, *grads, *([None] * len(plan_names)))
 
 
+def _format_class(format: str) -> type[SparseFormat]:
+    """The format class by name; "auto" prunes like the unstructured formats (GroupCOO)."""
+    return format_class("GroupCOO" if format.lower() == "auto" else format)
+
+
+def _pack(format: str, weight: torch.Tensor, params: dict[str, Any]) -> SparseFormat:
+    """Pack `weight` in `format`; "auto" asks `formats.auto` (params: n_cols, measure)."""
+    if format.lower() == "auto":
+        return auto(weight, **params)
+    return format_class(format).from_dense(weight, **params)
+
+
 def _format(fmt_cls, shape, meta, tensors) -> SparseFormat:
     """A format object over `tensors` (dtype and device from its values)."""
     values = [t for n, t in tensors.items() if fmt_cls._is_value(fmt_cls, n)]
@@ -318,7 +331,9 @@ def _grad_values(fmt, grad, name, x2, dyt, backend, precision) -> torch.Tensor:
 class SparseLinear(nn.Module):
     """y = x @ W^T + b with W (out_features x in_features) held in a sparse format.
 
-    format: a format name ("GroupCOO", "BlockGroupCOO", "ELL", "COO", "NM", "CELL");
+    format: a format name ("GroupCOO", "BlockGroupCOO", "ELL", "COO", "NM", "CELL"), or
+    "auto" for the format `insum.formats.auto` expects fastest (format_params: n_cols, the
+    batch size it assumes, default 128; measure);
     format_params go to its packer (block=(32, 32), n=2, m=4, vector_len=16, ...).
     A new layer draws W as nn.Linear does, then prunes it by magnitude to `sparsity`
     (whole blocks for BlockGroupCOO; NM prunes to its own n:m pattern). Build one from a
@@ -354,13 +369,13 @@ class SparseLinear(nn.Module):
         self.transposed_backward = transposed_backward
         weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # as nn.Linear
-        cls = format_class(format)
+        cls = _format_class(format)
         if sparsity and cls.name != "nm":
             block = format_params.get("block", (16, 16)) if cls.name == "blockgroupcoo" else None
             weight = magnitude_prune(weight, sparsity, block)
         elif sparsity and cls.name == "nm":
             raise InsumError("NM prunes to its own n:m pattern; pass n=, m= instead of sparsity=")
-        self._set_format(cls.from_dense(weight, **format_params))
+        self._set_format(_pack(format, weight, format_params))
         if bias:
             bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound))
@@ -384,7 +399,7 @@ class SparseLinear(nn.Module):
         """A layer holding `weight` (out x in; its zeros are the pattern, NM prunes) and `bias`."""
         if weight.dim() != 2:
             raise InsumShapeError(f"weight must be (out_features, in_features), got {tuple(weight.shape)}")
-        fmt = format_class(format).from_dense(weight.detach(), **format_params)
+        fmt = _pack(format, weight.detach(), format_params)
         return cls.from_format(
             fmt, bias, backend=backend, precision=precision, transposed_backward=transposed_backward
         )
@@ -421,7 +436,7 @@ class SparseLinear(nn.Module):
         """Prune an nn.Linear's weight by magnitude (blocks for BlockGroupCOO) and pack it."""
         weight = linear.weight.detach()
         if sparsity:
-            block = kwargs.get("block", (16, 16)) if format_class(format).name == "blockgroupcoo" else None
+            block = kwargs.get("block", (16, 16)) if _format_class(format).name == "blockgroupcoo" else None
             weight = magnitude_prune(weight, sparsity, block)
         bias = None if linear.bias is None else linear.bias.detach()
         return cls.from_dense(weight, bias, format, **kwargs)
