@@ -33,15 +33,18 @@ from .groupcoo import GroupCOO
 
 __all__ = ["auto", "Candidate", "RowStats", "rank", "row_stats"]
 
-# Cost model constants (H100/H200-class GPU; only their ratios decide between candidates).
-GATHER_BYTES_PER_US = 2.5e6  # gathered B rows: random rows, partly served by L2
-WRITE_BYTES_PER_US = 3.0e6  # plain stores and the zero fill
-ATOMIC_BYTES_PER_US = 1.0e6  # relaxed atomic adds of a segment's row
+# Cost model constants, fitted to the H200 (fp32, N=128, power-law graphs; only ratios
+# decide between candidates). Time is counted in gathered rows of B: each stored slot
+# (padding included) gathers one; each group (a row of the kernel's tile: its index and
+# value loads, its share of the K loop and of the segmented write) costs GROUP_ROWS more.
+GATHER_BYTES_PER_US = 8.0e6  # gathered B rows, mostly from L2
+GROUP_ROWS = 3.0
+WRITE_BYTES_PER_US = 3.0e6  # plain stores, the zero fill, the float32 -> half copy
 LAUNCH_US = 3.0  # one kernel launch (a zero fill is one too)
 ELL_MAX_SLOTS = 1 << 26  # ELL pads every row to the longest: beyond this it is never chosen
-TILE_GROUPS = 64  # groups per program assumed for the segments that straddle two programs
-GROUP_SIZES = tuple(1 << e for e in range(6))  # 1 .. 32
-MEASURED = 3  # candidates timed on CUDA
+GROUP_SIZES = tuple(1 << e for e in range(7))  # 1 .. 64
+MEASURED = 4  # candidates timed on CUDA
+HOST_COVER_CYCLES = 4_000_000  # ~2 ms of device sleep: covers the host queueing ten calls
 
 _CACHE: dict[tuple, tuple[str, dict[str, Any], str]] = {}
 
@@ -119,36 +122,36 @@ def rank(stats: RowStats, n_cols: int, dtype: torch.dtype = torch.float32) -> li
     # more launch and a pass over C to round it.
     half = dtype in (torch.float16, torch.bfloat16)
 
-    def gathers(slots: int) -> float:
-        return slots * row_bytes / GATHER_BYTES_PER_US
+    def gathers(slots: int, groups: int) -> float:
+        return (slots + GROUP_ROWS * groups) * row_bytes / GATHER_BYTES_PER_US
 
-    def scatter(segments: int, launches: int, fan_in: int) -> float:
+    def scatter(launches: int, fan_in: int) -> float:
+        """Zero fill, launches, and the float32 buffer a half-precision scatter may need."""
         fill = M * row_bytes / WRITE_BYTES_PER_US
         wide = half and fan_in > HALF_FAN_IN
         convert = (M * row_bytes * 3 / WRITE_BYTES_PER_US + LAUNCH_US) if wide else 0.0
-        return segments * row_bytes / ATOMIC_BYTES_PER_US + fill + convert + (launches + 1) * LAUNCH_US
+        return fill + convert + (launches + 1) * LAUNCH_US
 
     out = []
     ell_slots = M * max(stats.longest, 1)
     if ell_slots <= ELL_MAX_SLOTS:
-        cost = gathers(ell_slots) + M * row_bytes / WRITE_BYTES_PER_US + LAUNCH_US
+        cost = gathers(ell_slots, M) + M * row_bytes / WRITE_BYTES_PER_US + LAUNCH_US
         out.append(Candidate("ELL", {}, cost, f"{ell_slots / max(stats.nnz, 1):.2f} slots per nonzero, no atomics"))
     for g in GROUP_SIZES:
         if g > 1 and g > next_pow2(stats.longest):
             break
         G = stats.groups[g]
-        segments = min(G, stats.nonempty + G // TILE_GROUPS)
-        cost = gathers(G * g) + scatter(segments, 1, -(-stats.longest // g))
+        cost = gathers(G * g, G) + scatter(1, -(-stats.longest // g))
         out.append(
             Candidate(
                 "GroupCOO",
                 {"group_size": g},
                 cost,
-                f"{G * g / max(stats.nnz, 1):.2f} slots per nonzero, ~{segments} row segments written",
+                f"{G * g / max(stats.nnz, 1):.2f} slots per nonzero, {G} groups, sorted rows reduced per segment",
             )
         )
     if stats.widths:
-        cost = gathers(stats.pow2_slots) + scatter(stats.nonempty, stats.widths, HALF_FAN_IN + 1)
+        cost = gathers(stats.pow2_slots, stats.nonempty) + scatter(stats.widths, HALF_FAN_IN + 1)
         out.append(
             Candidate(
                 "CELL",
@@ -168,11 +171,18 @@ def _pack(candidate: Candidate | tuple[str, dict], A: torch.Tensor, dtype: torch
     return fmt
 
 
-def _time_spmm(fmt: SparseFormat, B: torch.Tensor, reps: int = 20) -> float:
-    """Microseconds per `fmt @ B` on CUDA: events around a batch of calls, after a warm-up."""
+def _time_spmm(fmt: SparseFormat, B: torch.Tensor, reps: int = 10) -> float:
+    """Device microseconds per `fmt @ B` on CUDA, after a warm-up.
+
+    The calls are queued behind a device-side sleep, so that the events around them time
+    the GPU's work and not the host's (small SpMMs are host-bound: timing them by the wall
+    clock would rank the candidates by their Python overhead).
+    """
     fmt.spmm(B)  # compiles and tunes tile sizes on first use
     fmt.spmm(B)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(B.device)
+    torch.cuda._sleep(HOST_COVER_CYCLES)
     start.record()
     for _ in range(reps):
         fmt.spmm(B)
@@ -218,7 +228,7 @@ def auto(
     if not measure or stats.nnz == 0:
         best = ranked[0]
         fmt = _pack(best, A, dtype)
-        why = f"auto: {best.format} by the cost model ({stats.nnz} nonzeros, longest row {stats.longest}, N={n_cols}); ranked: {model}"
+        why = f"auto: {best.format}{best.params or ''} by the cost model ({stats.nnz} nonzeros, longest row {stats.longest}, N={n_cols}); ranked: {model}"
     else:
         B = torch.randn(stats.shape[1], n_cols, dtype=dtype, device=A.device, generator=torch.Generator(A.device).manual_seed(0))
         timed = []
