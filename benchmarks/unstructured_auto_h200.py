@@ -113,6 +113,7 @@ def ab(run: Run, name, csr, gen) -> list[dict]:
     variants = [
         ("GroupCOO rule", lambda: GroupCOO.from_torch(csr)),
         ("GroupCOO g=1", lambda: GroupCOO.from_torch(csr, group_size=1)),
+        ("GroupCOO g=8", lambda: GroupCOO.from_torch(csr, group_size=8)),
         ("CELL", lambda: CELL.from_torch(csr)),
     ]
     for label, make in variants:
@@ -148,6 +149,7 @@ def host_overhead(run: Run) -> dict:
     tensors = dict(fmt.tensors, B=B, C=C)
     insum.insum(expr, **tensors)
     out = {}
+    fmt @ B
     out["insum()"] = host_us_per_call(lambda: insum.insum(expr, **tensors), 3000)
     try:
         out["bare launch"] = host_us_per_call(bare_launcher(expr, tensors), 3000)
@@ -155,6 +157,24 @@ def host_overhead(run: Run) -> dict:
         run.note(f"bare launch unavailable: {type(e).__name__}: {e}")
     out["fmt @ B"] = host_us_per_call(lambda: fmt @ B, 3000)
     out["CSR @ B"] = host_us_per_call(lambda: csr @ B, 3000)
+    err = relative_error(fmt @ B, A.double() @ B.double())
+    # A/B: the same calls through the JIT launcher (the direct launch switched off).
+    from insum import runtime
+
+    prepare = runtime._Launcher.prepare_direct
+    runtime._Launcher.prepare_direct = lambda self, compiled, device: None
+    launchers = [launcher for k in runtime._KERNELS.values() for launcher in k._launchers.values()]
+    saved = [launcher.direct for launcher in launchers]
+    for launcher in launchers:
+        launcher.direct = None
+    try:
+        out["insum() JIT launch"] = host_us_per_call(lambda: insum.insum(expr, **tensors), 3000)
+        out["fmt @ B JIT launch"] = host_us_per_call(lambda: fmt @ B, 3000)
+    finally:
+        runtime._Launcher.prepare_direct = prepare
+        for launcher, direct in zip(launchers, saved):
+            launcher.direct = direct
+    out["fmt @ B rel. error"] = err
     run.say("HOST " + json.dumps(out))
     return out
 
@@ -167,7 +187,7 @@ def main() -> None:
     args = parser.parse_args()
     run = Run(args)
     dev = torch.device("cuda")
-    shorten_autotune(warmup=2, rep=6)
+    shorten_autotune(warmup=3, rep=10)
     gen = torch.Generator(device=dev).manual_seed(1)
     mats = matrices(Path(args.data), dev)
     loaded: dict = {}
@@ -181,14 +201,14 @@ def main() -> None:
     host = host_overhead(run)
     dlmc = [m for m in mats if m[1] == "dlmc"]
     others = [m for m in mats if m[1] != "dlmc"]
-    sweep = dlmc[::4] + others
+    sweep = others + dlmc[::6]
     jobs = [(torch.float32, 128, others + dlmc), (torch.float16, 128, others + dlmc)]
     jobs += [(dt, n, sweep) for n in (32, 64, 256) for dt in (torch.float32, torch.float16)]
     ab_rows = []
-    ab_set = dlmc[::10] + others
+    ab_set = others + dlmc[::12]
     for dtype, N, todo in jobs[:2]:
         for name, kind, load in todo:
-            if run.left() < 120:
+            if run.left() < 110:
                 run.note(f"budget: skipped the rest of {dtype} N={N} from {name}")
                 break
             try:
@@ -196,7 +216,7 @@ def main() -> None:
             except Exception as e:
                 run.note(f"{name} {dtype} N={N}: {type(e).__name__}: {str(e)[:200]}")
     for name, _kind, load in ab_set:
-        if run.left() < 70:
+        if run.left() < 60:
             run.note(f"budget: skipped the rest of the A/B from {name}")
             break
         try:
@@ -258,7 +278,7 @@ def summary(run: Run, host: dict, ab_rows: list[dict]) -> None:
                     f"{k.replace('GroupCOO ', 'G')}={r['cusparse_ms'] / v[0]:.2f}" for k, v in r.items()
                     if isinstance(v, tuple)))
     lines.append("")
-    lines.append("host us per cached call: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()))
+    lines.append("host us per cached call: " + ", ".join(f"{k} {v:.3g}" for k, v in host.items()))
     if "bare launch" in host:
         lines.append(f"  over bare launch: insum() +{host['insum()'] - host['bare launch']:.1f} us, "
                      f"fmt @ B +{host['fmt @ B'] - host['bare launch']:.1f} us")

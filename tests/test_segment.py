@@ -135,3 +135,16 @@ def test_golden_source_segment():
     if os.environ.get("INSUM_UPDATE_GOLDEN"):
         path.write_text(text)
     assert text == path.read_text()
+
+
+def test_segment_tiles_stay_tall():
+    # One long row splits into many groups: narrow tiles would multiply its atomics.
+    from insum.codegen import configs_for, prune_configs
+    from insum.codegen.tune import SEGMENT_TILE
+
+    kernel = _check(SPMM, _groups(_skewed_rows(5)))
+    extents = {"p": 5000, "q": 4, "n": 128}
+    pruned = prune_configs(kernel.plan, configs_for(kernel.plan), extents)
+    assert pruned and all(c["BLOCK_M"] >= SEGMENT_TILE for c in pruned)
+    few = prune_configs(kernel.plan, configs_for(kernel.plan), {"p": 3, "q": 4, "n": 128})
+    assert {c["BLOCK_M"] for c in few} == {4}
