@@ -129,6 +129,15 @@ def ab(run: Run, name, csr, gen) -> list[dict]:
             finally:
                 if strategy == "atomic":
                     cls.sorted_indices = saved
+        if isinstance(fmt, GroupCOO):
+            # Segments written by atomics only (the `+=` statement into zeros) against the
+            # `=` statement above, which stores the segments that lie inside one tile.
+            def accumulate(B, f=fmt):
+                C = torch.zeros(f.shape[0], B.shape[1], device=B.device)
+                return insum.insum(f.expression, sorted_indices={"AM"}, C=C, B=B, **f.tensors)
+
+            err = relative_error(accumulate(Bs[0]), expected)
+            out[f"{label} segment atomics only"] = (bench_ms(accumulate, Bs), err)
     longest = int(csr.crow_indices().diff().max())
     if csr.shape[0] * longest <= 1 << 26:
         fmt = ELL.from_torch(csr)

@@ -73,6 +73,8 @@ def test_sorted_scatter_matches_reference(index_dtype, op):
     kernel = _check(stmt, _groups(_skewed_rows(1), index_dtype=index_dtype), poison=op == "=")
     assert kernel.plan.output == "segment"
     assert "tl.associative_scan" in kernel.source
+    # `=`: segments inside a tile are stored, the others added atomically.
+    assert ("tl.store(out_ptrs" in kernel.source) == (op == "=")
 
 
 @pytest.mark.parametrize(

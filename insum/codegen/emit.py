@@ -20,7 +20,7 @@ __all__ = ["Source", "emit", "KERNEL_NAME"]
 KERNEL_NAME = "insum_kernel"
 _RESERVED = (
     "tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest",
-    "seg_key", "next_key", "seg_tail", "_segment_add",
+    "seg_key", "next_key", "seg_tail", "seg_first", "seg_owned", "_segment_add",
 )
 _TL_DTYPES = {"fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
 
@@ -233,10 +233,12 @@ def _segment_add(key_a, acc_a, key_b, acc_b):
     return key_b, acc_b + tl.where(key_a == key_b, acc_a, 0)'''
 
 
-def _segment_lines(em: _Emitter, acc_axes: tuple[str, ...], mask: str | None) -> str:
+def _segment_lines(em: _Emitter, acc_axes: tuple[str, ...], mask: str | None) -> tuple[str, str | None]:
     """Sum adjacent lanes of one output row (sorted index) and keep each segment's last lane.
 
-    Returns the mask argument of the write: only a segment's last lane in the tile writes.
+    Returns the mask argument of the write (only a segment's last lane in the tile writes)
+    and, for `=` statements, the block-shaped condition of the segments that start and end
+    inside the tile: their rows have no other writer, so a plain store replaces the atomic.
     """
     access = segment_index(em.plan)
     var = access.indices[0].variable
@@ -257,7 +259,15 @@ def _segment_lines(em: _Emitter, acc_axes: tuple[str, ...], mask: str | None) ->
         keys = f"tl.broadcast_to({keys}, ({blocks}))"
     em.put(0, f"_, acc = tl.associative_scan(({keys}, acc), {acc_axes.index(axis)}, _segment_add)" + em.shape_comment(acc_axes))
     tail = broadcast(Value("seg_tail", (axis,), 0), acc_axes)
-    return f", mask={mask} & {tail}" if mask else f", mask={tail}"
+    mask_arg = f", mask={mask} & {tail}" if mask else f", mask={tail}"
+    if em.stmt.accumulate:
+        return mask_arg, None
+    first = f"{em.tile_pid[var]} * BLOCK_{axis}"
+    if access.name in em.plan.spec.wide:
+        first = f"({first}).to(tl.int64)"
+    em.put(0, f"seg_first = tl.load({em.ptr[access.name]} + {first} * {em.stride(access.name, 0)})  # []")
+    em.put(0, f"seg_owned = (seg_key != seg_first) & (tl.arange(0, BLOCK_{axis}) != BLOCK_{axis} - 1)" + shape)
+    return mask_arg, broadcast(Value("seg_owned", (axis,), 0), acc_axes)
 
 
 def emit(plan: Plan) -> Source:
@@ -304,7 +314,11 @@ def emit(plan: Plan) -> Source:
     value = broadcast(Value("acc", acc_axes, 0), out_axes) if out_axes != acc_axes else "acc"
     out_ty = f"{em.ptr[stmt.output.name]}.dtype.element_ty"
     if plan.output == "segment":
-        mask_arg = _segment_lines(em, acc_axes, mask)
+        mask_arg, owned = _segment_lines(em, acc_axes, mask)
+        if owned is not None:
+            # `=`: a segment inside the tile is its row's only writer (the output was zeroed).
+            em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg} & {owned})")
+            mask_arg = f"{mask_arg} & ~{owned}"
     if plan.output in ("atomic", "segment"):
         # Into a float32 buffer, or the output's own dtype where the GPU has such atomics.
         cast = f"({value}).to({out_ty})" if value != "acc" else f"acc.to({out_ty})"
