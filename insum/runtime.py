@@ -293,7 +293,18 @@ class _Launcher:
                     return
             runner(*args, *blocks, stream=stream_of(index))
 
-        self.direct = direct
+        def first(args: list) -> None:
+            """The first direct launch: should this Triton's launcher take its arguments
+            differently, it refuses them before launching, and the JIT path stays."""
+            try:
+                direct(args)
+            except (TypeError, ValueError, RuntimeError, SystemError):
+                self.direct = None
+                kernel[grid](*args, **config)
+            else:
+                self.direct = direct
+
+        self.direct = first
 
     def args(self, tensors, target: torch.Tensor) -> list:
         args = list(self.template)
