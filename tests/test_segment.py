@@ -150,3 +150,12 @@ def test_segment_tiles_stay_tall():
     assert pruned and all(c["BLOCK_M"] >= SEGMENT_TILE for c in pruned)
     few = prune_configs(kernel.plan, configs_for(kernel.plan), {"p": 3, "q": 4, "n": 128})
     assert {c["BLOCK_M"] for c in few} == {4}
+
+
+def test_repeated_launches_stay_correct():
+    # From the third call on, a CUDA launch goes through the compiled kernel's own launcher.
+    for seed in range(4):
+        kernel = _check(SPMM.replace("+=", "="), _groups(_skewed_rows(seed), seed=seed), poison=True)
+    if CUDA:
+        launchers = list(kernel._launchers.values())
+        assert launchers and all(launcher.direct is not None for launcher in launchers)
