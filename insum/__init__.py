@@ -32,7 +32,7 @@ def __getattr__(name):
         from .runtime import compile
 
         return compile
-    if name in ("formats", "nn"):
+    if name in ("formats", "nn", "distributed"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -7,10 +7,18 @@
     torch.Size([3, 4])
 
 - `linear`: `SparseLinear` (a weight held in a sparse format), `magnitude_prune`.
+- `distributed`: `DistributedSparseLinear` (output features split across ranks).
 - `functional`: the functional forms (`sparse_linear`).
 """
 
 from . import functional
+from .distributed import DistributedSparseLinear
 from .linear import SparseLinear, magnitude_prune, sparse_linear
 
-__all__ = ["SparseLinear", "sparse_linear", "magnitude_prune", "functional"]
+__all__ = [
+    "SparseLinear",
+    "DistributedSparseLinear",
+    "sparse_linear",
+    "magnitude_prune",
+    "functional",
+]
