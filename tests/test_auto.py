@@ -94,6 +94,8 @@ def test_auto_empty_matrix_and_bad_arguments():
         auto(torch.eye(3), n_cols=0)
     with pytest.raises(InsumError, match="torch.Tensor"):
         auto([[1.0]])
+    with pytest.raises(InsumError, match="group_sise"):
+        auto(torch.eye(3), group_sise=2)
 
 
 def test_sparse_linear_auto():

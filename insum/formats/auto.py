@@ -164,12 +164,13 @@ def rank(stats: RowStats, n_cols: int, dtype: torch.dtype = torch.float32) -> li
     return sorted(out, key=lambda c: c.cost_us)
 
 
-def _pack(candidate: Candidate | tuple[str, dict], A: torch.Tensor, dtype: torch.dtype) -> SparseFormat:
+def _pack(
+    candidate: Candidate | tuple[str, dict], A: torch.Tensor, dtype: torch.dtype, index_dtype: torch.dtype | None
+) -> SparseFormat:
     name, params = (candidate.format, candidate.params) if isinstance(candidate, Candidate) else candidate
     cls = {"ELL": ELL, "GroupCOO": GroupCOO, "CELL": CELL}[name]
     packer = cls.from_dense if A.layout == torch.strided else cls.from_torch
-    fmt = packer(A.to(dtype), **params)
-    return fmt
+    return packer(A.to(dtype), **params, index_dtype=index_dtype)
 
 
 def _time_spmm(fmt: SparseFormat, B: torch.Tensor, reps: int = 10) -> float:
@@ -198,18 +199,26 @@ def auto(
     dtype: torch.dtype | None = None,
     *,
     measure: bool | None = None,
+    index_dtype: torch.dtype | None = None,
+    **unknown: Any,
 ) -> SparseFormat:
     """Pack A (dense or torch sparse COO/CSR/BSR) in the format expected fastest for
     `fmt @ B` with B of `n_cols` columns (default 128) in `dtype` (default A's).
 
     measure: time the model's best few candidates with the real SpMM and keep the fastest
     (default: on CUDA). Results are cached per matrix fingerprint.
+    index_dtype: the packed indices' dtype (default: int32 where the sizes allow).
 
     >>> A = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0]])
     >>> fmt = auto(A, n_cols=16)
     >>> torch.allclose(fmt @ torch.eye(3), A)
     True
     """
+    if unknown:
+        raise InsumError(
+            f"unknown parameter(s) {', '.join(map(repr, unknown))} for formats.auto; "
+            "valid: n_cols, dtype, measure, index_dtype"
+        )
     if not isinstance(A, torch.Tensor):
         raise InsumError(f"auto expects a torch.Tensor matrix, got {type(A).__name__}")
     n_cols = 128 if n_cols is None else check_positive_int("n_cols", n_cols)
@@ -218,17 +227,17 @@ def auto(
     stats = row_stats(A)
     ranked = rank(stats, n_cols, dtype)
     measure = A.device.type == "cuda" if measure is None else measure
-    key = (stats.shape, stats.nnz, stats.checksum, str(dtype), n_cols, str(A.device), measure)
+    key = (stats.shape, stats.nnz, stats.checksum, str(dtype), n_cols, str(A.device), measure, str(index_dtype))
     cached = _CACHE.get(key)
     if cached is not None:
         name, params, why = cached
-        fmt = _pack((name, params), A, dtype)
+        fmt = _pack((name, params), A, dtype, index_dtype)
         fmt.params["chosen"] = why + " (cached choice for this matrix)"
         return fmt
     model = "; ".join(str(c) for c in ranked[:4])
     if not measure or stats.nnz == 0:
         best = ranked[0]
-        fmt = _pack(best, A, dtype)
+        fmt = _pack(best, A, dtype, index_dtype)
         why = f"auto: {best.format}{best.params or ''} by the cost model ({stats.nnz} nonzeros, longest row {stats.longest}, N={n_cols}); ranked: {model}"
     else:
         B = torch.randn(stats.shape[1], n_cols, dtype=dtype, device=A.device, generator=torch.Generator(A.device).manual_seed(0))
@@ -237,7 +246,7 @@ def auto(
         # little there, and the model knows least about it).
         extra = [c for c in ranked[MEASURED:] if c.format == "CELL"][:1] if stats.nnz >= CELL_MEASURED_NNZ else []
         for candidate in ranked[:MEASURED] + extra:
-            fmt = _pack(candidate, A, dtype)
+            fmt = _pack(candidate, A, dtype, index_dtype)
             timed.append((_time_spmm(fmt, B), candidate, fmt))
         seconds, best, fmt = min(timed, key=lambda t: t[0])
         times = ", ".join(f"{c.format}{c.params or ''} {t:.1f}us" for t, c, _ in timed)
