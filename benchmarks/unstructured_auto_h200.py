@@ -167,22 +167,6 @@ def host_overhead(run: Run) -> dict:
     out["fmt @ B"] = host_us_per_call(lambda: fmt @ B, 3000)
     out["CSR @ B"] = host_us_per_call(lambda: csr @ B, 3000)
     err = relative_error(fmt @ B, A.double() @ B.double())
-    # A/B: the same calls through the JIT launcher (the direct launch switched off).
-    from insum import runtime
-
-    prepare = runtime._Launcher.prepare_direct
-    runtime._Launcher.prepare_direct = lambda self, compiled, device: None
-    launchers = [launcher for k in runtime._KERNELS.values() for launcher in k._launchers.values()]
-    saved = [launcher.direct for launcher in launchers]
-    for launcher in launchers:
-        launcher.direct = None
-    try:
-        out["insum() JIT launch"] = host_us_per_call(lambda: insum.insum(expr, **tensors), 3000)
-        out["fmt @ B JIT launch"] = host_us_per_call(lambda: fmt @ B, 3000)
-    finally:
-        runtime._Launcher.prepare_direct = prepare
-        for launcher, direct in zip(launchers, saved):
-            launcher.direct = direct
     out["fmt @ B rel. error"] = err
     run.say("HOST " + json.dumps(out))
     return out

@@ -135,10 +135,8 @@ class Kernel:
             args = launcher.args(bound.tensors, target)
             if launcher.config is None:
                 self._first_run(launcher, args, bound.device)
-            elif launcher.direct is not None:
-                launcher.direct(args)
             else:
-                launcher.prepare_direct(self.fn[launcher.grid](*args, **launcher.config), bound.device)
+                self.fn[launcher.grid](*args, **launcher.config)
         if target is not out:
             if self.plan.stmt.accumulate:
                 out.add_(target)
@@ -256,55 +254,10 @@ class _Launcher:
         self.grid_fn = grid_fn
         self.config: dict | None = None
         self.grid: tuple[int, ...] | None = None
-        self.kernel_fn = kernel.fn
-        self.block_names = tuple(f"BLOCK_{a}" for a, _ in plan.tiles)
-        self.direct = None  # set after the first tuned launch (prepare_direct)
 
     def set_config(self, config: dict) -> None:
         self.config = config
         self.grid = self.grid_fn(config)
-
-    def prepare_direct(self, compiled, device: torch.device) -> None:
-        """Launch later calls through the compiled kernel itself, skipping the JIT's
-        per-call argument binding and specialisation (most of a Triton launch's host time).
-
-        The signature fixes every specialisation except the pointers' 16-byte alignment,
-        which torch's allocations keep; an unaligned pointer takes the JIT path again.
-        Kept off while Triton's launch hooks (profilers) are set, or when the compiled
-        kernel lacks the interface.
-        """
-        self.direct = None
-        if compiled is None or device.type != "cuda" or _launch_hooks_set():
-            return
-        try:
-            runner = compiled[self.grid]
-        except Exception:  # another Triton version's interface: keep the JIT path
-            return
-        blocks = tuple(self.config[name] for name in self.block_names)  # signature order
-        stream_of = torch._C._cuda_getCurrentRawStream
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        pointers = [position for position, _ in self.pointers]
-        kernel, grid, config = self.kernel_fn, self.grid, self.config
-
-        def direct(args: list) -> None:
-            for position in pointers:
-                if args[position].data_ptr() % 16:
-                    kernel[grid](*args, **config)
-                    return
-            runner(*args, *blocks, stream=stream_of(index))
-
-        def first(args: list) -> None:
-            """The first direct launch: should this Triton's launcher take its arguments
-            differently, it refuses them before launching, and the JIT path stays."""
-            try:
-                direct(args)
-            except (TypeError, ValueError, RuntimeError, SystemError):
-                self.direct = None
-                kernel[grid](*args, **config)
-            else:
-                self.direct = direct
-
-        self.direct = first
 
     def args(self, tensors, target: torch.Tensor) -> list:
         args = list(self.template)
@@ -313,16 +266,6 @@ class _Launcher:
         for position, dim in self.out_strides:
             args[position] = target.stride(dim)
         return args
-
-
-def _launch_hooks_set() -> bool:
-    """Whether a profiler or tool has hooked Triton's launches (they need the JIT path)."""
-    try:
-        from triton import knobs
-
-        return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
-    except (ImportError, AttributeError):
-        return True
 
 
 def _half_atomics(out: torch.Tensor) -> bool:

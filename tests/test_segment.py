@@ -131,7 +131,7 @@ def test_claim_must_name_an_index_tensor():
 
 def test_golden_source_segment():
     """INSUM_UPDATE_GOLDEN=1 rewrites it."""
-    t = _groups([0, 0, 1])
+    t = {k: v.to(DEVICE) for k, v in _groups([0, 0, 1]).items()}
     text = kernel_for(bind(parse(SPMM), t), "tf32", frozenset({"AM"})).source
     path = GOLDEN / "group_coo_spmm_sorted.py"
     if os.environ.get("INSUM_UPDATE_GOLDEN"):
@@ -153,9 +153,6 @@ def test_segment_tiles_stay_tall():
 
 
 def test_repeated_launches_stay_correct():
-    # From the third call on, a CUDA launch goes through the compiled kernel's own launcher.
-    for seed in range(4):
-        kernel = _check(SPMM.replace("+=", "="), _groups(_skewed_rows(seed), seed=seed), poison=True)
-    if CUDA:
-        launchers = list(kernel._launchers.values())
-        assert launchers and all(launcher.direct is not None for launcher in launchers)
+    # One prepared launch serves fresh tensors of the same signature.
+    for seed in range(3):
+        _check(SPMM.replace("+=", "="), _groups(_skewed_rows(6), seed=seed), poison=True)
