@@ -9,7 +9,14 @@ Differentiable (`insum.autograd`), traceable by torch.compile (`insum.library`),
 
 from . import autograd, library  # noqa: F401  (registers the torch.library operators)
 from .api import explain, insum
-from .errors import InsumError, InsumShapeError, InsumSyntaxError, InsumTypeError
+from .errors import (
+    InsumError,
+    InsumIndexError,
+    InsumShapeError,
+    InsumSyntaxError,
+    InsumTypeError,
+    UnsupportedStatement,
+)
 from .parser import parse
 
 __all__ = [
@@ -21,6 +28,8 @@ __all__ = [
     "InsumSyntaxError",
     "InsumShapeError",
     "InsumTypeError",
+    "InsumIndexError",
+    "UnsupportedStatement",
 ]
 
 __version__ = "0.1.0"

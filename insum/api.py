@@ -2,28 +2,59 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
 
 from .bind import Bound, bind
-from .errors import InsumError
+from .errors import InsumError, InsumTypeError, UnsupportedStatement
 from .library import call
 from .parser import parse
 from .reference import run_reference
 
-__all__ = ["insum", "explain", "run_bound", "BACKENDS", "PRECISIONS"]
+__all__ = ["insum", "explain", "run_bound", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
 BACKENDS = ("auto", "torch", "triton")
 PRECISIONS = ("tf32", "ieee")
+OPTIONS = ("backend", "precision", "autotune", "check_indices", "sorted_indices")  # keywords that are not tensors
 _warned_fallback: set[str] = set()
 
 
-def _check_options(backend: str, precision: str) -> None:
+def check_options(**options) -> None:
+    """Reject an unknown option value, or a tensor passed under an option's name."""
+    for name, value in options.items():
+        if isinstance(value, torch.Tensor):
+            raise InsumError(
+                f"a tensor was passed as {name}=: '{name}' is an option of insum(), so no tensor "
+                "may be named so; rename it in the statement"
+            )
+    backend, precision = options.get("backend", "auto"), options.get("precision", "tf32")
     if backend not in BACKENDS:
         raise InsumError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if precision not in PRECISIONS:
         raise InsumError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    for name in ("autotune", "check_indices"):
+        if options.get(name) not in (None, True, False):
+            raise InsumError(f"{name} must be True, False or None, not {options[name]!r}")
+
+
+def _check_names(stmt) -> None:
+    taken = sorted({a.name for a in _all_accesses(stmt)} & set(OPTIONS))
+    if taken:
+        raise InsumError(
+            f"tensor name {taken[0]!r} in '{stmt}' is an option of insum() ({', '.join(OPTIONS)}); "
+            "rename the tensor"
+        )
+
+
+def _all_accesses(stmt):
+    stack = [stmt.output, *stmt.accesses()]
+    while stack:
+        access = stack.pop()
+        yield access
+        for index in access.indices:
+            stack.extend(index.indirect_accesses())
 
 
 def insum(
@@ -32,6 +63,8 @@ def insum(
     *,
     backend: str = "auto",
     precision: str = "tf32",
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
     **tensors: torch.Tensor,
 ) -> torch.Tensor:
@@ -44,6 +77,10 @@ def insum(
     backend: "torch" (the reference lowering), "triton" (the generated kernel), or "auto"
     (the generated kernel on CUDA when the statement is supported, else the reference).
     precision: "tf32" (default) or "ieee" for float32 `tl.dot`.
+    autotune: measure tile candidates on a new size's first call (None: INSUM_AUTOTUNE,
+    default on); False bounds the first call's latency.
+    check_indices: check index values before the generated kernel runs (None:
+    INSUM_CHECK_INDICES, default off); the torch backend always checks. See `insum.bounds`.
     sorted_indices: names of index tensors whose values the caller guarantees sorted
     (equal values adjacent), such as a format's row index. A scatter through one
     (`C[AM[p], n]` with AM sorted) then sums adjacent contributions to one row in
@@ -56,13 +93,18 @@ def insum(
     tensor([[1., 1., 1.],
             [1., 0., 2.]])
     """
-    _check_options(backend, precision)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
-        # torch.compile traces the registered operators; autograd needs their derived backward.
+    check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+    if torch.compiler.is_compiling():  # torch.compile traces the registered operators
         return call(expr, tensors, backend, precision)
-    bound = bind(parse(expr), tensors)
+    stmt = parse(expr)
+    _check_names(stmt)
+    if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
+        return call(expr, tensors, backend, precision)
+    bound = bind(stmt, tensors)
     facts = _sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
-    return run_bound(bound, bound.output(), backend, precision, sorted_indices=facts)
+    return run_bound(
+        bound, bound.output(), backend, precision, autotune=autotune, check_indices=check_indices, sorted_indices=facts
+    )
 
 
 def _sorted_facts(bound: Bound, names) -> frozenset[str]:
@@ -84,6 +126,12 @@ def _any_requires_grad(tensors: dict) -> bool:
     return False
 
 
+def _checking(check_indices: bool | None) -> bool:
+    if check_indices is not None:
+        return check_indices
+    return os.environ.get("INSUM_CHECK_INDICES", "0") not in ("", "0")
+
+
 def run_bound(
     bound: Bound,
     out: torch.Tensor,
@@ -91,6 +139,8 @@ def run_bound(
     precision: str,
     *,
     strict: bool | None = None,
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Run a bound statement into `out` on `backend`, directly (no dispatcher, no autograd).
@@ -98,9 +148,15 @@ def run_bound(
     strict: raise when the generated kernel cannot run the statement (default: when
     backend is "triton"); otherwise fall back to the torch lowering with one warning.
     """
+    if bound.device.type == "meta":
+        raise InsumTypeError(
+            "the tensors are on the meta device and hold no values; insum runs on them only "
+            "while torch.compile traces (the operators' fake implementations)"
+        )
     if backend == "torch" or (backend == "auto" and bound.device.type != "cuda"):
         return run_reference(bound, out)
-    from .runtime import UnsupportedStatement, kernel_for
+    from .bounds import check_indices as check
+    from .runtime import kernel_for
 
     try:
         kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
@@ -114,12 +170,13 @@ def run_bound(
             _warned_fallback.add(key)
             warnings.warn(f"insum: falling back to the torch lowering: {e}", stacklevel=3)
         return run_reference(bound, out)
-    return kernel.launch(bound, out)
+    check(bound, out, device_check=_checking(check_indices))
+    return kernel.launch(bound, out, autotune=autotune)
 
 
 def explain(expr: str, /, *, precision: str = "tf32", **tensors: torch.Tensor) -> str:
     """Describe how a statement is understood and compiled: IR, extents, roles, plan, source."""
-    _check_options("auto", precision)
+    check_options(precision=precision)
     bound = bind(parse(expr), tensors)
     lines = [f"statement: {bound.stmt}", f"ir: {bound.stmt!r}", "variables:"]
     for var in bound.stmt.variables():
@@ -127,7 +184,7 @@ def explain(expr: str, /, *, precision: str = "tf32", **tensors: torch.Tensor) -
     lines.append(f"index tensors: {', '.join(bound.index_names) or '-'}")
     lines.append(f"value tensors: {', '.join(bound.value_names) or '-'}")
     lines.append(f"output: {bound.output_name} {list(bound.out_shape)} {bound.out_dtype}")
-    from .runtime import UnsupportedStatement, kernel_for
+    from .runtime import kernel_for
 
     try:
         kernel = kernel_for(bound, precision=precision)

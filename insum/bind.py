@@ -30,7 +30,7 @@ class Bound:
     """A statement checked against its tensors."""
 
     stmt: Statement
-    tensors: Mapping[str, torch.Tensor]  # every input, and the output when it was given
+    tensors: Mapping[str, torch.Tensor]  # every input, and the output when given (not cached)
     extents: Mapping[str, int]  # variable -> extent
     roles: Mapping[str, str]  # variable -> "output" | "scattered" | "reduced"
     index_names: tuple[str, ...]  # tensors read as indices, in order of appearance
@@ -151,7 +151,8 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
     """Check `tensors` against `stmt`; raise an `InsumError` subclass naming what is wrong.
 
     A binding depends only on the tensors' signature (dtypes, shapes, strides, devices), so a
-    repeated signature reuses the checked binding and only re-checks output aliasing.
+    repeated signature reuses the checked binding and only re-checks output aliasing. The
+    cache keeps the binding without its tensors, so it never holds user memory alive.
     """
     signature = _signature(tensors)
     if signature is not None:
@@ -163,7 +164,7 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
     if signature is not None:
         if len(_BOUND) >= _BOUND_LIMIT:
             _BOUND.clear()
-        _BOUND[(stmt, signature)] = bound
+        _BOUND[(stmt, signature)] = bound.with_tensors({})
     return bound
 
 
@@ -254,6 +255,7 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
 
     if output is not None:
         _check_aliasing(stmt, tuple(uses), tensors)
+        _check_distinct_elements(out_name, output)
         out_shape, out_dtype = tuple(output.shape), output.dtype
     else:
         if len(analysis.output_dims) != len(stmt.output.indices):
@@ -280,6 +282,17 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
         device=device,
         signature=signature,
     )
+
+
+def _check_distinct_elements(name: str, output: torch.Tensor) -> None:
+    """An output whose elements share memory (a stride 0 from `expand`) cannot be written."""
+    for dim, (size, stride) in enumerate(zip(output.shape, output.stride())):
+        if size > 1 and stride == 0:
+            raise InsumShapeError(
+                f"the output {name} has stride 0 in dimension {dim} (size {size}): its elements "
+                "share memory (an expanded tensor?); pass a tensor with its own storage, e.g. "
+                f"{name}.clone()"
+            )
 
 
 def _all_accesses(stmt: Statement):

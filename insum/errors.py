@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["InsumError", "InsumSyntaxError", "InsumShapeError", "InsumTypeError"]
+__all__ = [
+    "InsumError",
+    "InsumSyntaxError",
+    "InsumShapeError",
+    "InsumTypeError",
+    "InsumIndexError",
+    "UnsupportedStatement",
+]
 
 
 class InsumError(ValueError):
@@ -29,3 +36,12 @@ class InsumShapeError(InsumError):
 
 class InsumTypeError(InsumError):
     """A tensor has the wrong dtype or device for its role (e.g. a float index)."""
+
+
+class InsumIndexError(InsumError):
+    """An index value is out of range for the dimension it addresses."""
+
+
+class UnsupportedStatement(InsumError):
+    """The generated-kernel backend cannot run this statement here (`backend="auto"` falls
+    back to the torch lowering with one warning; `backend="triton"` raises it)."""

@@ -33,9 +33,19 @@ _EXPECTED_WORDS = {
 
 
 class _ToIR(lark.Transformer):
+    def __init__(self):
+        super().__init__()
+        self.written: dict[str, lark.Token] = {}  # variable -> its first token in the text
+
     def statement(self, items):
         output, op, product = items
-        return Statement(output, str(op), tuple(product))
+        stmt = Statement(output, str(op), tuple(product))
+        kept = set(stmt.variables())
+        for name, token in self.written.items():
+            if name not in kept:
+                # `O[0] += A[i - i]`: the terms fold away and nothing gives `i` an extent.
+                raise _BadToken(token, f"variable '{name}' cancels out of every index it appears in")
+        return stmt
 
     def product(self, factors):
         return factors
@@ -78,6 +88,7 @@ class _ToIR(lark.Transformer):
         return _int(items[0])
 
     def variable(self, items):
+        self.written.setdefault(str(items[0]), items[0])
         return Var(str(items[0]))
 
     def indirect(self, items):
@@ -92,8 +103,9 @@ def _negate(part):
     return (-coef, atom)
 
 
-class _BadLiteral(Exception):
-    """A literal that lexes but has no value (raised inside the transformer)."""
+class _BadToken(Exception):
+    """A token that lexes but means nothing (raised inside the transformer): a literal out of
+    range, a variable that cancels out."""
 
     def __init__(self, token, reason: str):
         super().__init__(reason)
@@ -103,7 +115,7 @@ class _BadLiteral(Exception):
 def _int(token) -> int:
     digits = str(token).lstrip("0") or "0"
     if len(digits) > 19 or int(digits) >= 2**63:
-        raise _BadLiteral(token, f"integer {_short(token)} out of range (at most 2**63 - 1)")
+        raise _BadToken(token, f"integer {_short(token)} out of range (at most 2**63 - 1)")
     return int(digits)
 
 
@@ -111,7 +123,7 @@ def _number(token) -> int | float:
     text = str(token)
     value = float(text)
     if not math.isfinite(value):
-        raise _BadLiteral(token, f"number {_short(token)} out of range for a float")
+        raise _BadToken(token, f"number {_short(token)} out of range for a float")
     return value if any(c in text for c in ".eE") else int(text.lstrip("0") or "0")
 
 
@@ -154,7 +166,7 @@ def parse(text: str) -> Statement:
     try:
         return _ToIR().transform(tree)
     except lark.exceptions.VisitError as e:
-        if isinstance(e.orig_exc, _BadLiteral):
+        if isinstance(e.orig_exc, _BadToken):
             token = e.orig_exc.token
             raise InsumSyntaxError(e.orig_exc.reason, text, token.line, token.column) from None
         raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .bind import Bound
-from .errors import InsumError
+from .errors import InsumIndexError
 from .ir import Access, Index, Var
 
 __all__ = ["run_reference", "compute_dtype"]
@@ -60,7 +60,7 @@ def _check_bounds(idx: torch.Tensor, size: int, name: str, dim: int) -> None:
     low, high = int(idx.min()), int(idx.max())
     if low < 0 or high >= size:
         bad = low if low < 0 else high
-        raise InsumError(f"index {bad} out of range for {name} dimension {dim} of size {size}")
+        raise InsumIndexError(f"index {bad} out of range for {name} dimension {dim} of size {size}")
 
 
 def run_reference(bound: Bound, out: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ JSON file beside the source, so another process does not tune again.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -22,7 +24,7 @@ from .bind import Bound, bind
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
 from .codegen.schedule import NARROW
 from .codegen.tune import next_power_of_2
-from .errors import InsumError
+from .errors import InsumTypeError, UnsupportedStatement
 from .parser import parse
 
 __all__ = ["Kernel", "UnsupportedStatement", "compile", "kernel_for", "cache_dir"]
@@ -42,10 +44,6 @@ _BY_SIGNATURE: dict[tuple, Kernel] = {}
 _BY_SIGNATURE_LIMIT = 4096
 
 
-class UnsupportedStatement(InsumError):
-    """The generated-kernel backend cannot run this statement here."""
-
-
 def cache_dir() -> Path:
     """Where kernel sources and tuning results live: $INSUM_CACHE_DIR or ~/.cache/insum."""
     root = os.environ.get("INSUM_CACHE_DIR") or Path.home() / ".cache" / "insum"
@@ -53,11 +51,15 @@ def cache_dir() -> Path:
 
 
 def _interpreting() -> bool:
+    """TRITON_INTERPRET, read at call time."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _tuning_enabled() -> bool:
-    """INSUM_AUTOTUNE=0 uses the first candidate configuration instead of measuring."""
+def _tuning_enabled(autotune: bool | None = None) -> bool:
+    """autotune=False (or INSUM_AUTOTUNE=0 when it is None) takes the first candidate
+    configuration instead of measuring."""
+    if autotune is not None:
+        return bool(autotune)
     return os.environ.get("INSUM_AUTOTUNE", "1") not in ("", "0")
 
 
@@ -88,12 +90,30 @@ def spec_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[st
     )
 
 
-class Kernel:
-    """A generated kernel: `.source`, `.plan`, and a launcher that tunes on first use."""
+def _plan_here(spec: KernelSpec) -> Plan:
+    """The schedule, with bf16 dots in float32 under the interpreter.
 
-    def __init__(self, spec: KernelSpec, plan: Plan | None = None):
+    The interpreter stores bf16 as raw 16-bit integers and its `tl.dot` multiplies those
+    (garbage results): there the operands are upcast, multiplied in float32 ("ieee") and the
+    result rounded once at the store, as a GPU's bf16 tensor cores accumulate in float32.
+    """
+    plan = schedule(spec)
+    if plan.dot_dtype == "bf16" and _interpreting():
+        plan = dataclasses.replace(plan, dot_dtype="fp32", spec=dataclasses.replace(spec, precision="ieee"))
+    return plan
+
+
+class Kernel:
+    """A generated kernel: `.source`, `.plan`, and a launcher that tunes on first use.
+
+    Callable on any tensors of the compiled dtypes and ranks: extents that change the plan
+    (the narrow-tile orientation, 64-bit addressing) run the sibling kernel for them.
+    """
+
+    def __init__(self, spec: KernelSpec, plan: Plan | None = None, autotune: bool | None = None):
         self.spec = spec
-        self.plan = plan if plan is not None else schedule(spec)
+        self.plan = plan if plan is not None else _plan_here(spec)
+        self.autotune = autotune  # None: INSUM_AUTOTUNE decides
         generated = emit(self.plan)
         self.source: str = generated.text
         self.args = generated.args
@@ -103,20 +123,33 @@ class Kernel:
         self.out_arg = f"{spec.stmt.output.name}_ptr"
         self.tuned: dict[tuple, dict] = {}  # extents bucket -> configuration
         self._launchers: dict[tuple, _Launcher] = {}  # tensor signature -> prepared launch
+        self._siblings: dict[KernelSpec, Kernel] = {}  # re-planned for other extents
 
     def __repr__(self) -> str:
         return f"insum.Kernel('{self.spec.stmt}', plan={self.plan.kind}, digest={self.digest})"
 
     def __call__(self, **tensors: torch.Tensor) -> torch.Tensor:
-        """Run the kernel's statement on new tensors of the same dtypes and ranks."""
+        """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents."""
         bound = bind(self.spec.stmt, tensors)
-        if spec_for(bound, self.spec.precision) != self.spec:
-            raise InsumError(f"tensors do not match the dtypes this kernel was compiled for: {self!r}")
-        return self.launch(bound, bound.output())
+        _check_device(bound)
+        spec = spec_for(bound, self.spec.precision)
+        if spec.dtypes != self.spec.dtypes:
+            compiled, given = dict(self.spec.dtypes), dict(spec.dtypes)
+            wrong = [f"{n} is {given[n]}, compiled for {compiled[n]}" for n in compiled if given[n] != compiled[n]]
+            raise InsumTypeError(f"tensor dtypes differ from this kernel's ({'; '.join(wrong)}): {self!r}")
+        kernel = self
+        if spec != self.spec:
+            kernel = self._siblings.get(spec)
+            if kernel is None:
+                kernel = self._siblings[spec] = _cached_kernel(spec, self.autotune)
+        return kernel.launch(bound, bound.output())
 
     # -- launching ----------------------------------------------------------------------
-    def launch(self, bound: Bound, out: torch.Tensor) -> torch.Tensor:
-        """Run on a bound statement, writing into `out`; returns `out`."""
+    def launch(self, bound: Bound, out: torch.Tensor, *, autotune: bool | None = None) -> torch.Tensor:
+        """Run on a bound statement, writing into `out`; returns `out`.
+
+        autotune: measure the candidate tiles on a signature's first call (None: the kernel's
+        own setting, then INSUM_AUTOTUNE)."""
         launcher = self._launchers.get(bound.signature) if bound.signature is not None else None
         if launcher is None:
             launcher = _Launcher(self, bound)
@@ -134,7 +167,7 @@ class Kernel:
         if launcher.launched:
             args = launcher.args(bound.tensors, target)
             if launcher.config is None:
-                self._first_run(launcher, args, bound.device)
+                self._first_run(launcher, args, bound.device, self.autotune if autotune is None else autotune)
             else:
                 self.fn[launcher.grid](*args, **launcher.config)
         if target is not out:
@@ -144,24 +177,24 @@ class Kernel:
                 out.copy_(target)
         return out
 
-    def _first_run(self, launcher: _Launcher, args: list, device: torch.device) -> None:
+    def _first_run(self, launcher: _Launcher, args: list, device: torch.device, autotune: bool | None) -> None:
         """Find the configuration for a new signature (tuning if needed) and run once."""
         bucket = tuple(next_power_of_2(launcher.extents[v]) for _, v in self.plan.tiles)
         config = self.tuned.get(bucket)
         if config is None:
-            config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device)
-        launcher.set_config(self.tuned[bucket])
+            config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device, autotune)
+        launcher.set_config(config if config is not None else self.tuned[bucket])
         if config is not None:  # else the autotuner's final run already produced the result
             self.fn[launcher.grid](*args, **launcher.config)
 
-    def _first_config(self, bucket, args, grid, extents, device) -> dict | None:
+    def _first_config(self, bucket, args, grid, extents, device, autotune) -> dict | None:
         """Configuration for a new bucket: interpreter, untuned, disk cache, or autotune."""
         candidates = prune_configs(self.plan, configs_for(self.plan), extents)
         if _interpreting():
             # The interpreter runs programs one at a time: the largest tile is the fastest.
             config = max(candidates, key=lambda c: math.prod(v for k, v in c.items() if k.startswith("BLOCK")))
-        elif not _tuning_enabled():
-            config = candidates[0]
+        elif not _tuning_enabled(autotune):
+            return candidates[0]  # not kept for the bucket: its other sizes still measure
         else:
             config = self._disk_config(bucket, device)
         if config is None:
@@ -300,8 +333,39 @@ def _load(path: Path, source: str, digest: str):
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # never leave a half-loaded module for the next call to find
+            del sys.modules[module_name]
+            raise UnsupportedStatement(f"the generated kernel {path} does not load: {e!r}") from e
     return getattr(module, KERNEL_NAME)
+
+
+def _check_device(bound: Bound) -> None:
+    """The generated kernel runs on CUDA, or on the CPU under the interpreter; and triton
+    must have been imported in the mode TRITON_INTERPRET asks for now."""
+    interpreting = _interpreting()
+    if not interpreting and bound.device.type != "cuda":
+        raise UnsupportedStatement(
+            f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 set before importing "
+            f"insum (tensors are on {bound.device})"
+        )
+    imported = _triton_imported_interpreting()
+    if interpreting != imported:
+        raise UnsupportedStatement(
+            f"TRITON_INTERPRET is {os.environ.get('TRITON_INTERPRET', 'unset')!r} now, but triton "
+            f"was imported {'with' if imported else 'without'} it; set TRITON_INTERPRET before "
+            "importing insum (or triton)"
+        )
+
+
+@functools.cache
+def _triton_imported_interpreting() -> bool:
+    """The mode triton.language's own @jit helpers (tl.cdiv, tl.sum, ...) were built in when
+    triton was imported; a kernel of the other mode cannot call them."""
+    import triton.language as tl
+
+    return type(tl.cdiv).__name__ == "InterpretedFunction"
 
 
 def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset()) -> Kernel:
@@ -309,10 +373,7 @@ def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[
 
     sorted_indices: index tensors the caller guarantees sorted (see `insum()`).
     """
-    if bound.device.type != "cuda" and not _interpreting():
-        raise UnsupportedStatement(
-            f"the triton backend needs a CUDA device or TRITON_INTERPRET=1 (tensors are on {bound.device})"
-        )
+    _check_device(bound)
     if bound.signature is None:
         return _cached_kernel(spec_for(bound, precision, sorted_indices))
     key = (bound.stmt, bound.signature, precision, sorted_indices)
@@ -324,17 +385,30 @@ def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[
     return kernel
 
 
-def _cached_kernel(spec: KernelSpec) -> Kernel:
+def _cached_kernel(spec: KernelSpec, autotune: bool | None = None) -> Kernel:
+    """The shared kernel for `spec`, or (with an autotune setting) a kernel of its own."""
+    if autotune is not None:
+        return Kernel(spec, autotune=autotune)
     kernel = _KERNELS.get(spec)
     if kernel is None:
         kernel = _KERNELS[spec] = Kernel(spec)
     return kernel
 
 
-def compile(expr: str, /, *, precision: str = "tf32", **example_tensors: torch.Tensor) -> Kernel:
-    """Compile a statement for tensors like the examples; the kernel is callable with tensors.
+def compile(
+    expr: str, /, *, precision: str = "tf32", autotune: bool | None = None, **example_tensors: torch.Tensor
+) -> Kernel:
+    """Compile a statement for tensors like the examples; the kernel is callable with tensors
+    of the same dtypes and ranks.
+
+    autotune: measure tile candidates on each new size's first call (None: INSUM_AUTOTUNE,
+    default on; False bounds the first call's latency).
 
     >>> k = insum.compile("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)
     >>> print(k.source); k(C=C, AM=AM, AV=AV, AK=AK, B=B)
     """
-    return _cached_kernel(spec_for(bind(parse(expr), example_tensors), precision))
+    from .api import check_options
+
+    check_options(precision=precision, autotune=autotune)
+    bound = bind(parse(expr), example_tensors)
+    return _cached_kernel(spec_for(bound, precision), autotune)

@@ -291,6 +291,23 @@ def _transposed_out(g, it, dt):
     return {"C": _values(g, dt, n, m), "A": _values(g, dt, m, k), "B": _values(g, dt, k, n)}
 
 
+def _affine_sum_gather(g, it, dt):
+    # `A[i + j, 0]` on a matrix with 4 columns: the sum times the stride (issue 15, item 1).
+    i, j = 4, 2
+    return {"O": _values(g, dt, i), "A": _values(g, dt, i + j - 1, 4), "E": _values(g, dt, j)}
+
+
+def _affine_sum_scatter(g, it, dt):
+    # `O[i + j, 0]`: a scatter through the sum on a dimension of stride 3 (issue 15, item 1).
+    i, j = 4, 2
+    return {"O": _values(g, dt, i + j - 1, 3), "A1": _values(g, dt, i), "E": _values(g, dt, j)}
+
+
+def _no_variables(g, it, dt):
+    # Scalars and literal indices only (issue 15, item 2).
+    return {"O": _values(g, dt, 3), "S": _values(g, dt), "X": _values(g, dt, 4, 2)}
+
+
 CASES: list[Case] = [
     # --- sparse formats: SpMM ---
     Case("coo_spmm", "C[AM[p], n] += AV[p] * B[AK[p], n]", _coo, True,
@@ -349,6 +366,13 @@ CASES: list[Case] = [
     Case("shift", "D[i] += X[i + 2 - 1] * X[i + 2] * W[i]", _shift, False,
          "`i + 2 - 1` (folds to i + 1) and `i + 2`; i's extent from W"),
     Case("diagonal", "O[i] += A[i, i]", _diagonal, False, "one variable twice in one access"),
+    # --- past failures (issue 15; found again by tests/test_fuzz.py) ---
+    Case("affine_sum_gather", "O[i] += A[i + j, 0] * E[j]", _affine_sum_gather, True,
+         "two unit terms on a strided dimension: the kernel addressed a + b*stride"),
+    Case("affine_sum_scatter", "O[i + j, 0] += A1[i] * E[j]", _affine_sum_scatter, True,
+         "the same in the output: the scatter wrote into row 0"),
+    Case("no_variables", "O[1] += S[] * X[2, 1] * 0.5", _no_variables, True,
+         "no variables: the kernel's signature had an empty extents group"),
 ]
 
 CASE_IDS = [c.id for c in CASES]

@@ -62,7 +62,7 @@ FORMS = [
     ("negative_constant_only", "D[i] += X[i, -2]", Statement(acc("D", "i"), "+=", (acc("X", "i", ix(-2)),))),
     ("terms_fold", "D[i] += X[i + i - 2*j + j + 2 - 1]",
      Statement(acc("D", "i"), "+=", (acc("X", ix((2, "i"), (-1, "j"), 1)),))),
-    ("terms_cancel", "D[j] += X[i - i + j]", Statement(acc("D", "j"), "+=", (acc("X", "j"),))),
+    ("terms_cancel", "D[i, j] += X[i - i + j]", Statement(acc("D", "i", "j"), "+=", (acc("X", "j"),))),
     ("nested_indirect", "E[i, d] += W[V[I[i]], d]",
      Statement(acc("E", "i", "d"), "+=", (acc("W", ix(acc("V", ix(acc("I", "i")))), "d"),))),
     ("indirect_scalar_index", "E[d] += W[K[], d]", Statement(acc("E", "d"), "+=", (acc("W", ix(acc("K")), "d"),))),

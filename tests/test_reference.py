@@ -198,6 +198,24 @@ def _conv1d(a):
     return a["Y"] + np.array([sum(a["X"][i + 3 - t] * a["K"][t] for t in range(taps)) for i in range(length)])
 
 
+def _affine_sum_gather(a):
+    return a["O"] + np.array([sum(a["A"][i + j, 0] * e for j, e in enumerate(a["E"])) for i in range(len(a["O"]))])
+
+
+def _affine_sum_scatter(a):
+    out = a["O"].copy()
+    for i, x in enumerate(a["A1"]):
+        for j, e in enumerate(a["E"]):
+            out[i + j, 0] += x * e
+    return out
+
+
+def _no_variables(a):
+    out = a["O"].copy()
+    out[1] += a["S"] * a["X"][2, 1] * 0.5
+    return out
+
+
 NUMPY_ORACLES = {
     "coo_spmm": _coo,
     "coo_spmm_overwrite": lambda a: _coo({**a, "C": np.zeros_like(a["C"])}),
@@ -228,6 +246,9 @@ NUMPY_ORACLES = {
     "conv1d": _conv1d,
     "shift": lambda a: a["D"] + a["X"][1:-1] * a["X"][2:] * a["W"],
     "diagonal": lambda a: a["O"] + np.diag(a["A"]),
+    "affine_sum_gather": _affine_sum_gather,
+    "affine_sum_scatter": _affine_sum_scatter,
+    "no_variables": _no_variables,
 }
 
 

@@ -123,9 +123,9 @@ class _Emitter:
         axes = union(*(i.axes for i in indices))
         wide = access.name in self.plan.spec.wide
         terms = []
-        for dim, idx in enumerate(indices):
+        for dim, (index, idx) in enumerate(zip(access.indices, indices)):
             text = broadcast(idx, axes)
-            if not text.isidentifier() and not text.endswith("]"):
+            if not _is_atomic(index):  # `(a + b) * stride`, never `a + b * stride`
                 text = f"({text})"
             if wide:
                 text = f"{text}.to(tl.int64)"
@@ -166,6 +166,12 @@ class _Emitter:
             expr = f"({expr}).to({_TL_DTYPES[dtype]})"
         self.put(level, f"{name} = {expr}" + self.shape_comment(axes))
         return Value(name, axes, level)
+
+
+def _is_atomic(index: Index) -> bool:
+    """Whether an index prints as one operand (a lone unscaled atom: a name or a subscript).
+    Integers stay parenthesised too, so that `(2).to(tl.int64)` parses."""
+    return len(index.terms) == 1 and index.terms[0].coef == 1 and index.const == 0
 
 
 def _launch_grid_lines(em: _Emitter) -> list[str]:
@@ -345,7 +351,8 @@ def emit(plan: Plan) -> Source:
         out += _SEGMENT_ADD.splitlines() + ["", ""]
     out += ["@triton.jit", f"def {KERNEL_NAME}("]
     out.append(f"    # pointers\n    {group('ptr')},")
-    out.append(f"    # extents\n    {group('size')},")
+    if em.size:  # a statement without variables has no extents
+        out.append(f"    # extents\n    {group('size')},")
     if em.strides:
         out.append(f"    # strides\n    {group('stride')},")
     if blocks:

@@ -109,7 +109,9 @@ class _Segments:
         return self.table(dense_cols).gather(0, caps).view(-1).double()
 
     def natural_exp(self) -> torch.Tensor:
-        """Per partition, the exponent of the widest bucket before any folding."""
+        """Per partition, the exponent of the widest bucket before any folding (0 without rows)."""
+        if self.natural.shape[1] == 0:
+            return self.natural.new_zeros(self.natural.shape[0])
         return self.natural.amax(1)
 
 

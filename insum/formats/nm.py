@@ -67,8 +67,14 @@ class NM(SparseFormat):
         vector_len: int = 16,
         *,
         index_dtype: torch.dtype | None = None,
+        **unknown: Any,
     ) -> NM:
         """Prune A by magnitude: in each window keep the n vectors of largest L2 norm."""
+        if unknown:
+            raise InsumError(
+                f"unknown parameter(s) {', '.join(map(repr, unknown))} for NM.from_dense; "
+                "valid: n, m, vector_len, index_dtype"
+            )
         A = _dense_matrix(A)
         _check_nm(n, m, vector_len)
         blocks = cls._padded(A, m, vector_len)

@@ -1,0 +1,495 @@
+"""Issue 15: no silent wrong answers, no memory corruption, one error type.
+
+One test (or table row) per failure the issue lists, each of which failed before its fix;
+the statements of items 1 and 2 are the issue's repros verbatim. The generated kernels run
+in the interpreter here (TRITON_INTERPRET=1) and compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from statements import CASES, build, clone, tolerance
+
+import insum
+from insum import (
+    InsumError,
+    InsumIndexError,
+    InsumShapeError,
+    InsumSyntaxError,
+    InsumTypeError,
+    UnsupportedStatement,
+)
+from insum.formats import CELL, NM, BlockGroupCOO, GroupCOO
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if CUDA else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------- 1. affine addressing
+
+
+@needs_kernels
+def test_affine_gather_index_is_parenthesised():
+    out = insum.insum(
+        "O[i] += A[i + j, 0] * E[j]",
+        A=torch.arange(20.).reshape(5, 4).to(DEVICE), E=torch.ones(2, device=DEVICE), O=torch.zeros(4, device=DEVICE),
+        backend="triton",
+    )
+    assert out.tolist() == [4.0, 12.0, 20.0, 28.0]
+
+
+@needs_kernels
+def test_affine_scatter_index_is_parenthesised():
+    A1 = torch.tensor([1.0, 2.0, 3.0, 4.0], device=DEVICE)
+    E = torch.tensor([10.0, 100.0], device=DEVICE)
+    out = torch.zeros(5, 3, device=DEVICE)
+    insum.insum("O[i + j, 0] += A1[i] * E[j]", A1=A1, E=E, O=out, backend="triton")
+    expected = torch.zeros(5, 3)
+    for i in range(4):
+        for j in range(2):
+            expected[i + j, 0] += A1[i].item() * E[j].item()
+    assert torch.equal(out.cpu(), expected)
+
+
+@needs_kernels
+def test_every_compound_index_is_parenthesised_in_the_source():
+    tensors = {"A": torch.zeros(5, 4, device=DEVICE), "E": torch.ones(2, device=DEVICE), "O": torch.zeros(4, device=DEVICE)}
+    source = insum.explain("O[i] += A[i + j, 0] * E[j]", **tensors)
+    (pointer,) = [line for line in source.splitlines() if "A_ptr +" in line]
+    assert re.search(r"\(offs_\w+(\[.*?\])? \+ \w+(\[.*?\])?\) \* stride_A_0", pointer), pointer
+
+
+@pytest.mark.parametrize("stmt", ["O[0] += X[2, i + j] * Y[j] * Z[i]", "O[i + j, 1] += X[i] * Y[j]", "O[] += X[3]"])
+def test_wide_addressing_of_compound_and_literal_indices_parses(stmt):
+    import dataclasses
+
+    from insum.bind import bind
+    from insum.codegen import emit, schedule
+    from insum.parser import parse
+    from insum.runtime import spec_for
+
+    tensors = {"X": torch.ones(4, 6), "Y": torch.ones(3), "Z": torch.ones(4), "O": torch.zeros(2)}
+    if stmt.startswith("O[] "):
+        tensors = {"X": torch.ones(4), "O": torch.zeros(())}
+    elif stmt.startswith("O[i"):
+        tensors = {"X": torch.ones(4), "Y": torch.ones(3), "O": torch.zeros(6, 2)}
+    spec = spec_for(bind(parse(stmt), tensors))
+    spec = dataclasses.replace(spec, wide=frozenset(tensors))  # as for tensors past 2**31 elements
+    source = emit(schedule(spec)).text
+    compile(source, "<insum>", "exec")  # `(2).to(tl.int64)`, never `2.to(...)`
+    assert ".to(tl.int64)" in source
+
+
+# ------------------------------------------------------------- 2. statements without variables
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "stmt, tensors, expected",
+    [
+        ("O[] += S[] * T[]", {"S": torch.tensor(2.0), "T": torch.tensor(3.0), "O": torch.tensor(1.0)}, 7.0),
+        ("O[1] = 0.5", {"O": torch.full((3,), 9.0)}, [0.0, 0.5, 0.0]),
+        ("O[0] += X[2]", {"X": torch.tensor([1.0, 2.0, 3.0]), "O": torch.tensor([1.0, 1.0])}, [4.0, 1.0]),
+    ],
+    ids=["scalars", "literal_only", "literal_indices"],
+)
+def test_statement_without_variables(stmt, tensors, expected):
+    tensors = {n: t.to(DEVICE) for n, t in tensors.items()}
+    out = insum.insum(stmt, backend="triton", **tensors)
+    assert out.cpu().tolist() == expected
+    assert "def insum_kernel(" in insum.explain(stmt, **tensors)  # explain works after it
+
+
+def test_a_kernel_that_does_not_load_leaves_no_module(tmp_path):
+    from insum.runtime import _load
+
+    with pytest.raises(UnsupportedStatement, match="does not load"):
+        _load(tmp_path / "broken.py", "def insum_kernel(:\n", "0123456789abcdef")
+    assert "insum_generated_0123456789abcdef" not in sys.modules
+
+
+# ------------------------------------------------------------- 3. a variable without extent
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_cancelled_variable_is_an_error(backend):
+    with pytest.raises(InsumSyntaxError, match="variable 'i' cancels out"):
+        insum.insum("O[0] += A[i - i]", A=torch.ones(3), O=torch.zeros(2), backend=backend)
+
+
+# ------------------------------------------------------------- 4. bf16 on the interpreter
+
+
+@needs_kernels
+def test_bf16_dense_matmul():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(32, 32, generator=g).bfloat16().to(DEVICE)
+    B = torch.randn(32, 32, generator=g).bfloat16().to(DEVICE)
+    C = insum.insum("C[m,n] += A[m,k]*B[k,n]", A=A, B=B, backend="triton")
+    ref = A.double() @ B.double()
+    assert ((C.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_bf16_curated_statements(c):
+    tensors = build(c, seed=3, dtype=torch.bfloat16, device=DEVICE)
+    expected = insum.insum(c.stmt, backend="torch", **clone(tensors))
+    actual = insum.insum(c.stmt, backend="triton", **clone(tensors))
+    torch.testing.assert_close(actual.float(), expected.float(), **tolerance(torch.bfloat16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["BlockGroupCOO", "NM"])
+def test_bf16_formats(fmt):
+    g = torch.Generator().manual_seed(1)
+    A = torch.randn(64, 64, generator=g) * (torch.rand(64, 64, generator=g) < 0.3)
+    B = torch.randn(64, 16, generator=g).bfloat16().to(DEVICE)
+    A = A.bfloat16().to(DEVICE)  # bf16 values and B: a bf16 tl.dot
+    packed = BlockGroupCOO.from_dense(A, block=(16, 16)) if fmt == "BlockGroupCOO" else NM.from_dense(A)
+    C = packed.spmm(B, backend="triton")
+    ref = packed.to_dense().double() @ B.double()
+    assert ((C.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@needs_kernels
+def test_bf16_sparse_linear_block_group_coo():
+    from insum.nn import SparseLinear
+
+    torch.manual_seed(0)
+    layer = SparseLinear(64, 48, format="BlockGroupCOO", sparsity=0.5, backend="triton", device=DEVICE)
+    layer = layer.to(torch.bfloat16)
+    x = torch.randn(20, 64, device=DEVICE).bfloat16()
+    with torch.no_grad():
+        y = layer(x)
+        ref = x.double() @ layer.to_dense().double().T + layer.bias.double()
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+# ------------------------------------------------------------- 5. out-of-range indices
+
+
+def _spmm_inputs():
+    B = torch.randn(6, 3, device=DEVICE)
+    return B, torch.tensor([0, 5, 2], device=DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad, where", [(6, "B dimension 0"), (10**6, "B dimension 0")], ids=["rows", "huge"])
+def test_bad_gather_index_raises_with_check(bad, where):
+    if CUDA:
+        pytest.skip("on CUDA a bad index is a device-side assert (benchmarks.study_index_check)")
+    B, AK = _spmm_inputs()
+    AK[1] = bad
+    C = torch.full((3, 3), 7.0)
+    with pytest.raises(InsumIndexError, match=f"AK holds {bad}, out of range for {where}"):
+        insum.insum("C[p,n] += B[AK[p],n]", B=B, AK=AK, C=C, backend="triton", check_indices=True)
+    assert torch.equal(C, torch.full((3, 3), 7.0))  # nothing written
+
+
+@needs_kernels
+def test_bad_scatter_index_raises_with_env(monkeypatch):
+    if CUDA:
+        pytest.skip("on CUDA a bad index is a device-side assert (benchmarks.study_index_check)")
+    monkeypatch.setenv("INSUM_CHECK_INDICES", "1")
+    AM = torch.tensor([0, 1, 4])
+    with pytest.raises(InsumIndexError, match="AM holds 4, out of range for C dimension 0"):
+        insum.insum("C[AM[p],n] += X[p,n]", X=torch.ones(3, 2), AM=AM, C=torch.zeros(4, 2), backend="triton")
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "stmt, tensors, message",
+    [
+        ("O[i] += A[i + j, 0] * E[j]", {"A": torch.ones(4, 4), "E": torch.ones(2), "O": torch.zeros(4)},
+         "index 4 out of range for A dimension 0"),
+        ("O[0] += X[3]", {"X": torch.ones(3), "O": torch.zeros(1)}, "index 3 out of range for X dimension 0"),
+        ("O[i + 1] += X[i]", {"X": torch.ones(3), "O": torch.zeros(3)}, "index 3 out of range for O dimension 0"),
+    ],
+    ids=["affine", "literal", "affine_output"],
+)
+def test_indices_the_statement_decides_are_always_checked(stmt, tensors, message):
+    tensors = {n: t.to(DEVICE) for n, t in tensors.items()}
+    with pytest.raises(InsumIndexError, match=re.escape(message)):
+        insum.insum(stmt, backend="triton", **tensors)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "stmt, AK, ok",
+    [
+        ("C[p] += B[AK[p]*2 + 1, 0]", [0, 2], True),  # 2*2 + 1 = 5 < 6
+        ("C[p] += B[AK[p]*2 + 1, 0]", [0, 3], False),  # 7
+        ("C[p] += B[AK[p] + p, 0]", [5, 4, 3], True),  # shares p: evaluated exactly (max 5)
+        ("C[p] += B[AK[p] + p, 0]", [5, 5, 3], False),  # 6
+        ("C[p] += B[AK[AK[p]], 0]", [2, 0, 1], True),
+        ("C[p] += B[-AK[p] + 5, 0]", [0, 5], True),
+        ("C[p] += B[-AK[p] + 5, 0]", [6, 0], False),
+    ],
+)
+def test_check_is_exact(stmt, AK, ok):
+    B = torch.randn(6, 2, device=DEVICE)
+    AK = torch.tensor(AK, device=DEVICE)
+    if CUDA and not ok:
+        pytest.skip("a device-side assert ends the CUDA context")
+    if ok:
+        insum.insum(stmt, B=B, AK=AK, backend="triton", check_indices=True)
+    else:
+        with pytest.raises(InsumIndexError):
+            insum.insum(stmt, B=B, AK=AK, backend="triton", check_indices=True)
+
+
+# ------------------------------------------------------------- 6. kernel reuse across extents
+
+
+@needs_kernels
+def test_compiled_kernel_accepts_other_extents():
+    stmt = "C[AM[p], n] += AV[p, q] * B[AK[p, q], n]"
+    g = torch.Generator().manual_seed(0)
+
+    def tensors(groups):
+        return {
+            "AM": torch.randint(0, 70, (groups,), generator=g).to(DEVICE),
+            "AK": torch.randint(0, 50, (groups, 3), generator=g).to(DEVICE),
+            "AV": torch.randn(groups, 3, generator=g).half().to(DEVICE),
+            "B": torch.randn(50, 70, generator=g).half().to(DEVICE),
+            "C": torch.zeros(70, 70, device=DEVICE),
+        }
+
+    kernel = insum.compile(stmt, **tensors(40))  # narrow: p below 64
+    big = tensors(64)
+    expected = insum.insum(stmt, backend="torch", **clone(big))
+    actual = kernel(**clone(big))
+    torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_compiled_kernel_names_the_dtype_that_differs():
+    A, B = torch.randn(4, 3, device=DEVICE), torch.randn(3, 5, device=DEVICE)
+    kernel = insum.compile("C[m,n] += A[m,k]*B[k,n]", A=A, B=B)
+    with pytest.raises(InsumTypeError, match="B is fp64, compiled for fp32"):
+        kernel(A=A, B=B.double())
+
+
+# ------------------------------------------------------------- 8. caches hold no tensors
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernels)])
+def test_no_cache_keeps_inputs_alive(backend):
+    W = torch.randn(8, 8, device=DEVICE)
+    for _ in range(2):  # the second call takes the cached binding and launcher
+        X = torch.randn(100, 8, device=DEVICE)
+        ref = weakref.ref(X)
+        out = insum.insum("O[i,n] = X[i,k]*W[k,n]", X=X, W=W, backend=backend)
+        out_ref = weakref.ref(out)
+        del X, out
+        gc.collect()
+        assert ref() is None and out_ref() is None
+
+
+@needs_kernels
+def test_compiled_kernel_keeps_no_inputs_alive():
+    W = torch.randn(8, 8, device=DEVICE)
+    X = torch.randn(100, 8, device=DEVICE)
+    kernel = insum.compile("O[i,n] = X[i,k]*W[k,n]", X=X, W=W)
+    kernel(X=X, W=W)
+    ref = weakref.ref(X)
+    del X
+    gc.collect()
+    assert ref() is None
+
+
+# ------------------------------------------------------------- 9. autotune per call
+
+
+@needs_kernels
+def test_autotune_per_call_reaches_the_first_launch(monkeypatch):
+    from insum.runtime import Kernel
+
+    seen = []
+    original = Kernel._first_config
+
+    def spy(self, bucket, args, grid, extents, device, autotune):
+        seen.append(autotune)
+        return original(self, bucket, args, grid, extents, device, autotune)
+
+    monkeypatch.setattr(Kernel, "_first_config", spy)
+    X = torch.randn(37, 11, device=DEVICE)  # a size no other test uses: a new launch
+    insum.insum("O[i] = X[i,k]*0.25", X=X, backend="triton", autotune=False)
+    assert seen == [False]
+    assert insum.compile("O[i] = X[i,k]*0.5", X=X, autotune=False).autotune is False
+
+
+def test_autotune_setting_is_read_per_call(monkeypatch):
+    from insum.runtime import _tuning_enabled
+
+    monkeypatch.setenv("INSUM_AUTOTUNE", "1")
+    assert _tuning_enabled(None) and not _tuning_enabled(False)
+    monkeypatch.setenv("INSUM_AUTOTUNE", "0")
+    assert not _tuning_enabled(None) and _tuning_enabled(True)
+
+
+# ------------------------------------------------------------- 7, 10. one error type, the right message
+
+
+def _meta(*shape):
+    return torch.empty(*shape, device="meta")
+
+
+BAD_INPUTS = [
+    # (id, call, error type, message pattern)
+    ("syntax", lambda: insum.insum("C[p] + A[p]", A=torch.ones(2)), InsumSyntaxError, "expected '\\+=' or '='"),
+    ("missing_tensor", lambda: insum.insum("C[i] += A[i]*B[i]", A=torch.ones(2)), InsumError, "missing tensor.*B"),
+    ("unused_tensor", lambda: insum.insum("C[i] += A[i]", A=torch.ones(2), Z=torch.ones(2)), InsumError, "unused tensor.*Z"),
+    ("float_index", lambda: insum.insum("C[i] += A[I[i]]", A=torch.ones(2), I=torch.zeros(2)), InsumTypeError,
+     "index tensor I has dtype torch.float32"),
+    ("int_factor", lambda: insum.insum("C[i] += A[i]", A=torch.ones(2, dtype=torch.int64)), InsumTypeError,
+     "tensor A has dtype torch.int64"),
+    ("rank", lambda: insum.insum("C[i] += A[i, j]", A=torch.ones(2)), InsumShapeError, "A has rank 1"),
+    ("extent", lambda: insum.insum("C[i] += A[i]*B[i]", A=torch.ones(2), B=torch.ones(3)), InsumShapeError,
+     "extent of variable 'i' is 2 from A dimension 0 but 3 from B"),
+    ("cancelled_variable", lambda: insum.insum("O[0] += A[i - i]", A=torch.ones(2), O=torch.zeros(1)),
+     InsumSyntaxError, "variable 'i' cancels out"),
+    ("stride0_output_torch", lambda: insum.insum("O[i, j] = A[i]", A=torch.ones(3), O=torch.zeros(1, 2).expand(3, 2),
+     backend="torch"), InsumShapeError, "the output O has stride 0 in dimension 0"),
+    ("stride0_output_auto", lambda: insum.insum("O[i] += A[i, j]", A=torch.ones(3, 2), O=torch.zeros(1).expand(3)),
+     InsumShapeError, "the output O has stride 0"),
+    ("meta_tensors", lambda: insum.insum("C[i] += A[I[i]]", A=_meta(3), I=torch.empty(2, dtype=torch.int64, device="meta"),
+     backend="torch"), InsumTypeError, "meta device"),
+    ("index_out_of_range_torch", lambda: insum.insum("C[i] += A[I[i]]", A=torch.ones(3), I=torch.tensor([0, 3]),
+     backend="torch"), InsumIndexError, "index 3 out of range for A dimension 0 of size 3"),
+    ("tensor_named_backend", lambda: insum.insum("C[i] += backend[i]", backend=torch.ones(2)), InsumError,
+     "'backend' is an option of insum\\(\\)"),
+    ("tensor_named_precision", lambda: insum.insum("C[i] += precision[i] * A[i]", precision=torch.ones(2), A=torch.ones(2)),
+     InsumError, "'precision' is an option"),
+    ("option_name_in_statement", lambda: insum.insum("C[i] += autotune[i]", A=torch.ones(2)), InsumError,
+     "tensor name 'autotune' in 'C\\[i\\] \\+= autotune\\[i\\]' is an option"),
+    ("unknown_backend", lambda: insum.insum("C[i] += A[i]", A=torch.ones(2), backend="cuda"), InsumError,
+     "unknown backend 'cuda'"),
+    ("bad_autotune", lambda: insum.insum("C[i] += A[i]", A=torch.ones(2), autotune="yes"), InsumError,
+     "autotune must be True, False or None"),
+    ("nm_unknown_keyword", lambda: NM.from_dense(torch.randn(4, 8), bogus=3), InsumError,
+     "unknown parameter\\(s\\) 'bogus' for NM.from_dense"),
+    ("groupcoo_unknown_keyword", lambda: GroupCOO.from_dense(torch.randn(4, 8), bogus=3), InsumError,
+     "unknown parameter\\(s\\) 'bogus' for GroupCOO"),
+    ("int_dense_operand", lambda: GroupCOO.from_dense(torch.randn(4, 8)) @ torch.ones(8, 3, dtype=torch.int64),
+     InsumTypeError, "the dense operand B of GroupCOO @ B has dtype torch.int64"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_table(call, error, message):
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert isinstance(info.value, InsumError)
+
+
+def test_unsupported_statement_is_exported_and_an_insum_error():
+    from insum.runtime import UnsupportedStatement as from_runtime
+
+    assert insum.UnsupportedStatement is from_runtime and issubclass(insum.UnsupportedStatement, InsumError)
+    assert "UnsupportedStatement" in insum.__all__
+
+
+def test_cell_packs_a_matrix_without_rows():
+    fmt = CELL.from_dense(torch.zeros(0, 10))
+    assert fmt.shape == (0, 10)
+    assert (fmt @ torch.ones(10, 3)).shape == (0, 3)
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA present")
+def test_kernel_on_cpu_without_the_interpreter(monkeypatch):
+    A, B = torch.randn(4, 3), torch.randn(3, 5)
+    kernel = insum.compile("C[m,n] += A[m,k]*B[k,n]", A=A, B=B)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UnsupportedStatement, match="needs a CUDA device or TRITON_INTERPRET=1"):
+        kernel(A=A, B=B)
+
+
+_LATE_INTERPRET = """
+import os, torch, insum
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    insum.insum("C[m] += A[m,k]", A=torch.ones(3, 2), backend="triton")
+except insum.UnsupportedStatement as e:
+    print("UNSUPPORTED", e)
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA present: the interpreter would not be asked for")
+def test_interpreter_set_after_import_has_a_clear_message():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _LATE_INTERPRET], capture_output=True, text=True, env=env, timeout=120)
+    assert "UNSUPPORTED TRITON_INTERPRET is '1' now, but triton was imported without it" in run.stdout, run.stderr
+
+
+def test_readme_syntax_error_sample_is_the_real_message():
+    readme = (ROOT / "README.md").read_text()
+    sample = re.search(r"```\n\s*(insum\.errors\.InsumSyntaxError: .*?)\n\s*```", readme, re.S).group(1)
+    with pytest.raises(InsumSyntaxError) as info:
+        insum.parse("C[p] + A[p]")
+    shown = f"insum.errors.InsumSyntaxError: {info.value}"
+    assert [line.strip() for line in sample.splitlines()] == [line.strip() for line in shown.splitlines()]
+
+
+# ------------------------------------------------------------- 5. formats: in range by construction
+
+
+@pytest.mark.parametrize("name", ["COO", "GroupCOO", "ELL", "BlockGroupCOO", "NM"])
+def test_packed_formats_pass_the_index_check(name):
+    from insum import formats
+    from insum.bind import bind
+    from insum.bounds import check_indices
+    from insum.formats.base import overwrite
+    from insum.parser import parse
+
+    g = torch.Generator().manual_seed(2)
+    A = torch.randn(45, 38, generator=g) * (torch.rand(45, 38, generator=g) < 0.2)
+    fmt = getattr(formats, name).from_dense(A)
+    B = torch.randn(38, 5, generator=g)
+    out = torch.empty(45, 5)
+    tensors = {**fmt.tensors, "B": B, "C": out}
+    if name in ("BlockGroupCOO", "NM"):  # blocked views of B and C: let the format build them
+        seen = []
+        monkey = pytest.MonkeyPatch()
+        monkey.setattr("insum.formats.base.insum", lambda expr, **kw: seen.append((expr, kw)) or kw.get("C"))
+        try:
+            fmt.spmm(B, backend="torch")
+        finally:
+            monkey.undo()
+        expr, kw = seen[0]
+        tensors = {k: v for k, v in kw.items() if k not in ("backend", "precision", "check_indices")}
+    else:
+        expr = overwrite(fmt.expression)
+    bound = bind(parse(expr), tensors)
+    check_indices(bound, bound.output(), device_check=True)  # raises InsumIndexError if not
+
+
+def test_formats_skip_the_check_and_raw_calls_take_it(monkeypatch):
+    import insum.bounds
+
+    calls = []
+    monkeypatch.setattr(insum.bounds, "_check_range", lambda *a, **k: calls.append(a[3]))
+    monkeypatch.setenv("INSUM_CHECK_INDICES", "1")
+    if not (CUDA or INTERPRET):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    fmt = GroupCOO.from_dense(torch.randn(6, 5).to(DEVICE))
+    fmt.spmm(torch.randn(5, 3, device=DEVICE), backend="triton")
+    assert calls == []
+    insum.insum(fmt.expression, backend="triton", B=torch.randn(5, 3, device=DEVICE),
+                C=torch.zeros(6, 3, device=DEVICE), **fmt.tensors)
+    assert sorted(calls) == ["AK", "AM"]
