@@ -174,8 +174,11 @@ def run_bound(
     return kernel.launch(bound, out, autotune=autotune)
 
 
-def explain(expr: str, /, *, precision: str = "tf32", **tensors: torch.Tensor) -> str:
-    """Describe how a statement is understood and compiled: IR, extents, roles, plan, source."""
+def explain(
+    expr: str, /, *, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset(), **tensors: torch.Tensor
+) -> str:
+    """Describe how a statement is understood and compiled: IR, extents, roles, plan, source
+    (sorted_indices as for `insum()`)."""
     check_options(precision=precision)
     bound = bind(parse(expr), tensors)
     lines = [f"statement: {bound.stmt}", f"ir: {bound.stmt!r}", "variables:"]
@@ -187,7 +190,7 @@ def explain(expr: str, /, *, precision: str = "tf32", **tensors: torch.Tensor) -
     from .runtime import kernel_for
 
     try:
-        kernel = kernel_for(bound, precision=precision)
+        kernel = kernel_for(bound, precision=precision, sorted_indices=_sorted_facts(bound, sorted_indices))
     except UnsupportedStatement as e:
         lines.append(f"generated kernel: none ({e})")
     else:

@@ -156,3 +156,10 @@ def test_repeated_launches_stay_correct():
     # One prepared launch serves fresh tensors of the same signature.
     for seed in range(3):
         _check(SPMM.replace("+=", "="), _groups(_skewed_rows(6), seed=seed), poison=True)
+
+
+def test_explain_shows_the_segment_plan():
+    t = {k: v.to(DEVICE) for k, v in _groups([0, 0, 1]).items()}
+    text = insum.explain(SPMM, sorted_indices={"AM"}, **t)
+    assert "output: segment" in text and "tl.associative_scan" in text
+    assert "output: atomic" in insum.explain(SPMM, **t)
