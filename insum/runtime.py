@@ -5,6 +5,10 @@ width, precision). Each kernel's source is written to a content-hashed file that
 reads back. Tile sizes are tuned with `triton.autotune` once per bucket of extents (each
 tiled extent rounded up to a power of two) and device, and remembered in memory and in a
 JSON file beside the source, so another process does not tune again.
+
+Tensor descriptors (TMA) are offered to the schedule for input tensors whose layout fits
+one (`box_layout`) on a GPU that has them (compute capability 9.0 and up, compiled code,
+INSUM_TMA not "0"); the start address's alignment is then part of the kernel's cache key.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from .bind import Bound, bind
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
-from .codegen.schedule import NARROW
+from .codegen.schedule import NARROW, box_layout
 from .codegen.tune import next_power_of_2
 from .errors import InsumTypeError, UnsupportedStatement
 from .parser import parse
@@ -67,8 +71,42 @@ def _max_offset(shape, strides) -> int:
     return sum((s - 1) * abs(st) for s, st in zip(shape, strides) if s > 0)
 
 
-def spec_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset()) -> KernelSpec:
-    """The parts of a bound statement that a kernel depends on (and the caller's facts)."""
+def descriptors_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` may load through tensor descriptors (TMA): Hopper or later,
+    compiled (the interpreter has no TMA), and not switched off with INSUM_TMA=0."""
+    if device.type != "cuda" or _interpreting() or os.environ.get("INSUM_TMA", "1") in ("", "0"):
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def box_tensors(bound: Bound, descriptors: bool) -> frozenset[str]:
+    """Input value tensors whose layout fits a tensor descriptor (none unless `descriptors`,
+    and none for fake tensors seen while tracing, which have no address)."""
+    if not descriptors or bound.signature is None:
+        return frozenset()
+    return frozenset(
+        name
+        for name in bound.value_names
+        if box_layout(tuple(bound.tensors[name].shape), bound.tensors[name].stride(),
+                      bound.tensors[name].element_size(), bound.tensors[name].data_ptr())
+    )
+
+
+def spec_for(
+    bound: Bound,
+    precision: str = "tf32",
+    descriptors: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
+) -> KernelSpec:
+    """The parts of a bound statement that a kernel depends on (and the caller's facts).
+
+    descriptors: allow tensor-descriptor loads (default: `descriptors_supported` on the
+    tensors' device). sorted_indices: index tensors the caller guarantees sorted."""
     dtypes = {name: _DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
     dtypes[bound.output_name] = _DTYPE_NAMES[bound.out_dtype]
     wide = {
@@ -86,6 +124,7 @@ def spec_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[st
         wide=frozenset(wide),
         precision=precision,
         narrow=frozenset(narrow),
+        boxes=box_tensors(bound, descriptors_supported(bound.device) if descriptors is None else descriptors),
         sorted_indices=frozenset(sorted_indices),
     )
 
@@ -120,6 +159,8 @@ class Kernel:
         self.digest = generated.digest
         self.path = cache_dir() / "kernels" / f"insum_{self.digest}.py"
         self.fn = _load(self.path, self.source, self.digest)
+        if self.plan.boxes:
+            _set_descriptor_allocator()
         self.out_arg = f"{spec.stmt.output.name}_ptr"
         self.tuned: dict[tuple, dict] = {}  # extents bucket -> configuration
         self._launchers: dict[tuple, _Launcher] = {}  # tensor signature -> prepared launch
@@ -132,7 +173,7 @@ class Kernel:
         """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents."""
         bound = bind(self.spec.stmt, tensors)
         _check_device(bound)
-        spec = spec_for(bound, self.spec.precision)
+        spec = spec_for(bound, self.spec.precision, sorted_indices=self.spec.sorted_indices)
         if spec.dtypes != self.spec.dtypes:
             compiled, given = dict(self.spec.dtypes), dict(spec.dtypes)
             wrong = [f"{n} is {given[n]}, compiled for {compiled[n]}" for n in compiled if given[n] != compiled[n]]
@@ -209,7 +250,7 @@ class Kernel:
 
         configs = [
             triton.Config(
-                {k: v for k, v in c.items() if k.startswith("BLOCK")},
+                {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                 num_warps=c["num_warps"],
                 num_stages=c["num_stages"],
             )
@@ -269,6 +310,8 @@ class _Launcher:
                 self.pointers.append((position, arg[1]))
             elif arg[0] == "size":
                 self.template.append(self.extents[arg[1]])
+            elif arg[0] == "shape":
+                self.template.append(bound.tensors[arg[1]].shape[arg[2]])
             elif arg[1] == out_name:  # the output may be a float32 scratch buffer: per call
                 self.template.append(None)
                 self.out_strides.append((position, arg[2]))
@@ -281,8 +324,11 @@ class _Launcher:
         fixed = math.prod(self.extents[v] for v in plan.grid)
         extents = self.extents
 
+        slots = _program_slots(bound.device) if plan.persistent else None
+
         def grid_fn(meta):
-            return (fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles),)
+            programs = fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles)
+            return (min(programs, slots) if slots else programs,)
 
         self.grid_fn = grid_fn
         self.config: dict | None = None
@@ -314,6 +360,30 @@ def _half_atomics(out: torch.Tensor) -> bool:
         return False
     major, _ = torch.cuda.get_device_capability(out.device)
     return major >= (9 if out.dtype == torch.bfloat16 else 7)
+
+
+_ALLOCATOR_SET = False
+
+
+def _set_descriptor_allocator() -> None:
+    """Device-side tensor descriptors live in a scratch buffer Triton asks for at launch."""
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+    import triton
+
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, device="cuda", dtype=torch.int8)
+
+    triton.set_allocator(alloc)
+    _ALLOCATOR_SET = True
+
+
+def _program_slots(device: torch.device) -> int:
+    """Programs a persistent kernel launches: one per SM (per CPU core in the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -375,13 +445,15 @@ def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[
     """
     _check_device(bound)
     if bound.signature is None:
-        return _cached_kernel(spec_for(bound, precision, sorted_indices))
+        return _cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
     key = (bound.stmt, bound.signature, precision, sorted_indices)
+    if descriptors_supported(bound.device):  # descriptors need 16-byte aligned starts
+        key += tuple(bound.tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
     kernel = _BY_SIGNATURE.get(key)
     if kernel is None:
         if len(_BY_SIGNATURE) >= _BY_SIGNATURE_LIMIT:
             _BY_SIGNATURE.clear()
-        kernel = _BY_SIGNATURE[key] = _cached_kernel(spec_for(bound, precision, sorted_indices))
+        kernel = _BY_SIGNATURE[key] = _cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
     return kernel
 
 

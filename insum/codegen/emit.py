@@ -3,12 +3,15 @@
 The kernel body is built from a few rules (index, gather, product, reduce or dot, store or
 atomic), each emitting lines at the shallowest loop level its inputs allow, so loads that do
 not depend on an inner loop are hoisted out of it. Every named line carries a comment with
-its block shape.
+its block shape. Dot operands the plan marks as boxes are loaded through a tensor
+descriptor made once per program (TMA on Hopper: no pointer block, no masks, since the
+descriptor's bounds zero-fill what lies outside the tensor); the rest through pointers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 from ..ir import Access, Index, Literal, Var
@@ -19,7 +22,7 @@ __all__ = ["Source", "emit", "KERNEL_NAME"]
 
 KERNEL_NAME = "insum_kernel"
 _RESERVED = (
-    "tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest",
+    "tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest", "task",
     "seg_key", "next_key", "seg_tail", "seg_first", "seg_owned", "_segment_add",
 )
 _TL_DTYPES = {"fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
@@ -30,7 +33,7 @@ class Source:
     """Generated kernel source and the order of its runtime arguments."""
 
     text: str
-    args: tuple[tuple, ...]  # ("ptr", tensor) | ("size", var) | ("stride", tensor, dim)
+    args: tuple[tuple, ...]  # ("ptr", tensor) | ("size", var) | ("stride", tensor, dim) | ("shape", tensor, dim)
     blocks: tuple[str, ...]  # constexpr tile sizes, e.g. ("BLOCK_M", "BLOCK_N")
     plan: Plan
 
@@ -48,6 +51,7 @@ class _Emitter:
         # (scalar loops and the K tile) share one flattened loop, which Triton pipelines.
         self.depth = 1 if plan.loops or plan.axis_var("K") else 0
         self.levels: list[list[str]] = [[] for _ in range(self.depth + 1)]
+        self.setup: list[str] = []  # once per program, before any tile: tensor descriptors
         self.epilogue: list[str] = []
         self.in_epilogue = False
         self.cache: dict[str, Value] = {}
@@ -58,14 +62,22 @@ class _Emitter:
             self.level_of[plan.axis_var("K")] = 1
         self.ptr = {n: self.fresh(f"{n}_ptr") for n in self._tensor_names()}
         self.size = {v: self.fresh(f"size_{v}") for v in self.stmt.variables()}
+        self.level_of.update({v: 1 for v in plan.folded})
         self.offs = {v: self.fresh(f"offs_{v}") for _, v in plan.tiles}
+        self.offs.update({v: self.fresh(f"offs_{v}") for v in plan.folded})
         self.mask = {v: self.fresh(f"mask_{v}") for _, v in plan.tiles}
         self.scalar = {v: self.fresh(f"i_{v}") for v in (*plan.grid, *plan.loops)}
         self.tile_pid = {v: self.fresh(f"pid_{v}") for a, v in plan.tiles if a != "K"}
         k = plan.axis_var("K")
         self.start_k = self.fresh(f"start_{k}") if k else None
         self.steps_k = self.fresh(f"steps_{k}") if k else None
+        # The K axis's extent: a product when variables are folded onto it.
+        self.extent_k = " * ".join(self.size[v] for v in plan.axis_vars("K")) if k else None
+        self.flat_k = self.fresh(f"offs_{''.join(plan.axis_vars('K'))}") if plan.folded else None
         self.strides: dict[tuple[str, int], str] = {}
+        self.shapes: dict[tuple[str, int], str] = {}  # dimensions a descriptor needs besides extents
+        factors = self.stmt.factors
+        self.boxes = {str(factors[i]) for i in plan.boxes}
 
     # -- names ------------------------------------------------------------------------
     def fresh(self, base: str) -> str:
@@ -91,8 +103,21 @@ class _Emitter:
             self.strides[key] = self.fresh(f"stride_{tensor}_{dim}")
         return self.strides[key]
 
+    def shape(self, tensor: str, dim: int) -> str:
+        key = (tensor, dim)
+        if key not in self.shapes:
+            self.shapes[key] = self.fresh(f"shape_{tensor}_{dim}")
+        return self.shapes[key]
+
+    def tile_start(self, axis: str) -> str:
+        """The first index of this program's (or this step's) tile along an axis."""
+        if axis == "K":
+            return self.start_k
+        return f"{self.tile_pid[self.plan.axis_var(axis)]} * BLOCK_{axis}"
+
     def shape_comment(self, axes: tuple[str, ...]) -> str:
-        return f"  # [{', '.join(self.plan.axis_var(a) for a in axes)}]"
+        labels = [self.plan.axis_vars(a) for a in axes]
+        return f"  # [{', '.join(v[0] if len(v) == 1 else '(' + ', '.join(v) + ')' for v in labels)}]"
 
     def put(self, level: int, line: str) -> None:
         (self.epilogue if self.in_epilogue and level == 0 else self.levels[level]).append(line)
@@ -143,6 +168,9 @@ class _Emitter:
         key = str(access)
         if key in self.cache:
             return self.cache[key]
+        if key in self.boxes:
+            self.cache[key] = self.box_load(access)
+            return self.cache[key]
         pointer, axes, level = self.address(access)
         name = self.fresh(f"{access.name}_val")
         mask = self.mask_for(axes)
@@ -151,6 +179,34 @@ class _Emitter:
         value = Value(name, axes, level)
         self.cache[key] = value
         return value
+
+    def box_load(self, access: Access) -> Value:
+        """Load a dot operand's tile through a tensor descriptor made once per program.
+
+        The block has a 1 for every scalar-indexed dimension; it is reshaped to the two tiled
+        axes, which the tensor holds in the dot's order (`schedule` asks for no transposes)."""
+        name = access.name
+        indices = [self.index(i) for i in access.indices]
+        tiled = [self.plan.var_axis(i.variable) if i.variable else None for i in access.indices]
+        desc = self.fresh(f"{name}_desc")
+        shape = [self.size[i.variable] if i.variable else self.shape(name, d) for d, i in enumerate(access.indices)]
+        strides = [self.stride(name, d) for d in range(len(indices) - 1)] + ["1"]  # box_layout: unit last stride
+        block = [f"BLOCK_{a}" if a else "1" for a in tiled]
+        self.setup.append(f"{desc} = tl.make_tensor_descriptor({self.ptr[name]}, shape=[{', '.join(shape)}], "
+                    f"strides=[{', '.join(strides)}], block_shape=[{', '.join(block)}])")
+        # Coordinates are 32-bit; a gathered index may be int64.
+        coords = [
+            self.tile_start(a) if a else f"({idx.expr}).to(tl.int32)" if index.indirect_accesses() else idx.expr
+            for a, idx, index in zip(tiled, indices, access.indices)
+        ]
+        axes = tuple(a for a in tiled if a)
+        load = f"{desc}.load([{', '.join(coords)}])"
+        if len(axes) < len(tiled):
+            load = f"{load}.reshape({', '.join(f'BLOCK_{a}' for a in axes)})"
+        value_name = self.fresh(f"{name}_val")
+        level = max((i.level for i in indices), default=0)
+        self.put(level, f"{value_name} = {load}" + self.shape_comment(axes))
+        return Value(value_name, axes, level)
 
     def product(self, positions: tuple[int, ...], dtype: str | None, name: str) -> Value:
         """Multiply factors in the accumulator dtype, broadcasting where they meet."""
@@ -178,6 +234,8 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
     """Split the flat program id into grid variables and tile indices (N fastest)."""
     plan = em.plan
     lines = ["pid = tl.program_id(0)"]
+    if plan.grouped:
+        return lines + _grouped_tile_lines(em)
     order = [("tile", a, v) for a, v in reversed(plan.tiles) if a != "K"]
     order += [("grid", None, v) for v in reversed(plan.grid)]
     for position, (kind, axis, var) in enumerate(order):
@@ -197,6 +255,41 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
     return lines
 
 
+def _grouped_tile_lines(em: _Emitter) -> list[str]:
+    """(M, N) tiles in groups of GROUP_M row tiles, N fastest within a group; grid variables
+    outside. Consecutive programs share B's column tiles and A's row tiles in L2."""
+    plan = em.plan
+    m, n = plan.axis_var("M"), plan.axis_var("N")
+    tiles_m, tiles_n, tile = em.fresh(f"tiles_{m}"), em.fresh(f"tiles_{n}"), em.fresh("tile")
+    group, first_m, rows = em.fresh("group"), em.fresh(f"first_{m}"), em.fresh("group_rows")
+    lines = [
+        f"{tiles_m} = tl.cdiv({em.size[m]}, BLOCK_M)",
+        f"{tiles_n} = tl.cdiv({em.size[n]}, BLOCK_N)",
+    ]
+    if plan.grid:
+        lines.append(f"{tile} = pid % ({tiles_m} * {tiles_n})")
+        lines.append(f"pid = pid // ({tiles_m} * {tiles_n})")
+    else:
+        lines.append(f"{tile} = pid")
+    lines += [
+        f"{group} = GROUP_M * {tiles_n}",
+        f"{first_m} = ({tile} // {group}) * GROUP_M",
+        f"{rows} = tl.minimum({tiles_m} - {first_m}, GROUP_M)",
+        f"{em.tile_pid[m]} = {first_m} + ({tile} % {group}) % {rows}",
+        f"{em.tile_pid[n]} = ({tile} % {group}) // {rows}",
+    ]
+    for axis, var in (("M", m), ("N", n)):
+        lines.append(f"{em.offs[var]} = {em.tile_pid[var]} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
+        lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
+    for position, var in enumerate(reversed(plan.grid)):
+        if position == len(plan.grid) - 1:
+            lines.append(f"{em.scalar[var]} = pid")
+        else:
+            lines.append(f"{em.scalar[var]} = pid % {em.size[var]}")
+            lines.append(f"pid = pid // {em.size[var]}")
+    return lines
+
+
 def _loop_lines(em: _Emitter) -> list[str]:
     """One loop over every reduction step: scalar loop variables and K tiles, K fastest."""
     plan = em.plan
@@ -205,14 +298,14 @@ def _loop_lines(em: _Emitter) -> list[str]:
         return []
     lines = []
     if not plan.loops:
-        lines.append(f"for {em.start_k} in range(0, {em.size[k]}, BLOCK_K):")
+        lines.append(f"for {em.start_k} in range(0, {em.extent_k}, BLOCK_K):")
     elif k is None and len(plan.loops) == 1:
         var = plan.loops[0]
         lines.append(f"for {em.scalar[var]} in range(0, {em.size[var]}):")
     else:
         counts = [em.size[v] for v in plan.loops]
         if k is not None:
-            lines.append(f"{em.steps_k} = tl.cdiv({em.size[k]}, BLOCK_K)")
+            lines.append(f"{em.steps_k} = tl.cdiv({em.extent_k}, BLOCK_K)")
             counts.append(em.steps_k)
         lines.append(f"for step in range(0, {' * '.join(counts)}):")
         inner = "    rest = step"
@@ -226,9 +319,16 @@ def _loop_lines(em: _Emitter) -> list[str]:
             else:
                 lines.append(f"    {em.scalar[var]} = rest % {em.size[var]}")
                 lines.append(f"    rest = rest // {em.size[var]}")
-    if k is not None:
-        lines.append(f"    {em.offs[k]} = {em.start_k} + tl.arange(0, BLOCK_K)  # [{k}]")
-        lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
+    if k is not None and plan.folded:
+        lines.extend("    " + line for line in _folded_k_lines(em))
+    elif k is not None:
+        # Descriptor loads take `start_k` alone: the offsets and mask only where a line uses them.
+        body = "\n".join(em.levels[1])
+        masked = re.search(rf"\b{em.mask[k]}\b", body) is not None
+        if masked or re.search(rf"\b{em.offs[k]}\b", body):
+            lines.append(f"    {em.offs[k]} = {em.start_k} + tl.arange(0, BLOCK_K)  # [{k}]")
+        if masked:
+            lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
     lines.extend("    " + line for line in em.levels[1])
     return lines
 
@@ -274,6 +374,27 @@ def _segment_lines(em: _Emitter, acc_axes: tuple[str, ...], mask: str | None) ->
     em.put(0, f"seg_first = tl.load({em.ptr[access.name]} + {first} * {em.stride(access.name, 0)})  # []")
     em.put(0, f"seg_owned = (seg_key != seg_first) & (tl.arange(0, BLOCK_{axis}) != BLOCK_{axis} - 1)" + shape)
     return mask_arg, broadcast(Value("seg_owned", (axis,), 0), acc_axes)
+
+
+def _folded_k_lines(em: _Emitter) -> list[str]:
+    """Offsets of every variable on a folded K axis, from one flat offset (K's variable fastest)."""
+    names = em.plan.axis_vars("K")
+    shape = f"  # [({', '.join(names)})]"
+    flat = em.flat_k
+    k = names[-1]
+    lines = [
+        f"{flat} = {em.start_k} + tl.arange(0, BLOCK_K)" + shape,
+        f"{em.mask[k]} = {flat} < {em.extent_k}" + shape,
+        f"{em.offs[k]} = {flat} % {em.size[k]}" + shape,
+    ]
+    divisor = [em.size[k]]
+    for position, var in enumerate(reversed(names[:-1])):
+        expr = f"{flat} // {divisor[0]}" if len(divisor) == 1 else f"{flat} // ({' * '.join(divisor)})"
+        if position < len(names) - 2:
+            expr = f"({expr}) % {em.size[var]}"
+        lines.append(f"{em.offs[var]} = {expr}" + shape)
+        divisor.append(em.size[var])
+    return lines
 
 
 def emit(plan: Plan) -> Source:
@@ -336,11 +457,14 @@ def emit(plan: Plan) -> Source:
         em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg})")
 
     # Assemble: signature, program-id split, prologue, loops, epilogue.
-    blocks = tuple(f"BLOCK_{a}" for a, _ in plan.tiles)
+    blocks = tuple(f"BLOCK_{a}" for a, _ in plan.tiles) + (("GROUP_M",) if plan.grouped else ())
+    tensor_order = list(em.ptr)
     args = [("ptr", n) for n in em.ptr] + [("size", v) for v in em.size]
-    args += [("stride", t, d) for (t, d) in sorted(em.strides, key=lambda k: (list(em.ptr).index(k[0]), k[1]))]
+    args += [("shape", t, d) for (t, d) in sorted(em.shapes, key=lambda k: (tensor_order.index(k[0]), k[1]))]
+    args += [("stride", t, d) for (t, d) in sorted(em.strides, key=lambda k: (tensor_order.index(k[0]), k[1]))]
     arg_names = {("ptr", n): em.ptr[n] for n in em.ptr}
     arg_names.update({("size", v): em.size[v] for v in em.size})
+    arg_names.update({("shape", t, d): em.shapes[(t, d)] for (t, d) in em.shapes})
     arg_names.update({("stride", t, d): em.strides[(t, d)] for (t, d) in em.strides})
 
     def group(kind):
@@ -353,6 +477,8 @@ def emit(plan: Plan) -> Source:
     out.append(f"    # pointers\n    {group('ptr')},")
     if em.size:  # a statement without variables has no extents
         out.append(f"    # extents\n    {group('size')},")
+    if em.shapes:
+        out.append(f"    # tensor dimensions for descriptors\n    {group('shape')},")
     if em.strides:
         out.append(f"    # strides\n    {group('stride')},")
     if blocks:
@@ -360,10 +486,17 @@ def emit(plan: Plan) -> Source:
     out.append("):")
     doc = [str(stmt), "", *str(plan).splitlines()]
     out.append('    """' + "\n".join(("    " + d if d and i else d) for i, d in enumerate(doc)) + '\n    """')
-    body = _launch_grid_lines(em)
-    body.append(f"acc = tl.zeros(({acc_shape}), dtype={acc_tl})" + em.shape_comment(acc_axes))
-    body.extend(em.levels[0])
-    body.extend(_loop_lines(em))
-    body.extend(em.epilogue)
+    tile = _launch_grid_lines(em)
+    tile.append(f"acc = tl.zeros(({acc_shape}), dtype={acc_tl})" + em.shape_comment(acc_axes))
+    tile.extend(em.levels[0])
+    tile.extend(_loop_lines(em))
+    tile.extend(em.epilogue)
+    if plan.persistent:
+        # Programs stride over the tiles; flattening lets the pipeline run across tiles.
+        counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.size[v]}, BLOCK_{a})" for a, v in plan.tiles if a != "K"]
+        body = [*em.setup, f"for task in tl.range(tl.program_id(0), {' * '.join(counts) or '1'}, tl.num_programs(0), flatten=True):"]
+        body += ["    " + ("pid = task" if line == "pid = tl.program_id(0)" else line) for line in tile]
+    else:
+        body = em.setup + tile
     out.extend("    " + line for line in body)
     return Source(text="\n".join(out) + "\n", args=tuple(args), blocks=blocks, plan=plan)

@@ -7,8 +7,15 @@ variable and a right part without the M variable that share K: the inner loop is
 factors by broadcasting over (M, K, N) and sums K with `tl.sum`. Other output variables go
 to the grid (one value per program); other reduced variables become scalar outer loops.
 
-Everything here is decided from the statement, its roles and dtypes alone (no tensors), so
-one plan serves every size.
+A tile axis may carry several variables: `schedule(spec, fold_k=True)` folds the innermost
+scalar loop onto K, which then runs over (q, k) flattened, k fastest, so one `tl.dot`
+consumes several 32-wide blocks at once. It is not the default: on an H200 the pointer
+gathers it needs lost to one block per step with tensor descriptors
+(benchmarks/results/tensorcore_run2_h200.log).
+
+Persistent programs (one per SM, looping over the tiles) are chosen for dot plans whose
+operands all load through descriptors with no scalar loop (the dense GEMM class), where
+they measured faster; with pointer gathers or per-step index loads they measured slower.
 """
 
 from __future__ import annotations
@@ -17,13 +24,27 @@ from dataclasses import dataclass
 
 from ..ir import Access, Statement
 
-__all__ = ["KernelSpec", "Plan", "schedule", "segment_index", "AXES"]
+__all__ = ["KernelSpec", "Plan", "schedule", "box_layout", "segment_index", "AXES"]
 
 AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
 HALF = ("fp16", "bf16")
 # Hopper's warp-group MMA needs 64 rows of M per tile: a variable with a smaller extent (the
 # rows of one 32 x 32 block) goes on N instead when the statement allows it.
 NARROW = 64
+# Tensor descriptors (Triton's `tl.make_tensor_descriptor`) take 2 to 5 dimensions.
+BOX_RANKS = range(2, 6)
+
+
+def box_layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, address: int) -> bool:
+    """Whether a tensor can back a tensor descriptor: 2 to 5 dimensions, a 16-byte aligned
+    start, a contiguous last dimension and every other stride a positive multiple of 16 bytes.
+
+    >>> box_layout((64, 32), (32, 1), 2, 4096), box_layout((64, 31), (31, 1), 2, 4096)
+    (True, False)
+    """
+    if len(shape) not in BOX_RANKS or address % 16 or strides[-1] != 1:
+        return False
+    return all(st > 0 and st * itemsize % 16 == 0 for st in strides[:-1])
 
 
 @dataclass(frozen=True)
@@ -36,6 +57,7 @@ class KernelSpec:
     wide: frozenset[str] = frozenset()  # tensors whose element offsets may exceed 2**31 - 1
     precision: str = "tf32"  # float32 tl.dot: "tf32" or "ieee"
     narrow: frozenset[str] = frozenset()  # output-side variables with extents below NARROW
+    boxes: frozenset[str] = frozenset()  # input tensors whose layout fits a tensor descriptor
     # Index tensors the caller declares sorted (equal values adjacent), e.g. a format's
     # row index: a facts channel from formats to the code generator through the call.
     sorted_indices: frozenset[str] = frozenset()
@@ -61,6 +83,9 @@ class Plan:
     output: str  # "store" (one owner per element), "atomic", or "segment" (see _segment_index)
     acc_dtype: str  # "fp32" or "fp64"
     dot_dtype: str | None  # operand dtype of tl.dot
+    boxes: tuple[int, ...] = ()  # factor positions loaded through a tensor descriptor
+    folded: tuple[str, ...] = ()  # reduced variables flattened onto K outside its variable, outermost first
+    persistent: bool = False  # one program per SM loops over the tiles (`tl.range(..., flatten=True)`)
 
     @property
     def stmt(self) -> Statement:
@@ -70,10 +95,25 @@ class Plan:
         return dict(self.tiles).get(axis)
 
     def var_axis(self, var: str) -> str | None:
-        return {v: a for a, v in self.tiles}.get(var)
+        return "K" if var in self.folded else {v: a for a, v in self.tiles}.get(var)
+
+    def axis_vars(self, axis: str) -> tuple[str, ...]:
+        """Every variable the axis carries, outermost first (the last one varies fastest)."""
+        var = self.axis_var(axis)
+        if var is None:
+            return ()
+        return (*self.folded, var) if axis == "K" else (var,)
+
+    @property
+    def grouped(self) -> bool:
+        """Programs walk (M, N) tiles in groups of GROUP_M row tiles, so that the column tiles
+        they share are read while still in L2 (the order of the Triton matmul tutorial)."""
+        return self.kind == "dot" and self.axis_var("M") is not None and self.axis_var("N") is not None
 
     def __str__(self) -> str:
-        tiles = ", ".join(f"{a}={v}" for a, v in self.tiles) or "-"
+        tiles = ", ".join(
+            f"{a}=({', '.join(self.axis_vars(a))})" if len(self.axis_vars(a)) > 1 else f"{a}={v}" for a, v in self.tiles
+        ) or "-"
         lines = [
             f"kind: {self.kind}" + (" (tl.dot)" if self.kind == "dot" else " (broadcast multiply, tl.sum)"),
             f"tiles: {tiles}",
@@ -85,6 +125,10 @@ class Plan:
             lines.append(f"left (M, K): {' * '.join(str(factors[i]) for i in self.left)}")
             lines.append(f"right (K, N): {' * '.join(str(factors[i]) for i in self.right)}")
             lines.append(f"dot operands: {self.dot_dtype}" + (f", {self.spec.precision}" if self.dot_dtype == "fp32" else ""))
+            if self.boxes:
+                lines.append(f"tensor descriptors: {', '.join(str(factors[i]) for i in self.boxes)}")
+        if self.persistent:
+            lines.append("programs: persistent (one per SM, striding over the tiles)")
         lines.append(f"accumulator: {self.acc_dtype}")
         lines.append(f"output: {self.output}" + _OUTPUT_NOTES[self.output])
         return "\n".join(lines)
@@ -167,8 +211,34 @@ def _dot_split(stmt: Statement, outside: list[str], reduced: list[str], narrow: 
     return next((s for s in splits if s[0] not in narrow), splits[0] if splits else None)
 
 
-def schedule(spec: KernelSpec) -> Plan:
-    """Choose the tile roles, grid, loops and output strategy for a statement."""
+def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, ...], folded: tuple[str, ...]) -> tuple[int, ...]:
+    """Dot operands that are one box of their tensor: each tiled variable indexes its own
+    dimension directly (so the tensor's bounds are the tile's mask), in the dot's order (a
+    box that would need a transpose measured slower than pointers), the last dimension is
+    one of them, and every other index is a scalar per program or step. A folded K axis is
+    no box: its steps cross blocks."""
+    if folded:
+        return ()
+    tiled = set(tiles.values())
+    boxes = []
+    for position in positions:
+        access = spec.stmt.factors[position]
+        if access.name not in spec.boxes or len(access.indices) not in BOX_RANKS:
+            continue
+        direct = [i.variable for i in access.indices]
+        on_tiles = [v for v in direct if v in tiled]
+        scalar = all(v in tiled or not (set(i.variables()) & tiled) for v, i in zip(direct, access.indices))
+        order = [axis for axis in AXES if tiles.get(axis) in on_tiles]
+        in_order = [axis for v in on_tiles for axis in AXES if tiles.get(axis) == v] == order
+        if scalar and in_order and len(on_tiles) == len(set(on_tiles)) == 2 and direct[-1] in tiled:
+            boxes.append(position)
+    return tuple(sorted(boxes))
+
+
+def schedule(spec: KernelSpec, *, fold_k: bool = False) -> Plan:
+    """Choose the tile roles, grid, loops and output strategy for a statement.
+
+    fold_k: fold the innermost scalar loop onto the dot's K axis (K = (q, k))."""
     stmt = spec.stmt
     roles = dict(spec.roles)
     outside = _output_candidates(stmt, roles)
@@ -185,8 +255,12 @@ def schedule(spec: KernelSpec) -> Plan:
         m, n, k, left, right = split
         tiles = {"M": m, "K": k, "N": n}
         kind = "dot"
+        loops = [v for v in reduced if v != k]
+        folded = (loops[-1],) if loops and fold_k else ()
+        boxes = _box_factors(spec, tiles, left + right, folded)
+        persistent = len(boxes) == len(left) + len(right) and not loops
     else:
-        kind, left, right, dot_dtype = "reduce", (), (), None
+        kind, left, right, dot_dtype, boxes, folded, persistent = "reduce", (), (), None, (), (), False
         tiles = {}
         if outside:
             tiles["N"] = outside[0]
@@ -198,16 +272,19 @@ def schedule(spec: KernelSpec) -> Plan:
     tiled = set(tiles.values())
     out_vars = [i.variable for i in stmt.output.indices]
     one_owner = all(v is not None for v in out_vars) and len(set(out_vars)) == len(out_vars)
-    output = "store" if one_owner else "segment" if _sorted_scatter(spec, tiles) else "atomic"
+    output = "store" if one_owner else "segment" if _sorted_scatter(spec, tiles) and not persistent else "atomic"
     return Plan(
         spec=spec,
         kind=kind,
         tiles=tuple((a, tiles[a]) for a in AXES if a in tiles),
         grid=tuple(v for v in stmt.variables() if roles[v] != "reduced" and v not in tiled),
-        loops=tuple(v for v in reduced if v not in tiled),
+        loops=tuple(v for v in reduced if v not in tiled and v not in folded),
         left=left,
         right=right,
         output=output,
         acc_dtype=acc_dtype,
         dot_dtype=dot_dtype,
+        boxes=boxes,
+        folded=folded,
+        persistent=persistent,
     )

@@ -1,5 +1,10 @@
 """The autotuning space: tile sizes, warps and stages per plan kind, pruned by extents.
 
+Dot plans that walk (M, N) tiles in groups (`Plan.grouped`) also carry GROUP_M, the row
+tiles per group. The dot table reaches the tiles and depths that run dense GEMMs near
+cuBLAS on Hopper: 128 x 256 and 256 x 128 tiles with 8 warps, 3 to 5 stages (a stage that
+does not fit in shared memory fails to compile and the autotuner skips it).
+
 Pruning follows two rules: no tile larger than the next power of two of its extent (a
 larger tile only computes masked lanes), and `tl.dot` tiles of at least 16 (the smallest
 tensor-core shape). Clamped configurations that coincide are kept once.
@@ -16,8 +21,11 @@ _DOT = [
     (128, 32, 128, 8, 3), (128, 64, 128, 8, 3), (128, 32, 64, 4, 4), (64, 32, 128, 4, 4),
     (64, 32, 64, 4, 4), (64, 64, 64, 4, 3), (32, 32, 64, 4, 4), (64, 32, 32, 4, 4),
     (32, 32, 32, 4, 3), (16, 32, 64, 4, 3), (64, 32, 16, 4, 3), (16, 64, 16, 2, 3),
-    (128, 64, 256, 8, 3), (256, 64, 128, 8, 3),
+    (128, 64, 256, 8, 3), (256, 64, 128, 8, 3), (128, 64, 256, 8, 4), (256, 64, 128, 8, 4),
+    (128, 64, 128, 8, 4), (128, 64, 128, 4, 5), (64, 64, 256, 4, 4), (128, 128, 64, 4, 4),
+    (256, 128, 32, 8, 3),
 ]
+GROUP_M = 8  # row tiles per group in grouped program order
 # Broadcast-and-sum plans hold an M x K x N block in registers: keep it to 8192 elements.
 _REDUCE = [
     (1, 16, 128, 4, 2), (1, 32, 128, 4, 2), (2, 16, 128, 4, 2), (4, 8, 128, 4, 2),
@@ -41,7 +49,8 @@ def configs_for(plan: Plan) -> list[dict]:
     out = []
     for m, k, n, warps, stages in table:
         blocks = {f"BLOCK_{a}": size for a, size in zip("MKN", (m, k, n)) if a in tiled}
-        out.append({**blocks, "num_warps": warps, "num_stages": stages})
+        group = {"GROUP_M": GROUP_M} if plan.grouped else {}
+        out.append({**blocks, **group, "num_warps": warps, "num_stages": stages})
     return _unique(out)
 
 
@@ -63,8 +72,11 @@ def prune_configs(plan: Plan, configs: list[dict], extents: dict[str, int]) -> l
     pruned = []
     for config in configs:
         config = dict(config)
-        for axis, var in plan.tiles:
-            limit = max(floor, next_power_of_2(extents[var]))
+        for axis, _ in plan.tiles:
+            extent = 1
+            for var in plan.axis_vars(axis):  # a folded axis spans the product
+                extent *= extents[var]
+            limit = max(floor, next_power_of_2(extent))
             config[f"BLOCK_{axis}"] = min(config[f"BLOCK_{axis}"], limit)
         # Small blocks do not need many warps.
         elements = 1

@@ -11,7 +11,7 @@ def insum_kernel(
     # strides
     stride_C_0, stride_C_1, stride_C_2, stride_AV_0, stride_AV_1, stride_AV_2, stride_AV_3, stride_B_0, stride_B_1, stride_B_2, stride_AM_0, stride_AK_0, stride_AK_1,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[AM[p], m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]
 
@@ -26,14 +26,19 @@ def insum_kernel(
     output: atomic (tl.atomic_add: scattered contributions may collide)
     """
     pid = tl.program_id(0)
-    pid_n = pid % tl.cdiv(size_n, BLOCK_N)
-    pid = pid // tl.cdiv(size_n, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [n]
-    mask_n = offs_n < size_n  # [n]
-    pid_m = pid % tl.cdiv(size_m, BLOCK_M)
-    pid = pid // tl.cdiv(size_m, BLOCK_M)
+    tiles_m = tl.cdiv(size_m, BLOCK_M)
+    tiles_n = tl.cdiv(size_n, BLOCK_N)
+    tile = pid % (tiles_m * tiles_n)
+    pid = pid // (tiles_m * tiles_n)
+    group = GROUP_M * tiles_n
+    first_m = (tile // group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % group_rows
+    pid_n = (tile % group) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [m]
     mask_m = offs_m < size_m  # [m]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [n]
+    mask_n = offs_n < size_n  # [n]
     i_p = pid
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [m, n]
     steps_k = tl.cdiv(size_k, BLOCK_K)

@@ -11,7 +11,7 @@ def insum_kernel(
     # strides
     stride_Z_0, stride_Z_1, stride_Z_2, stride_CV_0, stride_CV_1, stride_X_0, stride_X_1, stride_X_2, stride_Y_0, stride_Y_1, stride_Y_2, stride_W_0, stride_W_1, stride_W_2, stride_CK_0, stride_CI_0, stride_CI_1, stride_CJ_0, stride_CJ_1,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Z[b, w, CK[p]] += CV[p, q] * X[b, u, CI[p, q]] * Y[b, v, CJ[p, q]] * W[u, v, w]
 
@@ -26,14 +26,19 @@ def insum_kernel(
     output: atomic (tl.atomic_add: scattered contributions may collide)
     """
     pid = tl.program_id(0)
-    pid_w = pid % tl.cdiv(size_w, BLOCK_N)
-    pid = pid // tl.cdiv(size_w, BLOCK_N)
-    offs_w = pid_w * BLOCK_N + tl.arange(0, BLOCK_N)  # [w]
-    mask_w = offs_w < size_w  # [w]
-    pid_b = pid % tl.cdiv(size_b, BLOCK_M)
-    pid = pid // tl.cdiv(size_b, BLOCK_M)
+    tiles_b = tl.cdiv(size_b, BLOCK_M)
+    tiles_w = tl.cdiv(size_w, BLOCK_N)
+    tile = pid % (tiles_b * tiles_w)
+    pid = pid // (tiles_b * tiles_w)
+    group = GROUP_M * tiles_w
+    first_b = (tile // group) * GROUP_M
+    group_rows = tl.minimum(tiles_b - first_b, GROUP_M)
+    pid_b = first_b + (tile % group) % group_rows
+    pid_w = (tile % group) // group_rows
     offs_b = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [b]
     mask_b = offs_b < size_b  # [b]
+    offs_w = pid_w * BLOCK_N + tl.arange(0, BLOCK_N)  # [w]
+    mask_w = offs_w < size_w  # [w]
     i_p = pid
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [b, w]
     steps_u = tl.cdiv(size_u, BLOCK_K)

@@ -1,0 +1,305 @@
+"""Tensor-core path (issue 11): the generated dot kernels A/B against main's generator and
+side by side with cuBLAS, TorchBSR and cuSPARSELt, in one process.
+
+    python -m benchmarks.tensorcore_h200 [--budget 300] [--out DIR]
+
+Variants of each generated kernel, compiled in this one process on the same inputs:
+  main       the generator of `main` (a copy of its `insum` package importable as
+             `insum_main`, placed beside this checkout by the GPU command); skipped if absent
+  pointers   this branch, every operand loaded through pointer blocks (INSUM_TMA=0's plan)
+  tma        this branch, box operands through tensor descriptors (the default on Hopper)
+  folded     the same, folding the block loop onto K (`schedule(spec, fold_k=True)`: K = (q, k))
+  persistent the `tma` plan with one program per SM striding over the tiles (the default
+             for plans whose operands are all descriptors and that have no scalar loop)
+  coarsenR   block rows only: R neighbouring block rows packed as one (R * b)-tall block row
+             over the union of their columns, explicit zero blocks (`tma` plan)
+Both generators tune over the same short list of tile configurations (`CONFIGS`), so an A/B
+shows what the generated source changes, not a wider search; `--full` tunes each over its
+own whole space instead. Every result is checked against a float64 product of the same
+inputs (relative error <= 1e-2 for fp16/bf16). Times: do_bench medians, B rotated over two
+copies. Sections run in order of value and stop when the time budget is spent.
+
+The logs: results/tensorcore_ab1_h200.log (commit 1d28f85: grouped order, descriptors),
+results/tensorcore_run2_h200.log (commit 5df1a41: folding was the default for 32-wide
+16-bit blocks and transposed boxes were allowed: its `tma` rows for 32x32 blocks are the
+folded plan, `unfolded` the transposed-descriptor plan; both lost to main's pointers, so
+neither is the default now, and 32x32 blocks run the `pointers` plan of the first log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+
+from insum.bind import bind
+from insum.codegen import schedule, tune
+from insum.formats import NM
+from insum.parser import parse
+from insum.runtime import Kernel, spec_for
+
+from .common import median_ms, relative_error, rotating
+
+try:  # main's generator, for the A/B
+    import insum_main
+    import insum_main.codegen.tune
+    from insum_main.bind import bind as bind_main
+    from insum_main.parser import parse as parse_main
+    from insum_main.runtime import Kernel as KernelMain
+    from insum_main.runtime import spec_for as spec_for_main
+except ImportError:
+    insum_main = None
+
+# (BLOCK_M, BLOCK_K, BLOCK_N, num_warps, num_stages): the tiles that won on Hopper before,
+# the deeper pipelines and the 256-row tile.
+CONFIGS = [
+    (128, 64, 256, 8, 3), (128, 64, 256, 8, 4), (256, 64, 128, 8, 3), (128, 64, 128, 8, 4),
+    (64, 64, 256, 4, 4), (64, 32, 128, 4, 4), (128, 128, 64, 4, 4), (256, 128, 32, 8, 3),
+]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ROWS: list[dict] = []
+LOG: list[str] = []
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def record(section: str, label: str, point: str, dtype: str, fn, check, expected, anchor_ms=None, flops=None):
+    """Check `check()` against `expected`, time `fn`, keep the row."""
+    try:
+        err = relative_error(check().reshape(expected.shape), expected)
+        ms = median_ms(fn)
+    except Exception as e:  # a variant that fails to compile or run is reported, not fatal
+        say(f"  {section:8s} {point:24s} {dtype} {label:22s} FAILED {type(e).__name__}: {str(e)[:200]}")
+        ROWS.append(dict(section=section, label=label, point=point, dtype=dtype, error=str(e)[:500]))
+        return None
+    ok = err <= 1e-2
+    ratio = anchor_ms / ms if anchor_ms else None
+    tflops = flops / ms / 1e9 if flops else None
+    extra = f"x{ratio:.2f} vs cuBLAS" if ratio else ""
+    extra += f"  {tflops:.0f} TFLOP/s" if tflops else ""
+    say(f"  {section:8s} {point:24s} {dtype} {label:22s} {ms * 1e3:9.1f} us  err {err:.1e} {'ok' if ok else 'FAIL'}  {extra}")
+    ROWS.append(dict(section=section, label=label, point=point, dtype=dtype, ms=ms, err=err, ok=ok,
+                     vs_cublas=ratio, tflops=tflops))
+    return ms
+
+
+def generated(expr: str, tensors: dict, out_name: str, swap: str, variant: str):
+    """(run(B) -> out, describe) for one variant of the generated kernel of `expr`."""
+    if variant == "main":
+        stmt = parse_main(expr)
+        kernel = KernelMain(spec_for_main(bind_main(stmt, tensors)))
+        binder = bind_main
+    else:
+        stmt = parse(expr)
+        bound = bind(stmt, tensors)
+        spec = spec_for(bound, descriptors=(variant != "pointers"))
+        kernel = Kernel(spec)
+        if variant == "folded":
+            kernel = Kernel(spec, schedule(spec, fold_k=True))
+        elif variant == "persistent":
+            kernel = Kernel(spec, dataclasses.replace(kernel.plan, persistent=True))
+        binder = bind
+    out = tensors[out_name]
+
+    def run(B):
+        return kernel.launch(binder(stmt, {**tensors, swap: B}), out)
+
+    return run, kernel
+
+
+def plan_line(kernel) -> str:
+    plan = kernel.plan
+    boxes = len(getattr(plan, "boxes", ()))
+    k = "(" + ", ".join(plan.axis_vars("K")) + ")" if hasattr(plan, "axis_vars") else plan.axis_var("K")
+    return f"M={plan.axis_var('M')} K={k} N={plan.axis_var('N')} descriptors={boxes}"
+
+
+def chosen(names: tuple[str, ...]) -> list[str]:
+    return [v for v in names if v != "main" or insum_main is not None]
+
+
+def dense_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None:
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(size)
+    A = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
+    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
+    C = torch.empty(size, size, device="cuda", dtype=dtype)
+    ident = torch.arange(size, device="cuda", dtype=torch.int32)
+    expected = A.double() @ Bs[0].double()
+    flops = 2 * size**3
+    point = f"{size}^3"
+    t_cublas = record("dense", "cuBLAS", point, dtype_name, rotating(lambda B: A @ B, [(B,) for B in Bs]),
+                      lambda: A @ Bs[0], expected, flops=flops)
+    for name, expr, extra in [
+        ("dense", "C[m, n] = A[m, k] * B[k, n]", {}),
+        ("gathered", "C[m, n] = A[m, k] * B[I[k], n]", {"I": ident}),
+    ]:
+        for variant in chosen(ab):
+            tensors = {"A": A, "B": Bs[0], "C": C, **extra}
+            try:
+                run, kernel = generated(expr, tensors, "C", "B", variant)
+            except Exception as e:
+                say(f"  {name} {variant}: no kernel: {e}")
+                continue
+            C.fill_(float("nan"))
+            ms = record(name, f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bs]),
+                        lambda run=run: run(Bs[0]).clone(), expected, t_cublas, flops)
+            if ms:
+                say(f"      {plan_line(kernel)}")
+
+
+def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int, rows: int = 1) -> dict[str, torch.Tensor]:
+    """One group per block row (BlockGroupCOO group_size="row"), padded with zero blocks.
+
+    rows > 1 coarsens: `rows` neighbouring block rows become one (rows * block)-tall block
+    row over the union of their block columns, with explicit zero blocks (the same as
+    packing with block=(rows * block, block))."""
+    if rows > 1:
+        keep = keep.reshape(keep.shape[0] // rows, rows, keep.shape[1]).any(1)
+    nb, kb = keep.shape
+    bm = A.shape[0] // nb
+    width = max(1, int(keep.sum(1).max()))
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]
+    valid = torch.gather(keep, 1, order)
+    AK = torch.where(valid, order, 0).to(torch.int32)
+    blocks = A.reshape(nb, bm, kb, block).permute(0, 2, 1, 3)
+    AV = blocks[torch.arange(nb, device=A.device)[:, None], order] * valid[:, :, None, None]
+    return {"AV": AV.contiguous(), "AK": AK.contiguous()}
+
+
+def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: tuple[str, ...], t_cublas: dict) -> None:
+    from torch.sparse._triton_ops import bsr_dense_mm
+
+    dtype = DTYPES[dtype_name]
+    nb = size // block
+    gen = torch.Generator(device="cuda").manual_seed(size + block)
+    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
+    key = (size, dtype_name)
+    if key not in t_cublas:
+        D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
+        t_cublas[key] = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
+        say(f"  block    {size}^3 {dtype_name} cuBLAS {t_cublas[key] * 1e3:.1f} us")
+    expr = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
+    for s in sparsities:
+        keep = torch.rand(nb, nb, device="cuda", generator=gen) >= s
+        mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        A = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) * mask
+        expected = A.double() @ Bs[0].double()
+        flops = 2 * size**3 * keep.float().mean().item()
+        point = f"{size}^3 b{block} s={s}"
+        anchor = t_cublas[key]
+        try:
+            bsr = A.to_sparse_bsr((block, block))
+            record("block", "TorchBSR", point, dtype_name, rotating(lambda B, bsr=bsr: bsr_dense_mm(bsr, B), [(B,) for B in Bs]),
+                   lambda bsr=bsr: bsr_dense_mm(bsr, Bs[0]), expected, anchor, flops)
+        except Exception as e:
+            say(f"  TorchBSR failed: {e}")
+        Bv = [B.view(nb, block, size) for B in Bs]
+        for variant in chosen(ab):
+            rows = int(variant[len("coarsen"):]) if variant.startswith("coarsen") else 1
+            packed = block_ell(keep, A, block, rows)
+            C = torch.empty(nb // rows, block * rows, size, device="cuda", dtype=dtype)
+            tensors = {**packed, "B": Bv[0], "C": C}
+            try:
+                run, kernel = generated(expr, tensors, "C", "B", "tma" if rows > 1 else variant)
+            except Exception as e:
+                say(f"  block {variant}: no kernel: {e}")
+                continue
+            C.fill_(float("nan"))
+            ms = record("block", f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bv]),
+                        lambda run=run, Bv=Bv: run(Bv[0]).clone(), expected, anchor, flops)
+            if rows > 1:
+                say(f"      coarsened: {packed['AK'].shape[1]} of {keep.shape[1]} block columns per {rows}-row group")
+            if ms and (s == sparsities[0] or rows > 1):
+                say(f"      {plan_line(kernel)}")
+
+
+def nm_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None:
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    A = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
+    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
+    t_cublas = median_ms(rotating(lambda B: A @ B, [(B,) for B in Bs]))
+    say(f"  nm       {size}^3 {dtype_name} cuBLAS {t_cublas * 1e3:.1f} us")
+    for n, m in ((2, 4), (2, 8), (1, 8)):
+        point = f"{size}^3 {n}:{m}"
+        fmt = NM.from_dense(A, n, m, 128)
+        pruned = fmt.to_dense()
+        expected = pruned.double() @ Bs[0].double()
+        flops = 2 * size**3 * n / m
+        if (n, m) == (2, 4):
+            try:
+                from torch.sparse import to_sparse_semi_structured
+
+                sparse = to_sparse_semi_structured(pruned)
+                record("nm", "cuSPARSELt 2:4", point, dtype_name, rotating(lambda B, sparse=sparse: sparse @ B, [(B,) for B in Bs]),
+                       lambda sparse=sparse: sparse @ Bs[0], expected, t_cublas, flops)
+            except Exception as e:
+                say(f"  cuSPARSELt failed: {type(e).__name__}: {str(e)[:200]}")
+        Cn = torch.empty(fmt.AV.shape[0], fmt.AV.shape[1], size, device="cuda", dtype=dtype)
+        expr = fmt.expression.replace("+=", "=")
+        for variant in chosen(ab):
+            tensors = {**fmt.tensors, "B": Bs[0], "C": Cn}
+            try:
+                run, kernel = generated(expr, tensors, "C", "B", variant)
+            except Exception as e:
+                say(f"  nm {variant}: no kernel: {e}")
+                continue
+            Cn.fill_(float("nan"))
+            ms = record("nm", f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bs]),
+                        lambda run=run: run(Bs[0]).clone(), expected, t_cublas, flops)
+            if ms:
+                say(f"      {plan_line(kernel)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds; later sections are skipped after it")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--full", action="store_true", help="tune each generator over its own whole space")
+    args = parser.parse_args()
+    if not args.full:
+        tune._DOT[:] = CONFIGS
+        if insum_main is not None:
+            insum_main.codegen.tune._DOT[:] = CONFIGS
+    start = time.time()
+    say(f"{torch.cuda.get_device_name()} torch {torch.__version__} insum_main={'yes' if insum_main else 'no'}")
+    t_cublas: dict = {}
+    new = ("tma",)
+    sections = [
+        lambda: block_section(args, 4096, "fp16", 32, (0.9, 0.5, 0.75, 0.95),
+                              ("main", "tma", "folded", "persistent", "coarsen2", "coarsen4"), t_cublas),
+        lambda: dense_section(args, 4096, "fp16", ("main", "pointers", "tma", "persistent")),
+        lambda: block_section(args, 4096, "fp16", 64, (0.9, 0.5, 0.75, 0.95),
+                              ("main", "tma", "folded", "persistent", "coarsen2"), t_cublas),
+        lambda: dense_section(args, 8192, "fp16", ("main", "tma", "persistent")),
+        lambda: dense_section(args, 4096, "bf16", ("tma", "persistent")),
+        lambda: dense_section(args, 8192, "bf16", ("tma", "persistent")),
+        lambda: block_section(args, 4096, "fp16", 128, (0.5, 0.75, 0.9), ("tma", "persistent"), t_cublas),
+        lambda: block_section(args, 8192, "fp16", 32, (0.9, 0.5), new, t_cublas),
+        lambda: block_section(args, 8192, "fp16", 64, (0.9, 0.5), ("tma", "persistent"), t_cublas),
+        lambda: block_section(args, 4096, "bf16", 32, (0.9, 0.5, 0.75, 0.95), new, t_cublas),
+        lambda: block_section(args, 4096, "bf16", 64, (0.9, 0.5, 0.75, 0.95), new, t_cublas),
+        lambda: nm_section(args, 8192, "fp16", ("tma", "persistent")),
+        lambda: nm_section(args, 8192, "bf16", new),
+    ]
+    for number, section in enumerate(sections):
+        if time.time() - start > args.budget:
+            say(f"budget spent: skipped sections {number}..{len(sections) - 1}")
+            break
+        section()
+        say(f"-- section {number} done at {time.time() - start:.0f} s")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "tensorcore_h200.json"), "w") as f:
+            json.dump(ROWS, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def insum_kernel(
+    # pointers
+    C_ptr, AV_ptr, B_ptr, AK_ptr,
+    # extents
+    size_p, size_m, size_n, size_q, size_k,
+    # strides
+    stride_C_0, stride_C_1, stride_C_2, stride_AV_0, stride_AV_1, stride_AV_2, stride_AV_3, stride_B_0, stride_B_1, stride_B_2, stride_AK_0, stride_AK_1,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]
+
+    kind: dot (tl.dot)
+    tiles: M=m, K=(q, k), N=n
+    grid variables: p
+    loop variables: -
+    left (M, K): AV[p, q, m, k]
+    right (K, N): B[AK[p, q], k, n]
+    dot operands: fp16
+    accumulator: fp32
+    output: store (one owner per element)
+    """
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(size_m, BLOCK_M)
+    tiles_n = tl.cdiv(size_n, BLOCK_N)
+    tile = pid % (tiles_m * tiles_n)
+    pid = pid // (tiles_m * tiles_n)
+    group = GROUP_M * tiles_n
+    first_m = (tile // group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % group_rows
+    pid_n = (tile % group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [m]
+    mask_m = offs_m < size_m  # [m]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [n]
+    mask_n = offs_n < size_n  # [n]
+    i_p = pid
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [m, n]
+    for start_k in range(0, size_q * size_k, BLOCK_K):
+        offs_qk = start_k + tl.arange(0, BLOCK_K)  # [(q, k)]
+        mask_k = offs_qk < size_q * size_k  # [(q, k)]
+        offs_k = offs_qk % size_k  # [(q, k)]
+        offs_q = offs_qk // size_k  # [(q, k)]
+        AV_val = tl.load(AV_ptr + i_p * stride_AV_0 + offs_q[None, :] * stride_AV_1 + offs_m[:, None] * stride_AV_2 + offs_k[None, :] * stride_AV_3, mask=mask_m[:, None] & mask_k[None, :], other=0)  # [m, (q, k)]
+        AK_val = tl.load(AK_ptr + i_p * stride_AK_0 + offs_q * stride_AK_1, mask=mask_k, other=0)  # [(q, k)]
+        B_val = tl.load(B_ptr + AK_val[:, None] * stride_B_0 + offs_k[:, None] * stride_B_1 + offs_n[None, :] * stride_B_2, mask=mask_k[:, None] & mask_n[None, :], other=0)  # [(q, k), n]
+        acc = tl.dot(AV_val, B_val, acc)  # [m, n]
+    out_ptrs = C_ptr + i_p * stride_C_0 + offs_m[:, None] * stride_C_1 + offs_n[None, :] * stride_C_2  # [m, n]
+    tl.store(out_ptrs, acc.to(C_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

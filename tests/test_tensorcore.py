@@ -1,0 +1,205 @@
+"""The tensor-core dot path: tensor-descriptor (TMA) selection, grouped program order and
+a K axis folded over several variables.
+
+The interpreter runs no TMA, so descriptor plans are checked as plans and source (the
+selection from shapes, strides and alignment, on CPU tensors); grouped order and folded K
+run in the interpreter (or compiled on a GPU) against a float64 product.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("INSUM_AUTOTUNE", "0")
+
+import insum  # noqa: E402
+from insum.bind import bind  # noqa: E402
+from insum.codegen import emit, schedule, tune  # noqa: E402
+from insum.codegen.schedule import box_layout  # noqa: E402
+from insum.parser import parse  # noqa: E402
+from insum.runtime import spec_for  # noqa: E402
+
+pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
+DEVICE = "cuda" if CUDA else "cpu"
+GOLDEN = Path(__file__).parent / "golden"
+DENSE = "C[m, n] = A[m, k] * B[k, n]"
+GATHERED = "C[m, n] = A[m, k] * B[I[k], n]"
+BLOCK_ROW = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
+
+
+def _plan(expr: str, descriptors: bool = True, fold_k: bool = False, **tensors):
+    return schedule(spec_for(bind(parse(expr), tensors), descriptors=descriptors), fold_k=fold_k)
+
+
+def _half(*shape):
+    return torch.randn(*shape).half()
+
+
+def _block_row(G=3, g=5, bm=64, bk=64, KB=4, N=48, dtype=torch.float16, index_dtype=torch.int32, device="cpu"):
+    gen = torch.Generator().manual_seed(G * 100 + g)
+    return {
+        "AV": torch.randn(G, g, bm, bk, generator=gen).to(device, dtype),
+        "AK": torch.randint(0, KB, (G, g), generator=gen).to(device, index_dtype),
+        "B": torch.randn(KB, bk, N, generator=gen).to(device, dtype),
+        "C": torch.full((G, bm, N), float("nan"), dtype=dtype, device=device),
+    }
+
+
+# -- which tensors may back a descriptor ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, strides, itemsize, address, fits",
+    [
+        ((64, 32), (32, 1), 2, 4096, True),
+        ((4, 32, 32), (1024, 32, 1), 4, 0, True),
+        ((64, 32), (32, 1), 2, 4098, False),  # start not 16-byte aligned
+        ((64, 31), (31, 1), 2, 0, False),  # row stride 62 bytes
+        ((32, 64), (1, 32), 2, 0, False),  # transposed view: last dimension not contiguous
+        ((64,), (1,), 2, 0, False),  # one dimension: no descriptor
+        ((2,) * 6, (32, 16, 8, 4, 2, 1), 8, 0, False),  # six dimensions
+        ((4, 8), (0, 1), 2, 0, False),  # expanded (stride 0)
+    ],
+)
+def test_box_layout(shape, strides, itemsize, address, fits):
+    assert box_layout(shape, strides, itemsize, address) is fits
+
+
+def test_descriptors_chosen_for_box_operands_only():
+    A, B, C = _half(64, 32), _half(32, 48), _half(64, 48)
+    plan = _plan(DENSE, A=A, B=B, C=C)
+    assert plan.boxes == (0, 1) and plan.grouped
+    source = emit(plan).text
+    assert source.count("tl.make_tensor_descriptor") == 2 and "tl.load(A_ptr" not in source
+    # The gathered B is no box (Hopper has no TMA gather); A still is.
+    gathered = _plan(GATHERED, A=A, B=B, C=C, I=torch.arange(32, dtype=torch.int32))
+    assert gathered.boxes == (0,)
+    # Layouts a descriptor cannot take fall back to pointers, operand by operand.
+    assert _plan(DENSE, A=_half(32, 64).t(), B=B, C=C).boxes == (1,)
+    assert _plan(DENSE, A=_half(64 * 32 + 1)[1:].view(64, 32), B=B, C=C).boxes == (1,)
+    assert _plan(DENSE, A=_half(64, 31), B=_half(31, 48), C=C).boxes == (1,)  # A: rows of 62 bytes
+    # No descriptors where the device has none: the interpreter, a CPU, INSUM_TMA=0.
+    assert _plan(DENSE, descriptors=False, A=A, B=B, C=C).boxes == ()
+    assert spec_for(bind(parse(DENSE), dict(A=A, B=B, C=C))).boxes == frozenset() or CUDA
+
+
+def test_descriptor_at_a_gathered_row_not_transposed():
+    """A block row of B at the row AK[p, q] is a box with a 1 for the gathered dimension; in the
+    swapped orientation (32-row blocks: the dense columns on M) it would need a transpose,
+    which measured slower than pointers: no descriptors there."""
+    wide = _plan(BLOCK_ROW, **_block_row(bm=64, bk=64))
+    assert wide.boxes == (0, 1) and not wide.folded and not wide.persistent  # a scalar loop: q
+    source = emit(wide).text
+    assert "B_desc.load([(AK_val).to(tl.int32), start_k, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)" in source
+    assert "shape_B_0" in source  # B's first dimension is no extent: passed as its own argument
+    swapped = _plan(BLOCK_ROW, **_block_row(bm=32, bk=64, N=128))
+    assert swapped.axis_var("M") == "n" and swapped.boxes == ()
+    nt = _plan("C[m, n] = A[m, k] * B[n, k]", A=_half(64, 32), B=_half(48, 32), C=_half(64, 48))
+    assert nt.boxes == (0,)  # B holds (n, k): a transposed box
+
+
+def test_persistent_only_where_every_operand_is_a_descriptor():
+    A, B, C = _half(64, 32), _half(32, 48), _half(64, 48)
+    assert _plan(DENSE, A=A, B=B, C=C).persistent
+    assert "for task in tl.range(tl.program_id(0)" in emit(_plan(DENSE, A=A, B=B, C=C)).text
+    assert not _plan(DENSE, descriptors=False, A=A, B=B, C=C).persistent
+    assert not _plan(GATHERED, A=A, B=B, C=C, I=torch.arange(32, dtype=torch.int32)).persistent
+
+
+def test_golden_descriptor_sources():
+    """Dense GEMM through descriptors and a folded block row; INSUM_UPDATE_GOLDEN=1 rewrites."""
+    sources = {
+        "dense_descriptors": emit(_plan(DENSE, A=_half(64, 32), B=_half(32, 48), C=_half(64, 48))).text,
+        "block_row_folded": emit(_plan(BLOCK_ROW, fold_k=True, **_block_row(bm=32, bk=32))).text,
+    }
+    for name, text in sources.items():
+        path = GOLDEN / f"{name}.py"
+        if os.environ.get("INSUM_UPDATE_GOLDEN"):
+            path.write_text(text)
+        assert text == path.read_text()
+
+
+# -- grouped program order -------------------------------------------------------------------
+
+
+def test_grouped_order_covers_every_tile(monkeypatch):
+    """5 x 4 tiles in groups of 2 row tiles (the last group short): every element written once."""
+    monkeypatch.setattr(tune, "_DOT", [(16, 16, 16, 1, 1)])
+    monkeypatch.setattr(tune, "GROUP_M", 2)
+    gen = torch.Generator().manual_seed(5)
+    A = torch.randn(70, 40, generator=gen, dtype=torch.float64).float().to(DEVICE)
+    B = torch.randn(40, 50, generator=gen, dtype=torch.float64).float().to(DEVICE)
+    x = torch.randn(3, generator=gen).to(DEVICE)  # a grid variable outside the tiles
+    C = torch.full((3, 70, 50), float("nan"), device=DEVICE)
+    out = insum.insum("C[b, m, n] = x[b] * A[m, k] * B[k, n]", backend="triton", precision="ieee", A=A, B=B, x=x, C=C)
+    expected = x.double()[:, None, None] * (A.double() @ B.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+# -- several variables on K ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize(
+    "G, g, bm, bk, KB, N",
+    [(3, 5, 16, 16, 4, 48), (2, 3, 32, 32, 3, 20), (1, 1, 16, 16, 1, 16), (2, 0, 16, 16, 2, 16)],
+    ids=["blocks16", "blocks32-odd-N", "one-block", "empty-rows"],
+)
+def test_folded_k_matches_float64(G, g, bm, bk, KB, N, index_dtype):
+    """Block rows with the block loop folded onto K: K = (q, k), several blocks per dot."""
+    from insum.runtime import Kernel
+
+    t = _block_row(G, g, bm, bk, KB, N, index_dtype=index_dtype, device=DEVICE)
+    bound = bind(parse(BLOCK_ROW), t)
+    spec = spec_for(bound)
+    plan = schedule(spec, fold_k=True)
+    assert plan.folded == ("q",) and plan.loops == () and "K=(q, k)" in str(plan)
+    out = Kernel(spec, plan).launch(bound, t["C"])
+    expected = torch.einsum("pqmk,pqkn->pmn", t["AV"].double(), t["B"].double()[t["AK"].long()])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=2e-2)
+
+
+def test_fold_only_when_asked_and_a_loop_remains():
+    assert not _plan(BLOCK_ROW, **_block_row(bm=32, bk=32)).folded  # measured slower: not the default
+    assert _plan(BLOCK_ROW, fold_k=True, **_block_row(bm=64, bk=64)).boxes == ()  # steps cross blocks
+    assert not _plan(DENSE, fold_k=True, A=_half(64, 32), B=_half(32, 48), C=_half(64, 48)).folded
+
+
+# -- persistent programs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["dense", "batched", "block_row_folded"])
+def test_persistent_programs_cover_every_tile(monkeypatch, case):
+    """One program per SM (per CPU core in the interpreter) strides over all tiles."""
+    import dataclasses
+
+    from insum.runtime import Kernel
+
+    monkeypatch.setattr(tune, "_DOT", [(16, 16, 16, 1, 1)])
+    if case == "dense":
+        gen = torch.Generator().manual_seed(9)
+        t = {"A": torch.randn(70, 40, generator=gen).to(DEVICE), "B": torch.randn(40, 50, generator=gen).to(DEVICE),
+             "C": torch.full((70, 50), float("nan"), device=DEVICE)}
+        expr, expected = DENSE, t["A"].double() @ t["B"].double()
+    elif case == "batched":  # a grid variable outside the tiles: programs stride over (b, tiles)
+        gen = torch.Generator().manual_seed(10)
+        t = {"A": torch.randn(3, 40, 24, generator=gen).to(DEVICE), "B": torch.randn(3, 24, 36, generator=gen).to(DEVICE),
+             "C": torch.full((3, 40, 36), float("nan"), device=DEVICE)}
+        expr, expected = "C[b, m, n] = A[b, m, k] * B[b, k, n]", t["A"].double() @ t["B"].double()
+    else:
+        t = _block_row(3, 5, 16, 16, 4, 48, device=DEVICE)
+        expr = BLOCK_ROW
+        expected = torch.einsum("pqmk,pqkn->pmn", t["AV"].double(), t["B"].double()[t["AK"].long()])
+    bound = bind(parse(expr), t)
+    spec = spec_for(bound, descriptors=False)
+    kernel = Kernel(spec, dataclasses.replace(schedule(spec, fold_k=case != "dense"), persistent=True))
+    assert "tl.range(tl.program_id(0)" in kernel.source and "flatten=True" in kernel.source
+    out = kernel.launch(bound, t["C"])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=2e-2)
