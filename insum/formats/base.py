@@ -573,7 +573,8 @@ class SparseFormat:
         else:
             # Both factors and the output in the promoted dtype: the kernel sees one value
             # dtype and accumulates half precision in float32 itself.
-            C = self._spmm(B.to(out_dtype), out_dtype, backend, precision)  # any strides
+            B = B if B.dtype == out_dtype else B.to(out_dtype)  # (a no-op .to still costs a dispatch)
+            C = self._spmm(B, out_dtype, backend, precision)  # any strides
         return C.squeeze(1) if vector else C
 
     def __matmul__(self, B: torch.Tensor) -> torch.Tensor:
@@ -595,6 +596,8 @@ class SparseFormat:
 
     def _values(self, compute: torch.dtype) -> dict[str, torch.Tensor]:
         """Tensors with value tensors converted to the compute dtype (no copy when equal)."""
+        if compute == self.dtype:
+            return self._tensors
         return {k: (v.to(compute) if self._is_value(k) else v) for k, v in self._tensors.items()}
 
     def _is_value(self, name: str) -> bool:
@@ -610,7 +613,7 @@ class SparseFormat:
         accumulates in float32 where many groups meet in one row (`accumulation_dtype`)."""
         C = torch.empty(self.shape[0], B.shape[1], dtype=accumulation_dtype(dtype, self.fan_in), device=B.device)
         self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
-        return C.to(dtype)
+        return C if C.dtype == dtype else C.to(dtype)
 
     def _run(
         self, expression: str, backend: str, precision: str, **tensors: torch.Tensor
