@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -40,12 +41,19 @@ def check_options(**options) -> None:
 
 
 def _check_names(stmt) -> None:
-    taken = sorted({a.name for a in _all_accesses(stmt)} & set(OPTIONS))
+    taken = _option_names_in(stmt)
     if taken:
         raise InsumError(
             f"tensor name {taken[0]!r} in '{stmt}' is an option of insum() ({', '.join(OPTIONS)}); "
             "rename the tensor"
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _option_names_in(stmt) -> tuple[str, ...]:
+    """Tensor names of the statement that are insum() options (per statement: a cached call
+    walks it once, not on every launch)."""
+    return tuple(sorted({a.name for a in _all_accesses(stmt)} & set(OPTIONS)))
 
 
 def _all_accesses(stmt):
