@@ -25,7 +25,7 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
 # The benchmark suite (benchmarks/__main__.py): on a CUDA machine every study at full size,
-# results and REPORT.md in benchmarks/results; without CUDA the --smoke plumbing check.
+# results and REPORT.md in benchmarks/results/<device>/; without CUDA the --smoke plumbing check.
 BENCH_ARGS ?= $(shell $(PY) -c "import torch; print('' if torch.cuda.is_available() else '--smoke')" 2>/dev/null)
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter); checks the plumbing")
     parser.add_argument("--data", type=Path, default=Path(".data"), help="a copy of ../shared/data")
     parser.add_argument("--out", type=Path, default=None,
-                        help="where <study>.json and REPORT.md go (default benchmarks/results; build/bench-smoke with --smoke)")
+                        help="where <study>.json and REPORT.md go (default benchmarks/results/<device>; build/bench-smoke with --smoke)")
     parser.add_argument("--copy-to", type=Path, default=None, help="a second folder for the JSON files ($OUT)")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every study's time budget")
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole run (studies share it)")
@@ -44,7 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-report", action="store_true", help="do not rewrite REPORT.md in --out at the end")
     args = parser.parse_args(argv)
     if args.out is None:
-        args.out = Path("build/bench-smoke") if args.smoke else Path("benchmarks/results")
+        from .common import results_dir
+
+        args.out = Path("build/bench-smoke") if args.smoke else results_dir()
     return args
 
 

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,26 @@ def _do_bench():
 
         _DO_BENCH = triton.testing.do_bench
     return _DO_BENCH
+
+
+#: Every device's results sit in their own folder, so that runs on two GPUs sit side by side.
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name() -> str:
+    """A short folder name for the current device: `torch.cuda.get_device_name()` reduced to
+    its model token ("NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100"); "cpu"
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    tokens = re.split(r"[^a-z0-9]+", torch.cuda.get_device_name().lower().replace("nvidia", ""))
+    tokens = [t for t in tokens if t]
+    return next((t for t in tokens if any(c.isdigit() for c in t)), "-".join(tokens) or "cuda")
+
+
+def results_dir(device: str | None = None) -> Path:
+    """benchmarks/results/<device>/ (the current device by default)."""
+    return RESULTS / (device or device_name())
 
 
 def median_ms(fn, rotations: int = 1, *, warmup: int = 25, rep: int = 100) -> float:
@@ -69,6 +90,8 @@ def bare_launcher(expr: str, tensors: dict) -> Callable[[], None]:
     """Relaunch insum's cached kernel for `tensors` with the launch insum() prepared for them
     (call insum() with these tensors first). Reads runtime internals: raises when those
     have changed shape, and the caller notes it."""
+    # TODO(core hook): a public launcher on Kernel (e.g. `Kernel.launcher(tensors)`) instead of
+    # bind + runtime.kernel_for + Kernel._launchers.
     from insum.bind import bind
     from insum.parser import parse
     from insum.runtime import kernel_for
@@ -106,6 +129,11 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if not bool(torch.isfinite(actual).all()):
         return float("nan")
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def good(rows: list[dict]) -> list[dict]:
+    """The rows whose check passed and that have a ratio (what geomeans and plots use)."""
+    return [r for r in rows if r.get("ok") and r.get("ratio")]
 
 
 def geomean(values) -> float:
@@ -370,7 +398,7 @@ def free_memory() -> None:
 # --------------------------------------------------------------------------- torch lowering
 
 
-def _walk(access):
+def _walk(access):  # TODO(core hook): Statement.walk()
     stack = [access]
     while stack:
         node = stack.pop(0)
@@ -408,6 +436,8 @@ class Lowering:
         self.out_name = self.stmt.output.name
 
     def _run(self, *values):
+        # TODO(core hook): run_reference on a statement and tensors without a Bound (this
+        # builds a stand-in, _BoundView, for what run_reference reads).
         from insum import reference
 
         tensors = dict(zip(self.names, values))
@@ -425,6 +455,8 @@ class Lowering:
         return self._call(fn, tensors)
 
     def _call(self, fn, tensors):
+        # TODO(core hook): run_reference(..., check_bounds=False) instead of patching
+        # reference._check_bounds.
         from insum import reference
 
         checked = reference._check_bounds
@@ -461,63 +493,26 @@ def allow_many_recompiles() -> None:
 def lowered_spmm(fmt, B_dtype: torch.dtype, compiled: bool, dynamic: bool | None = None):
     """`fmt @ B` through the torch lowering of the format's statement(s): a callable of B.
 
-    Mirrors each format's `spmm` (the accumulator and output views), so that the anchor
-    computes exactly what `fmt @ B` computes, with the generated kernel swapped out.
+    Asks the format for its statements and views (`operand`, `output_shape`, `result`), so
+    that the anchor computes what `fmt @ B` computes with the generated kernel swapped out;
+    it accumulates from zeros with `+=`, half precision in float32.
     `dynamic` goes to torch.compile (True: one compilation for many matrices).
     """
-    name = type(fmt).__name__
     acc = torch.float32 if B_dtype in (torch.float16, torch.bfloat16) else B_dtype
     run = "compiled" if compiled else "eager"
+    parts = [
+        (getattr(Lowering(expr, tuple(sorted(tensors)) + ("B", "C"), dynamic=dynamic), run), tensors)
+        for expr, tensors in fmt.statements()
+    ]
 
-    def statement(expr, tensors):
-        lowering = Lowering(expr, tuple(sorted(tensors)) + ("B", "C"), dynamic=dynamic)
-        return getattr(lowering, run)
+    def spmm(B):
+        C = torch.zeros(fmt.output_shape(B.shape[1]), dtype=acc, device=B.device)
+        operand = fmt.operand(B)
+        for call, tensors in parts:
+            call(C=C, B=operand, **tensors)
+        return fmt.result(C).to(B_dtype)
 
-    if name in ("GroupCOO", "ELL", "COO"):
-        call = statement(fmt.expression, fmt.tensors)
-        tensors = fmt.tensors
-        M = fmt.shape[0]
-
-        def spmm(B):
-            C = torch.zeros(M, B.shape[1], dtype=acc, device=B.device)
-            return call(C=C, B=B, **tensors).to(B_dtype)
-
-        return spmm
-    if name == "CELL":
-        parts = [(statement(expr, t), t) for expr, t in fmt.statements()]
-        M = fmt.shape[0]
-
-        def spmm(B):
-            C = torch.zeros(M, B.shape[1], dtype=acc, device=B.device)
-            for call, t in parts:
-                call(C=C, B=B, **t)
-            return C.to(B_dtype)
-
-        return spmm
-    if name == "BlockGroupCOO":
-        call = statement(fmt.expression, fmt.tensors)
-        (bm, bk), (Mp, Kp) = fmt.block, fmt.padded_shape
-        tensors = fmt.tensors
-
-        def spmm(B):
-            N = B.shape[1]
-            C = torch.zeros(Mp // bm, bm, N, dtype=acc, device=B.device)
-            call(C=C, B=B.view(Kp // bk, bk, N), **tensors)
-            return C.view(Mp, N)[: fmt.shape[0]].to(B_dtype)
-
-        return spmm
-    if name == "NM":
-        call = statement(fmt.expression, fmt.tensors)
-        RB, L, _ = fmt.AV.shape
-        tensors = fmt.tensors
-
-        def spmm(B):
-            C = torch.zeros(RB, L, B.shape[1], dtype=acc, device=B.device)
-            call(C=C, B=B, **tensors)
-            return C.view(RB * L, -1)[: fmt.shape[0]].to(B_dtype)
-
-        return spmm
-    raise ValueError(f"no torch lowering mirror for {name}")
+    return spmm
 
 
 def log(text: str) -> None:

@@ -24,7 +24,9 @@ from insum.formats import CELL, ELL, GroupCOO, load_mtx, load_smtx, power_law_ma
 from .common import Context, dtype_name, lowered_spmm, relative_error, rotations_for
 
 FORMATS = {"GroupCOO": GroupCOO, "ELL": ELL, "CELL": CELL}
-ELL_SLOTS = 1 << 26  # ELL pads every row to the longest: skip it above this many slots
+#: Formats that pad every row to the longest: skipped above MAX_SLOTS padded slots.
+PADS_TO_LONGEST_ROW = {ELL}
+MAX_SLOTS = 1 << 26
 
 
 def matrix_list(ctx: Context) -> list[tuple[str, str, object]]:
@@ -110,10 +112,10 @@ class Matrices:
         key = (name, dtype, fmt)
         if key not in self.packed:
             csr = self.get(name, dtype)
-            if fmt == "ELL":
+            if FORMATS[fmt] in PADS_TO_LONGEST_ROW:
                 longest = int(csr.crow_indices().diff().max()) if csr.shape[0] else 0
-                if csr.shape[0] * max(longest, 1) > ELL_SLOTS:
-                    self.packed[key] = f"ELL skipped: {csr.shape[0]} rows x longest row {longest} > {ELL_SLOTS} slots"
+                if csr.shape[0] * max(longest, 1) > MAX_SLOTS:
+                    self.packed[key] = f"{fmt} skipped: {csr.shape[0]} rows x longest row {longest} > {MAX_SLOTS} slots"
                     return self.packed[key]
             self.packed[key] = FORMATS[fmt].from_torch(csr)
         return self.packed[key]

@@ -101,7 +101,7 @@ def measure_auto(run: Run, name, kind, csr, dtype, N, gen) -> None:
     t = bench_ms(lambda B: fmt @ B, Bs)
     row = dict(case=name, kind=kind, dtype=str(dtype)[6:], N=N, shape=list(csr.shape), nnz=csr._nnz(),
                cusparse_ms=t_csr, auto_ms=t, ratio=t_csr / t, err=err, cusparse_err=err_csr,
-               ok=bool(err <= TOL[dtype]), chosen=repr(fmt), why=fmt.params.get("chosen", ""), choose_s=choose_s)
+               ok=bool(err <= TOL[dtype]), chosen=repr(fmt), why=fmt.chosen_because or "", choose_s=choose_s)
     run.rows.append(row)
     run.say(json.dumps(row))
 

@@ -7,9 +7,9 @@ Differentiable (`insum.autograd`), traceable by torch.compile (`insum.library`),
 `insum.nn.SparseLinear` for models.
 """
 
-from . import autograd, library  # noqa: F401  (registers the torch.library operators)
-from .api import explain, insum
-from .errors import (
+from . import autograd, errors, library  # noqa: F401  (registers the torch.library operators)
+from .api import compile, explain, insum
+from .errors import (  # noqa: F401  (exported by errors.__all__ below)
     InsumError,
     InsumIndexError,
     InsumShapeError,
@@ -19,28 +19,12 @@ from .errors import (
 )
 from .parser import parse
 
-__all__ = [
-    "insum",
-    "explain",
-    "compile",
-    "parse",
-    "InsumError",
-    "InsumSyntaxError",
-    "InsumShapeError",
-    "InsumTypeError",
-    "InsumIndexError",
-    "UnsupportedStatement",
-]
+__all__ = ["insum", "explain", "compile", "parse", *errors.__all__]  # every error class by name
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # compile() lives with the runtime, which imports triton: load it on first use.
-    if name == "compile":
-        from .runtime import compile
-
-        return compile
     if name in ("formats", "nn", "distributed"):
         import importlib
 

@@ -80,7 +80,7 @@ def auto_demo(rows: int, n: int, avg_nnz: float, seed: int = 0, data: Path = DAT
         err = float(((fmt @ B).double() - expected).norm() / expected.norm().clamp_min(1e-30))
         print(f"{name}: {csr.shape[0]}x{csr.shape[1]}, {csr._nnz()} nonzeros, B with {n} columns, float32")
         print(f"  chosen: {fmt!r}")
-        print(f"  why:    {fmt.params.get('chosen', '')}")
+        print(f"  why:    {fmt.chosen_because}")
         check = f"rel. error {err:.1e} {'ok' if err < 1e-3 else 'FAILED'}"
         t = t_csr = float("nan")
         if device.type == "cuda":

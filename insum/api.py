@@ -1,76 +1,39 @@
-"""The public entry points: insum(), compile(), explain()."""
+"""The public entry points: insum(), compile(), explain().
+
+Each parses and binds its statement once and hands it down: `insum()` to the executor
+(`insum.execute`) for an eager call, or to the torch.library operators (`insum.library`)
+while torch.compile traces or when a tensor requires grad; `compile()` to the runtime.
+"""
 
 from __future__ import annotations
 
-import functools
-import os
-import warnings
-
 import torch
 
-from .bind import Bound, bind
-from .errors import InsumError, InsumTypeError, UnsupportedStatement
+from .bind import bind
+from .errors import UnsupportedStatement
+from .execute import (
+    BACKENDS,
+    OPTIONS,
+    PRECISIONS,
+    Backend,
+    Precision,
+    check_names,
+    check_options,
+    run,
+    sorted_facts,
+)
 from .library import call
 from .parser import parse
-from .reference import run_reference
 
-__all__ = ["insum", "explain", "run_bound", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
-
-BACKENDS = ("auto", "torch", "triton")
-PRECISIONS = ("tf32", "ieee")
-OPTIONS = ("backend", "precision", "autotune", "check_indices", "sorted_indices")  # keywords that are not tensors
-_warned_fallback: set[str] = set()
-
-
-def check_options(**options) -> None:
-    """Reject an unknown option value, or a tensor passed under an option's name."""
-    for name, value in options.items():
-        if isinstance(value, torch.Tensor):
-            raise InsumError(
-                f"a tensor was passed as {name}=: '{name}' is an option of insum(), so no tensor "
-                "may be named so; rename it in the statement"
-            )
-    backend, precision = options.get("backend", "auto"), options.get("precision", "tf32")
-    if backend not in BACKENDS:
-        raise InsumError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if precision not in PRECISIONS:
-        raise InsumError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    for name in ("autotune", "check_indices"):
-        if options.get(name) not in (None, True, False):
-            raise InsumError(f"{name} must be True, False or None, not {options[name]!r}")
-
-
-def _check_names(stmt) -> None:
-    taken = _option_names_in(stmt)
-    if taken:
-        raise InsumError(
-            f"tensor name {taken[0]!r} in '{stmt}' is an option of insum() ({', '.join(OPTIONS)}); "
-            "rename the tensor"
-        )
-
-
-@functools.lru_cache(maxsize=4096)
-def _option_names_in(stmt) -> tuple[str, ...]:
-    """Tensor names of the statement that are insum() options (per statement: a cached call
-    walks it once, not on every launch)."""
-    return tuple(sorted({a.name for a in _all_accesses(stmt)} & set(OPTIONS)))
-
-
-def _all_accesses(stmt):
-    stack = [stmt.output, *stmt.accesses()]
-    while stack:
-        access = stack.pop()
-        yield access
-        for index in access.indices:
-            stack.extend(index.indirect_accesses())
+__all__ = ["insum", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
 
 def insum(
     expr: str,
     /,
     *,
-    backend: str = "auto",
-    precision: str = "tf32",
+    backend: Backend = "auto",
+    precision: Precision = "tf32",
     autotune: bool | None = None,
     check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
@@ -102,29 +65,16 @@ def insum(
             [1., 0., 2.]])
     """
     check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+    options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     if torch.compiler.is_compiling():  # torch.compile traces the registered operators
-        return call(expr, tensors, backend, precision)
+        return call(expr, tensors, **options)
     stmt = parse(expr)
-    _check_names(stmt)
+    check_names(stmt)
     if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
-        return call(expr, tensors, backend, precision)
+        return call(expr, tensors, stmt=stmt, **options)
     bound = bind(stmt, tensors)
-    facts = _sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
-    return run_bound(
-        bound, bound.output(), backend, precision, autotune=autotune, check_indices=check_indices, sorted_indices=facts
-    )
-
-
-def _sorted_facts(bound: Bound, names) -> frozenset[str]:
-    """The declared sorted index tensors, each checked to be one the statement indexes with."""
-    facts = frozenset(names) if not isinstance(names, str) else frozenset((names,))
-    for name in facts:
-        if name not in bound.index_names:
-            raise InsumError(
-                f"sorted_indices names {name!r}, which is not an index tensor of '{bound.stmt}' "
-                f"(index tensors: {', '.join(bound.index_names) or 'none'})"
-            )
-    return facts
+    facts = sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
+    return run(bound, bound.output(), sorted_indices=facts, **options)
 
 
 def _any_requires_grad(tensors: dict) -> bool:
@@ -134,56 +84,25 @@ def _any_requires_grad(tensors: dict) -> bool:
     return False
 
 
-def _checking(check_indices: bool | None) -> bool:
-    if check_indices is not None:
-        return check_indices
-    return os.environ.get("INSUM_CHECK_INDICES", "0") not in ("", "0")
+def compile(expr: str, /, *, precision: Precision = "tf32", autotune: bool | None = None, **example_tensors: torch.Tensor):
+    """Compile a statement for tensors like the examples into an `insum.runtime.Kernel`,
+    callable with tensors of the same dtypes and ranks.
 
+    autotune: measure tile candidates on each new size's first call (None: INSUM_AUTOTUNE,
+    default on; False bounds the first call's latency).
 
-def run_bound(
-    bound: Bound,
-    out: torch.Tensor,
-    backend: str,
-    precision: str,
-    *,
-    strict: bool | None = None,
-    autotune: bool | None = None,
-    check_indices: bool | None = None,
-    sorted_indices: frozenset[str] = frozenset(),
-) -> torch.Tensor:
-    """Run a bound statement into `out` on `backend`, directly (no dispatcher, no autograd).
-
-    strict: raise when the generated kernel cannot run the statement (default: when
-    backend is "triton"); otherwise fall back to the torch lowering with one warning.
+    >>> k = insum.compile("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)  # doctest: +SKIP
+    >>> print(k.source); k(C=C, AM=AM, AV=AV, AK=AK, B=B)  # doctest: +SKIP
     """
-    if bound.device.type == "meta":
-        raise InsumTypeError(
-            "the tensors are on the meta device and hold no values; insum runs on them only "
-            "while torch.compile traces (the operators' fake implementations)"
-        )
-    if backend == "torch" or (backend == "auto" and bound.device.type != "cuda"):
-        return run_reference(bound, out)
-    from .bounds import check_indices as check
-    from .runtime import kernel_for
+    check_options(precision=precision, autotune=autotune)
+    bound = bind(parse(expr), example_tensors)
+    from .runtime import cached_kernel, spec_for  # loads the code generator: on first use
 
-    try:
-        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
-    except UnsupportedStatement as e:
-        if strict is None:
-            strict = backend == "triton"
-        if strict:
-            raise
-        key = str(bound.stmt)
-        if key not in _warned_fallback:
-            _warned_fallback.add(key)
-            warnings.warn(f"insum: falling back to the torch lowering: {e}", stacklevel=3)
-        return run_reference(bound, out)
-    check(bound, out, device_check=_checking(check_indices))
-    return kernel.launch(bound, out, autotune=autotune)
+    return cached_kernel(spec_for(bound, precision), autotune)
 
 
 def explain(
-    expr: str, /, *, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset(), **tensors: torch.Tensor
+    expr: str, /, *, precision: Precision = "tf32", sorted_indices: frozenset[str] = frozenset(), **tensors: torch.Tensor
 ) -> str:
     """Describe how a statement is understood and compiled: IR, extents, roles, plan, source
     (sorted_indices as for `insum()`)."""
@@ -198,7 +117,7 @@ def explain(
     from .runtime import kernel_for
 
     try:
-        kernel = kernel_for(bound, precision=precision, sorted_indices=_sorted_facts(bound, sorted_indices))
+        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_facts(bound, sorted_indices))
     except UnsupportedStatement as e:
         lines.append(f"generated kernel: none ({e})")
     else:

@@ -24,10 +24,11 @@ extent: the variables of dO's direct indices are the output's, and those of dFj'
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import islice
 
+from .cache import memoize
 from .errors import InsumError
 from .ir import Access, Statement
 from .parser import parse
@@ -60,24 +61,9 @@ class Derivation:
         return "\n".join(lines)
 
 
-def _walk(access: Access) -> Iterator[tuple[Access, bool]]:
-    """An access and every indirect access inside its indices, with `as_index`."""
-    stack = [(access, False)]
-    while stack:
-        node, as_index = stack.pop()
-        yield node, as_index
-        for index in node.indices:
-            stack.extend((inner, True) for inner in index.indirect_accesses())
-
-
 def tensor_names(stmt: Statement) -> tuple[str, ...]:
     """Every tensor a statement reads (factors and index tensors), in order, output excluded."""
-    seen: dict[str, None] = {}
-    for access in (stmt.output, *stmt.accesses()):
-        for node, _ in _walk(access):
-            if node is not stmt.output:
-                seen[node.name] = None
-    return tuple(seen)
+    return tuple(dict.fromkeys(access.name for access, _ in islice(stmt.walk(), 1, None)))
 
 
 def _fresh(base: str, taken: set[str]) -> str:
@@ -88,11 +74,11 @@ def _fresh(base: str, taken: set[str]) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=1024)
+@memoize
 def _derive(stmt: Statement) -> Derivation:
-    taken = {node.name for a in (stmt.output, *stmt.accesses()) for node, _ in _walk(a)}
+    taken = {access.name for access, _ in stmt.walk()}
     value_names = list(dict.fromkeys(a.name for a in stmt.accesses()))
-    index_names = {node.name for a in (stmt.output, *stmt.accesses()) for node, as_index in _walk(a) if as_index}
+    index_names = {access.name for access, as_index in stmt.walk() if as_index}
     for name in value_names:
         if name in index_names:
             raise InsumError(

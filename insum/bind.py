@@ -10,19 +10,18 @@ Variable roles:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
+from .cache import BoundedCache, memoize
+from .dtypes import INDEX_DTYPES, VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
-from .ir import Access, Statement
+from .ir import Access, Role, Statement
 
-__all__ = ["Bound", "bind", "VALUE_DTYPES", "INDEX_DTYPES"]
-
-VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-INDEX_DTYPES = (torch.int32, torch.int64)
+__all__ = ["Bound", "bind"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class Bound:
     stmt: Statement
     tensors: Mapping[str, torch.Tensor]  # every input, and the output when given (not cached)
     extents: Mapping[str, int]  # variable -> extent
-    roles: Mapping[str, str]  # variable -> "output" | "scattered" | "reduced"
+    roles: Mapping[str, Role]  # variable -> "output" | "scattered" | "reduced"
     index_names: tuple[str, ...]  # tensors read as indices, in order of appearance
     value_names: tuple[str, ...]  # tensors read as factors, in order of appearance
     out_shape: tuple[int, ...]
@@ -51,7 +50,7 @@ class Bound:
             return given
         return torch.zeros(self.out_shape, dtype=self.out_dtype, device=self.device)
 
-    def variables(self, role: str) -> tuple[str, ...]:
+    def variables(self, role: Role) -> tuple[str, ...]:
         return tuple(v for v in self.stmt.variables() if self.roles[v] == role)
 
     def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> Bound:
@@ -62,17 +61,7 @@ class Bound:
         return new
 
 
-def _walk(access: Access):
-    """Yield an access and every indirect access nested in its indices, with `as_index`."""
-    stack = [(access, False)]
-    while stack:
-        node, as_index = stack.pop(0)
-        yield node, as_index
-        for index in node.indices:
-            stack.extend((inner, True) for inner in index.indirect_accesses())
-
-
-def _roles(stmt: Statement) -> dict[str, str]:
+def _roles(stmt: Statement) -> dict[str, Role]:
     direct = {i.variable for i in stmt.output.indices if i.is_direct}
     in_output = set(stmt.output.variables())
     roles = {}
@@ -93,7 +82,7 @@ class _Analysis:
     uses: Mapping[str, str]  # tensor -> "index" | "value"
     checked: tuple[tuple[str, int, tuple[tuple[int, str], ...]], ...]  # (tensor, rank, (dim, var))
     output_dims: tuple[tuple[int, str], ...]  # (dim, var) of the output's direct indices
-    roles: Mapping[str, str]
+    roles: Mapping[str, Role]
     index_names: tuple[str, ...]
     value_names: tuple[str, ...]
 
@@ -102,13 +91,11 @@ def _direct_dims(access: Access) -> tuple[tuple[int, str], ...]:
     return tuple((d, i.variable) for d, i in enumerate(access.indices) if i.variable is not None)
 
 
-@functools.lru_cache(maxsize=1024)
+@memoize
 def _analyse(stmt: Statement) -> _Analysis:
     uses: dict[str, str] = {}
     accesses: list[Access] = []
-    walked = [(a, as_index) for f in stmt.accesses() for a, as_index in _walk(f)]
-    walked += [(a, True) for a, _ in list(_walk(stmt.output))[1:]]
-    for access, as_index in walked:
+    for access, as_index in islice(stmt.walk(), 1, None):  # the output's own access aside
         accesses.append(access)
         role = "index" if as_index else "value"
         if uses.setdefault(access.name, role) != role:
@@ -129,8 +116,7 @@ def _analyse(stmt: Statement) -> _Analysis:
     )
 
 
-_BOUND: dict[tuple, Bound] = {}  # (statement, signature) -> a checked binding
-_BOUND_LIMIT = 4096
+_BOUND: BoundedCache[tuple, Bound] = BoundedCache()  # (statement, signature) -> a checked binding
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -162,8 +148,6 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
             return known.with_tensors(tensors)
     bound = _bind(stmt, tensors, signature)
     if signature is not None:
-        if len(_BOUND) >= _BOUND_LIMIT:
-            _BOUND.clear()
         _BOUND[(stmt, signature)] = bound.with_tensors({})
     return bound
 
@@ -205,7 +189,7 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
     for name, rank, _ in checked:
         tensor = tensors[name]
         if tensor.dim() != rank:
-            access = next(a for a in _all_accesses(stmt) if a.name == name and len(a.indices) == rank)
+            access = next(a for a, _ in stmt.walk() if a.name == name and len(a.indices) == rank)
             raise InsumShapeError(
                 f"{name} has rank {tensor.dim()} (shape {tuple(tensor.shape)}) but is "
                 f"indexed with {rank} indices in {access}"
@@ -293,9 +277,3 @@ def _check_distinct_elements(name: str, output: torch.Tensor) -> None:
                 "share memory (an expanded tensor?); pass a tensor with its own storage, e.g. "
                 f"{name}.clone()"
             )
-
-
-def _all_accesses(stmt: Statement):
-    for access in (stmt.output, *stmt.accesses()):
-        for inner, _ in _walk(access):
-            yield inner

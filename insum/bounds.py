@@ -26,21 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .arith import cdiv
 from .bind import Bound
+from .cache import BoundedCache
 from .errors import InsumIndexError
 from .ir import Access, Index, Var
 
 __all__ = ["check_indices"]
-
-_LIMITS = {torch.int32: (-(2**31), 2**31 - 1), torch.int64: (-(2**63), 2**63 - 1)}
-
-
-def _floor_div(a: int, b: int) -> int:
-    return a // b
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _is_full(access: Access) -> bool:
@@ -51,13 +43,10 @@ def _is_full(access: Access) -> bool:
 
 def _accesses(bound: Bound):
     """Every (access, dim, index) whose index is not a plain variable (bind checked those)."""
-    stack = [bound.stmt.output, *bound.stmt.accesses()]
-    while stack:
-        access = stack.pop(0)
+    for access, _ in bound.stmt.walk():
         for dim, index in enumerate(access.indices):
             if index.variable is None:
                 yield access, dim, index
-            stack.extend(index.indirect_accesses())
 
 
 @dataclass(frozen=True)
@@ -68,8 +57,7 @@ class _Checks:
     evaluated: tuple[tuple[Index, int, str], ...]  # (index to evaluate, size, where)
 
 
-_CHECKS: dict[tuple, _Checks] = {}  # (statement, signature) -> checks; host checks passed
-_CHECKS_LIMIT = 4096
+_CHECKS: BoundedCache[tuple, _Checks] = BoundedCache()  # (statement, signature) -> checks; host checks passed
 
 
 def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True) -> None:
@@ -82,8 +70,6 @@ def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True)
     if checks is None:
         checks = _plan(bound, out)
         if key is not None:
-            if len(_CHECKS) >= _CHECKS_LIMIT:
-                _CHECKS.clear()
             _CHECKS[key] = checks
     if not device_check:
         return
@@ -121,9 +107,9 @@ def _plan(bound: Bound, out: torch.Tensor) -> _Checks:
             # c * T + [low, high] within [0, size - 1]  <=>  T within [lo, hi]
             c = term.coef
             if c > 0:
-                lo, hi = _ceil_div(-low, c), _floor_div(size - 1 - high, c)
+                lo, hi = cdiv(-low, c), (size - 1 - high) // c
             else:
-                lo, hi = _ceil_div(size - 1 - high, c), _floor_div(-low, c)
+                lo, hi = cdiv(size - 1 - high, c), -low // c
             old = intervals.get(term.atom.name)
             if old is not None:
                 lo, hi, where = max(lo, old[0]), min(hi, old[1]), f"{old[2]} and {where}"
@@ -162,7 +148,7 @@ def _values(bound: Bound, index: Index, order: tuple[str, ...]) -> torch.Tensor:
 def _check_range(values: torch.Tensor, lo: int, hi: int, name: str, where: str) -> None:
     if values.numel() == 0:
         return
-    type_lo, type_hi = _LIMITS.get(values.dtype, _LIMITS[torch.int64])
+    type_lo, type_hi = torch.iinfo(values.dtype).min, torch.iinfo(values.dtype).max
     if lo <= type_lo and hi >= type_hi:
         return
     if values.device.type != "cuda":
@@ -177,14 +163,10 @@ def _check_range(values: torch.Tensor, lo: int, hi: int, name: str, where: str) 
     n = flat.numel()
     block = 1024
     kernel = _range_kernel()
-    kernel[(triton_cdiv(n, block * 8),)](
+    kernel[(cdiv(n, block * 8),)](
         flat, n, max(lo, type_lo), min(hi, type_hi), MESSAGE=f"insum: {name} out of range for {where}",
         BLOCK=block, STEPS=8,
     )
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.cache

@@ -17,6 +17,9 @@ asynchronously, multiplies the local block while the halo rows travel, then adds
 halo block's product into the same output. Its backward is the transposed exchange:
 the halo block's transposed product is sent back to the rows' owners (overlapped with
 the local block's transposed product) and added into their gradient.
+
+One module of a little over 400 lines: the partition, the exchange and the differentiable
+product all read the same halo bookkeeping (`RowPart`), and split apart each would need it.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ import torch.distributed as dist
 from . import formats
 from .api import insum
 from .autograd import derive
+from .dtypes import VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .formats.base import (
-    VALUE_DTYPES,
     Coords,
     SparseFormat,
     accumulation_dtype,
@@ -139,7 +142,7 @@ def _packer(format: str | None) -> Callable[..., SparseFormat]:
 def _one_statement(fmt: SparseFormat) -> bool:
     """Whether fmt's SpMM is its one statement into C (M, N), so that the halo block can
     run it with `+=` into the local block's output (COO, GroupCOO, ELL)."""
-    return type(fmt)._spmm is SparseFormat._spmm
+    return fmt.single_statement
 
 
 def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) -> torch.Tensor:

@@ -7,10 +7,16 @@ coefficient 1. Normalisation makes `parse(str(stmt)) == stmt`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal as _Literal
 
-__all__ = ["Var", "Access", "Term", "Index", "Literal", "Factor", "Statement"]
+__all__ = ["Var", "Access", "Term", "Index", "Literal", "Factor", "Statement", "Role", "ROLES"]
+
+#: How a variable relates to the output (see `insum.bind`).
+Role = _Literal["output", "scattered", "reduced"]
+ROLES: tuple[Role, ...] = ("output", "scattered", "reduced")
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,20 @@ class Statement:
 
     def accesses(self) -> tuple[Access, ...]:
         return tuple(f for f in self.factors if isinstance(f, Access))
+
+    def walk(self) -> Iterator[tuple[Access, bool]]:
+        """Every access, breadth first from the output then each factor, paired with whether
+        it is read as an index (nested inside another access's indices).
+
+        >>> from insum.parser import parse
+        >>> [(a.name, as_index) for a, as_index in parse("C[AM[p], n] += AV[p] * B[AK[p], n]").walk()]
+        [('C', False), ('AV', False), ('B', False), ('AM', True), ('AK', True)]
+        """
+        queue = [(access, False) for access in (self.output, *self.accesses())]
+        for access, as_index in queue:
+            yield access, as_index
+            for index in access.indices:
+                queue.extend((inner, True) for inner in index.indirect_accesses())
 
     def variables(self) -> tuple[str, ...]:
         """All index variables, output first, in order of appearance."""

@@ -1,11 +1,13 @@
 """insum statements as torch.library custom operators: torch.compile, autograd, opcheck.
 
 Two operators take the statement text, its input tensors as a list of names and a list of
-tensors, the backend and the precision:
+tensors, and `insum()`'s options (backend, precision, and optionally autotune and
+check_indices, None following the environment as in `insum()`):
 
-    insum::insum_(expr, out, names, tensors, backend, precision) -> ()
+    insum::insum_(expr, out, names, tensors, backend, precision, autotune, check_indices) -> ()
         runs the statement into `out` in place; declared as a mutation of `out`.
-    insum::insum(expr, init, names, tensors, shape, dtype, backend, precision) -> Tensor
+    insum::insum(expr, init, names, tensors, shape, dtype, backend, precision, autotune,
+                 check_indices) -> Tensor
         functional: a new output that starts as a copy of `init` (for `+=` into a given
         output), or as zeros of `shape`/`dtype`, or (both None) as the output `insum()`
         would allocate. Differentiable: the backward runs the derived gradient statements
@@ -13,7 +15,10 @@ tensors, the backend and the precision:
         again.
 
 `insum()` goes through them only when it must: while torch.compile traces, or when a
-tensor requires grad. An eager call without gradients launches the kernel directly.
+tensor requires grad. An eager call without gradients goes to the executor directly
+(`insum.execute.run`), which the operators' implementations call too. The operators take
+the statement as text (their schema holds no Python objects), so an implementation looks
+the statement and its binding up again: hits in the parser's and the binding's caches.
 Fake (meta) implementations give torch.compile the output's shape without running
 anything, with symbolic sizes, so a new nnz does not recompile under dynamic shapes.
 Nothing on the launch path reads device data on the host (no `.item()`), so a call on
@@ -29,17 +34,14 @@ import torch
 
 from .autograd import Derivation, derive
 from .bind import bind
+from .dtypes import HALF_DTYPES, compute_dtype
+from .execute import run
+from .ir import Statement
 from .parser import parse
 
 __all__ = ["call", "insum_", "insum_functional"]
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _run(bound, out: torch.Tensor, backend: str, precision: str) -> torch.Tensor:
-    from .api import run_bound
-
-    return run_bound(bound, out, backend, precision)
+_OPTIONS_SCHEMA = "str backend, str precision, bool? autotune=None, bool? check_indices=None"
 
 
 def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -52,7 +54,7 @@ def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
 @torch.library.custom_op(
     "insum::insum_",
     mutates_args=("out",),
-    schema="(str expr, Tensor(a!) out, str[] names, Tensor[] tensors, str backend, str precision) -> ()",
+    schema=f"(str expr, Tensor(a!) out, str[] names, Tensor[] tensors, {_OPTIONS_SCHEMA}) -> ()",
 )
 def insum_(
     expr: str,
@@ -61,16 +63,18 @@ def insum_(
     tensors: Sequence[torch.Tensor],
     backend: str,
     precision: str,
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
 ) -> None:
     """Run `expr` into `out` in place (`out` is the statement's output)."""
     stmt = parse(expr)
     given = dict(zip(names, tensors))
     given[stmt.output.name] = out
-    _run(bind(stmt, given), out, backend, precision)
+    run(bind(stmt, given), out, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
 
 
 @insum_.register_fake
-def _insum_fake(expr, out, names, tensors, backend, precision) -> None:
+def _insum_fake(expr, out, names, tensors, backend, precision, autotune=None, check_indices=None) -> None:
     return None
 
 
@@ -82,7 +86,7 @@ def _insum_fake(expr, out, names, tensors, backend, precision) -> None:
     mutates_args=(),
     schema=(
         "(str expr, Tensor? init, str[] names, Tensor[] tensors, SymInt[]? shape, "
-        "ScalarType? dtype, str backend, str precision) -> Tensor"
+        f"ScalarType? dtype, {_OPTIONS_SCHEMA}) -> Tensor"
     ),
 )
 def insum_functional(
@@ -94,6 +98,8 @@ def insum_functional(
     dtype: torch.dtype | None,
     backend: str,
     precision: str,
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """The statement's output as a new tensor: a copy of `init`, zeros of `shape`, or allocated."""
     stmt = parse(expr)
@@ -108,11 +114,13 @@ def insum_functional(
     bound = bind(stmt, given)
     if out is None:
         out = bound.output()
-    return _run(bound, out, backend, precision)
+    return run(bound, out, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
 
 
 @insum_functional.register_fake
-def _insum_functional_fake(expr, init, names, tensors, shape, dtype, backend, precision):
+def _insum_functional_fake(
+    expr, init, names, tensors, shape, dtype, backend, precision, autotune=None, check_indices=None
+):
     if init is not None:
         return torch.empty_like(init)
     if shape is not None:
@@ -122,8 +130,9 @@ def _insum_functional_fake(expr, init, names, tensors, shape, dtype, backend, pr
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    expr, init, names, tensors, shape, _dtype, backend, precision = inputs
-    ctx.expr, ctx.names, ctx.backend, ctx.precision = expr, tuple(names), backend, precision
+    expr, init, names, tensors, shape, _dtype, backend, precision, autotune, check_indices = inputs
+    ctx.expr, ctx.names = expr, tuple(names)
+    ctx.options = (backend, precision, autotune, check_indices)
     # The backward returns one entry per input, and an empty list input as an empty list.
     ctx.no_names = [] if not names else None
     ctx.no_shape = [] if shape is not None and len(shape) == 0 else None
@@ -139,13 +148,15 @@ def _backward(ctx, grad: torch.Tensor):
     grads = []
     for name, tensor, want in zip(ctx.names, saved, wanted):
         if want and name in derivation.gradients:
-            grads.append(_gradient(derivation, name, tensor, tensors, grad, ctx.backend, ctx.precision))
+            grads.append(_gradient(derivation, name, tensor, tensors, grad, ctx.options))
         else:
             grads.append(None)
     grad_init = None
     if ctx.init_dtype is not None and ctx.needs_input_grad[1] and derivation.passthrough:
         grad_init = grad.to(ctx.init_dtype)
-    return None, grad_init, ctx.no_names, grads, ctx.no_shape, None, None, None
+    full = (None, grad_init, ctx.no_names, grads, ctx.no_shape, None, None, None, None, None)
+    # One entry per input given: the dispatcher drops trailing options left at their defaults.
+    return full[: len(ctx.needs_input_grad)]
 
 
 def _gradient(
@@ -154,15 +165,14 @@ def _gradient(
     tensor: torch.Tensor,
     tensors: Mapping[str, torch.Tensor],
     grad: torch.Tensor,
-    backend: str,
-    precision: str,
+    options: tuple[str, str, bool | None, bool | None],
 ) -> torch.Tensor:
     """The gradient of one factor: its derived statements, accumulated into one buffer."""
     statements = derivation.gradients[name]
     # Half-precision gradients accumulate in float32 and round once, as torch's embedding
     # backward does: a gradient's scatter (gathers become scatters) may gather hundreds
     # of contributions per element, and several statements add into one buffer.
-    dtype = torch.float32 if tensor.dtype in _HALF else tensor.dtype
+    dtype = compute_dtype(tensor.dtype)
     result = None
     for stmt in statements:
         inputs = derivation.inputs[stmt]
@@ -174,7 +184,7 @@ def _gradient(
             common = others[0].dtype
             for t in others[1:]:
                 common = torch.promote_types(common, t.dtype)
-            if common in _HALF and d_out.dtype != common:
+            if common in HALF_DTYPES and d_out.dtype != common:
                 d_out = d_out.to(common)
         env = {**tensors, derivation.output_grad: d_out}
         result = torch.ops.insum.insum(
@@ -184,8 +194,7 @@ def _gradient(
             [env[n] for n in inputs],
             list(tensor.shape) if result is None else None,
             dtype if result is None else None,
-            backend,
-            precision,
+            *options,
         )
     return result if result.dtype == tensor.dtype else result.to(tensor.dtype)
 
@@ -203,26 +212,44 @@ def _output_of(expr: str) -> tuple[str, bool]:
     return stmt.output.name, stmt.accumulate
 
 
-def call(expr: str, tensors: Mapping[str, torch.Tensor], backend: str, precision: str) -> torch.Tensor:
+def call(
+    expr: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    backend: str,
+    precision: str,
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
+    stmt: Statement | None = None,
+) -> torch.Tensor:
     """insum() through the operators: traceable by torch.compile, differentiable.
 
-    A given output is updated in place and returned: by the mutating operator when no
-    gradient is needed, else by the functional one and a `copy_` that autograd records.
+    `stmt`: the parsed statement, given by eager calls (which are bound here, once); while
+    tracing it is None and the text alone is read, as a constant. A given output is updated in
+    place and returned: by the mutating operator when no gradient is needed, else by the
+    functional one and a `copy_` that autograd records.
     """
-    out_name, accumulate = _output_of(expr)
-    if not torch.compiler.is_compiling():
-        bind(parse(expr), tensors)  # eager: the direct path's checks and error messages
+    out_name, accumulate = _output_of(expr) if stmt is None else (stmt.output.name, stmt.accumulate)
+    options = (backend, precision, autotune, check_indices)
     out = tensors.get(out_name)
     names = [n for n in tensors if n != out_name]
     values = [tensors[n] for n in names]
+    if stmt is not None:
+        # Eager: bind once here, for the direct path's checks and error messages, with the
+        # tensors in the order the operator binds them (the output last): its binding is then
+        # a hit in the binding cache.
+        given = dict(zip(names, values))
+        if out is not None:
+            given[out_name] = out
+        bind(stmt, given)
     if out is None:
-        return torch.ops.insum.insum(expr, None, names, values, None, None, backend, precision)
+        return torch.ops.insum.insum(expr, None, names, values, None, None, *options)
     needs_grad = torch.is_grad_enabled() and (out.requires_grad or any(v.requires_grad for v in values))
     if not needs_grad:
-        torch.ops.insum.insum_(expr, out, names, values, backend, precision)
+        torch.ops.insum.insum_(expr, out, names, values, *options)
         return out
     if accumulate:
-        result = torch.ops.insum.insum(expr, out, names, values, None, None, backend, precision)
+        result = torch.ops.insum.insum(expr, out, names, values, None, None, *options)
     else:
-        result = torch.ops.insum.insum(expr, None, names, values, list(out.shape), out.dtype, backend, precision)
+        result = torch.ops.insum.insum(expr, None, names, values, list(out.shape), out.dtype, *options)
     return out.copy_(result)

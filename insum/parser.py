@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
 import lark
 
+from .cache import memoize
 from .errors import InsumSyntaxError
 from .ir import Access, Index, Literal, Statement, Var
 
@@ -132,7 +132,7 @@ def _short(token) -> str:
     return text if len(text) <= 24 else text[:20] + "..."
 
 
-@functools.lru_cache(maxsize=1024)
+@memoize
 def parse(text: str) -> Statement:
     """Parse one indirect-Einsum statement.
 

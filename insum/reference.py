@@ -11,22 +11,19 @@ from __future__ import annotations
 import torch
 
 from .bind import Bound
+from .dtypes import compute_dtype
 from .errors import InsumIndexError
 from .ir import Access, Index, Var
 
-__all__ = ["run_reference", "compute_dtype"]
+__all__ = ["run_reference"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half-precision factors are multiplied and summed in float32."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 class _Evaluator:
-    def __init__(self, bound: Bound):
+    def __init__(self, bound: Bound, check_bounds: bool):
         self.bound = bound
+        self.check_bounds = check_bounds
         self.order = bound.stmt.variables()
         self.device = bound.device
 
@@ -49,8 +46,9 @@ class _Evaluator:
         if not access.indices:
             return tensor.reshape([1] * len(self.order))
         indices = [self.index(i) for i in access.indices]
-        for dim, (idx, size) in enumerate(zip(indices, tensor.shape)):
-            _check_bounds(idx, size, access.name, dim)
+        if self.check_bounds:
+            for dim, (idx, size) in enumerate(zip(indices, tensor.shape)):
+                _check_bounds(idx, size, access.name, dim)
         return tensor[tuple(indices)]
 
 
@@ -63,10 +61,16 @@ def _check_bounds(idx: torch.Tensor, size: int, name: str, dim: int) -> None:
         raise InsumIndexError(f"index {bad} out of range for {name} dimension {dim} of size {size}")
 
 
-def run_reference(bound: Bound, out: torch.Tensor) -> torch.Tensor:
-    """Evaluate the bound statement into `out` (which must have the output's shape)."""
+def run_reference(bound: Bound, out: torch.Tensor, *, check_bounds: bool = True) -> torch.Tensor:
+    """Evaluate the bound statement into `out` (which must have the output's shape).
+
+    check_bounds: check every index value on the host first (a sync; an index out of range
+    raises `InsumIndexError`). False skips the checks, for indices known to be in range: a
+    bad index then fails inside torch's indexing, and `torch.compile` can trace the lowering
+    without a graph break.
+    """
     stmt = bound.stmt
-    ev = _Evaluator(bound)
+    ev = _Evaluator(bound, check_bounds)
     order = ev.order
     letter = {v: _LETTERS[i] for i, v in enumerate(order)}
     dtype = compute_dtype(out.dtype)
@@ -102,8 +106,9 @@ def run_reference(bound: Bound, out: torch.Tensor) -> torch.Tensor:
         out.add_(full.to(out.dtype))
         return out
     indices = [ev.index(i) for i in stmt.output.indices]
-    for dim, (idx, size) in enumerate(zip(indices, out.shape)):
-        _check_bounds(idx, size, stmt.output.name, dim)
+    if check_bounds:
+        for dim, (idx, size) in enumerate(zip(indices, out.shape)):
+            _check_bounds(idx, size, stmt.output.name, dim)
     result = result.reshape(ev.shape_of(set(kept)))  # back to the full variable space
     shape = torch.broadcast_shapes(*(i.shape for i in indices), result.shape)
     if not stmt.accumulate:  # only now: a bad index above must leave `out` untouched

@@ -9,6 +9,9 @@ JSON file beside the source, so another process does not tune again.
 Tensor descriptors (TMA) are offered to the schedule for input tensors whose layout fits
 one (`box_layout`) on a GPU that has them (compute capability 9.0 and up, compiled code,
 INSUM_TMA not "0"); the start address's alignment is then part of the kernel's cache key.
+
+Over 400 lines, as one module: a `Kernel` owns its loaded source, its prepared launches and
+its tuning (in memory and on disk), and each reads the others' state.
 """
 
 from __future__ import annotations
@@ -21,31 +24,23 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .arith import cdiv, next_power_of_2
 from .bind import Bound, bind
+from .cache import BoundedCache
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
 from .codegen.schedule import NARROW, box_layout
-from .codegen.tune import next_power_of_2
+from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
-from .parser import parse
 
-__all__ = ["Kernel", "UnsupportedStatement", "compile", "kernel_for", "cache_dir"]
+__all__ = ["Kernel", "BareLaunch", "UnsupportedStatement", "kernel_for", "cached_kernel", "spec_for", "cache_dir"]
 
-_DTYPE_NAMES = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
-_INT32_MAX = 2**31 - 1
-_KERNELS: dict[KernelSpec, Kernel] = {}
+_KERNELS: BoundedCache[KernelSpec, Kernel] = BoundedCache()
 # The spec follows from the tensor signature (dtypes, shapes, strides), so repeated calls skip it.
-_BY_SIGNATURE: dict[tuple, Kernel] = {}
-_BY_SIGNATURE_LIMIT = 4096
+_BY_SIGNATURE: BoundedCache[tuple, Kernel] = BoundedCache()
 
 
 def cache_dir() -> Path:
@@ -107,14 +102,14 @@ def spec_for(
 
     descriptors: allow tensor-descriptor loads (default: `descriptors_supported` on the
     tensors' device). sorted_indices: index tensors the caller guarantees sorted."""
-    dtypes = {name: _DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
-    dtypes[bound.output_name] = _DTYPE_NAMES[bound.out_dtype]
+    dtypes = {name: DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
+    dtypes[bound.output_name] = DTYPE_NAMES[bound.out_dtype]
     wide = {
         name
         for name, t in bound.tensors.items()
-        if t.untyped_storage().nbytes() > _INT32_MAX and _max_offset(t.shape, t.stride()) > _INT32_MAX
+        if t.untyped_storage().nbytes() > INT32_MAX and _max_offset(t.shape, t.stride()) > INT32_MAX
     }
-    if bound.output_name not in bound.tensors and math.prod(bound.out_shape) > _INT32_MAX:
+    if bound.output_name not in bound.tensors and math.prod(bound.out_shape) > INT32_MAX:
         wide.add(bound.output_name)
     narrow = {v for v, role in bound.roles.items() if role != "reduced" and bound.extents[v] < NARROW}
     return KernelSpec(
@@ -162,9 +157,9 @@ class Kernel:
         if self.plan.boxes:
             _set_descriptor_allocator()
         self.out_arg = f"{spec.stmt.output.name}_ptr"
-        self.tuned: dict[tuple, dict] = {}  # extents bucket -> configuration
-        self._launchers: dict[tuple, _Launcher] = {}  # tensor signature -> prepared launch
-        self._siblings: dict[KernelSpec, Kernel] = {}  # re-planned for other extents
+        self.tuned: BoundedCache[tuple, dict] = BoundedCache()  # extents bucket -> configuration
+        self._launchers: BoundedCache[tuple, _Launcher] = BoundedCache()  # tensor signature -> prepared launch
+        self._siblings: BoundedCache[KernelSpec, Kernel] = BoundedCache()  # re-planned for other extents
 
     def __repr__(self) -> str:
         return f"insum.Kernel('{self.spec.stmt}', plan={self.plan.kind}, digest={self.digest})"
@@ -182,7 +177,7 @@ class Kernel:
         if spec != self.spec:
             kernel = self._siblings.get(spec)
             if kernel is None:
-                kernel = self._siblings[spec] = _cached_kernel(spec, self.autotune)
+                kernel = self._siblings[spec] = cached_kernel(spec, self.autotune)
         return kernel.launch(bound, bound.output())
 
     # -- launching ----------------------------------------------------------------------
@@ -195,12 +190,10 @@ class Kernel:
         if launcher is None:
             launcher = _Launcher(self, bound)
             if bound.signature is not None:
-                if len(self._launchers) >= _BY_SIGNATURE_LIMIT:  # shapes that keep changing
-                    self._launchers.clear()
                 self._launchers[bound.signature] = launcher
         target = out
         if self.plan.output in ("atomic", "segment"):
-            if out.dtype in (torch.float16, torch.bfloat16) and not _half_atomics(out):
+            if out.dtype in HALF_DTYPES and not _half_atomics(out):
                 # No half-precision atomics here: scatter into float32, then add once.
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
             elif not self.plan.stmt.accumulate:
@@ -217,6 +210,19 @@ class Kernel:
             else:
                 out.copy_(target)
         return out
+
+    def launcher(self, bound: Bound, out: torch.Tensor | None = None) -> BareLaunch:
+        """The bare launch an earlier call prepared for `bound`'s signature, on bound's tensors
+        and `out` (default: the bound output): the kernel with the grid and tile configuration
+        chosen then, and nothing around it (no zero fill, no float32 scratch buffer).
+        Benchmarks time it beside `insum()` to measure the host overhead.
+
+        Raises KeyError when no call has prepared this signature yet."""
+        prepared = self._launchers[bound.signature]
+        if prepared.config is None:
+            raise KeyError(f"no launch of {self!r} has run for this signature yet")
+        args = prepared.args(bound.tensors, bound.output() if out is None else out)
+        return BareLaunch(self.fn, prepared.grid, prepared.config, tuple(args))
 
     def _first_run(self, launcher: _Launcher, args: list, device: torch.device, autotune: bool | None) -> None:
         """Find the configuration for a new signature (tuning if needed) and run once."""
@@ -290,6 +296,19 @@ class Kernel:
         os.replace(tmp, path)
 
 
+@dataclasses.dataclass(frozen=True)
+class BareLaunch:
+    """One prepared kernel launch (see `Kernel.launcher`); calling it runs the kernel."""
+
+    fn: Any
+    grid: tuple[int, ...]
+    config: dict
+    args: tuple
+
+    def __call__(self) -> None:
+        self.fn[self.grid](*self.args, **self.config)
+
+
 class _Launcher:
     """A launch prepared for one tensor signature: constant arguments, grid and config.
 
@@ -327,7 +346,7 @@ class _Launcher:
         slots = _program_slots(bound.device) if plan.persistent else None
 
         def grid_fn(meta):
-            programs = fixed * math.prod(triton_cdiv(extents[v], meta[b]) for v, b in tiles)
+            programs = fixed * math.prod(cdiv(extents[v], meta[b]) for v, b in tiles)
             return (min(programs, slots) if slots else programs,)
 
         self.grid_fn = grid_fn
@@ -386,10 +405,6 @@ def _program_slots(device: torch.device) -> int:
     return os.cpu_count() or 1
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _load(path: Path, source: str, digest: str):
     """Import the kernel from its content-hashed file (Triton reads source via inspect)."""
     module_name = f"insum_generated_{digest}"
@@ -445,19 +460,17 @@ def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[
     """
     _check_device(bound)
     if bound.signature is None:
-        return _cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
+        return cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
     key = (bound.stmt, bound.signature, precision, sorted_indices)
     if descriptors_supported(bound.device):  # descriptors need 16-byte aligned starts
         key += tuple(bound.tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
     kernel = _BY_SIGNATURE.get(key)
     if kernel is None:
-        if len(_BY_SIGNATURE) >= _BY_SIGNATURE_LIMIT:
-            _BY_SIGNATURE.clear()
-        kernel = _BY_SIGNATURE[key] = _cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
+        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
     return kernel
 
 
-def _cached_kernel(spec: KernelSpec, autotune: bool | None = None) -> Kernel:
+def cached_kernel(spec: KernelSpec, autotune: bool | None = None) -> Kernel:
     """The shared kernel for `spec`, or (with an autotune setting) a kernel of its own."""
     if autotune is not None:
         return Kernel(spec, autotune=autotune)
@@ -466,21 +479,3 @@ def _cached_kernel(spec: KernelSpec, autotune: bool | None = None) -> Kernel:
         kernel = _KERNELS[spec] = Kernel(spec)
     return kernel
 
-
-def compile(
-    expr: str, /, *, precision: str = "tf32", autotune: bool | None = None, **example_tensors: torch.Tensor
-) -> Kernel:
-    """Compile a statement for tensors like the examples; the kernel is callable with tensors
-    of the same dtypes and ranks.
-
-    autotune: measure tile candidates on each new size's first call (None: INSUM_AUTOTUNE,
-    default on; False bounds the first call's latency).
-
-    >>> k = insum.compile("C[AM[p],n] += AV[p,q]*B[AK[p,q],n]", C=C, AM=AM, AV=AV, AK=AK, B=B)
-    >>> print(k.source); k(C=C, AM=AM, AV=AV, AK=AK, B=B)
-    """
-    from .api import check_options
-
-    check_options(precision=precision, autotune=autotune)
-    bound = bind(parse(expr), example_tensors)
-    return _cached_kernel(spec_for(bound, precision), autotune)

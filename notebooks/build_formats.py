@@ -7,7 +7,7 @@
 formats.py is in the percent format: `# %%` opens a code cell, `# %% [markdown]` a markdown
 cell (its lines are `# ` comments); text before the first marker is the file's own
 docstring and is left out. The markdown cell marked `# %% [markdown] results-status` is
-filled here with what benchmarks/results (or --results) holds at build time.
+filled here with what benchmarks/results/h200 (or --results) holds at build time.
 
 Needs nbformat, nbclient and ipykernel (plus matplotlib) in the running Python:
 `.venv/bin/pip install nbformat nbclient ipykernel matplotlib`. The kernel runs with the
@@ -70,7 +70,7 @@ def results_status(folder: Path) -> str:
             f"**No benchmark results yet.** When this notebook was built, `{shown}` held no "
             f"study JSON file ({', '.join(s + '.json' for s in STUDIES)}), so there are no speed "
             "plots below: nothing is measured on this CPU and no numbers are made up. After the "
-            "H200 suite has written them, rebuild with `python notebooks/build_formats.py`."
+            "H200 suite (`bash benchmarks/gpu_suite.sh`) has written them, rebuild with `python notebooks/build_formats.py`."
         )
     return f"When this notebook was built, `{shown}` held:\n\n" + "\n".join(found)
 
@@ -94,8 +94,8 @@ def build(results: Path) -> nbformat.NotebookNode:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-execute", action="store_true", help="write the cells without outputs")
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
-                        help="folder of the benchmark JSON files (default benchmarks/results)")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "h200",
+                        help="folder of the benchmark JSON files (default benchmarks/results/h200)")
     parser.add_argument("--out", type=Path, default=TARGET, help="the notebook to write")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ also runs as a plain script (`python notebooks/formats.py`), with figures left u
 # 3. the group-size trade-off of GroupCOO: gathers against scatters, and the rule
 #    that picks the default;
 # 4. the generated Triton kernels (`insum.explain`), run here in the Triton interpreter;
-# 5. measured speed on the H200, read from `benchmarks/results/*.json` when the
+# 5. measured speed on the H200, read from `benchmarks/results/h200/*.json` when the
 #    benchmark suite has written them.
 #
 # Regenerate with `python notebooks/build_formats.py` (see `notebooks/README.md`).
@@ -485,29 +485,6 @@ print(nm)
 # differs: it is meant for dense weights, not for a matrix already 98% sparse.
 
 # %%
-def describe(fmt):
-    p = fmt.params
-    name = type(fmt).__name__
-    if name == "GroupCOO":
-        return f"g={fmt.group_size}, {fmt.groups} groups"
-    if name == "ELL":
-        return f"W={fmt.width}"
-    if name == "BlockGroupCOO":
-        if p.get("group_size") == "row":
-            return f"Block-ELL 16x16, width {fmt.group_size}"
-        return f"16x16, g={fmt.group_size}, {fmt.AK.shape[0]} groups"
-    if name == "CELL":
-        parts = p["partitions"]
-        return f"{parts} partition{'s' if parts > 1 else ''}, widths {fmt.widths}"
-    if name == "NM":
-        return f"{p['n']}:{p['m']}, L={p['vector_len']} (pruned)"
-    return ""
-
-
-def statements(fmt):
-    return len(fmt.widths) if isinstance(fmt, CELL) else 1
-
-
 def pack_all(A):
     """Every format packed from A, exactness checked against the dense matrix."""
     dense = A.to_dense()
@@ -539,9 +516,9 @@ def format_table(A):
     ]
     for fmt in pack_all(A):
         lines.append(
-            f"| {type(fmt).__name__} | {describe(fmt)} | {fmt.nnz} | {fmt.stored_values:,} | "
+            f"| {type(fmt).__name__} | {fmt.describe()} | {fmt.nnz} | {fmt.stored_values:,} | "
             f"{fmt.padding_ratio:.1%} | {fmt.nbytes:,} | {fmt.nbytes / max(fmt.nnz, 1):.1f} | "
-            f"{statements(fmt)} |"
+            f"{len(fmt.statements())} |"
         )
     return "\n".join(lines)
 
@@ -676,7 +653,7 @@ print(f"Block-ELL in the interpreter: max |triton - dense| = {(out - reference).
 # ## 5. Measured speed (H200)
 #
 # The benchmark suite (`python -m benchmarks` on the H200, see `benchmarks/`) writes one
-# `benchmarks/results/<study>.json` per study: each row holds `set`, `case`, `insum_ms`,
+# `benchmarks/results/<device>/<study>.json` per study: each row holds `set`, `case`, `insum_ms`,
 # the `anchor` (cuSPARSE, cuBLAS, TorchBSR, cuSPARSELt, torch eager / torch.compile, ...),
 # `anchor_ms`, and `ratio = anchor_ms / insum_ms` (> 1: insum is faster). Only rows whose
 # result passed its float64 check are plotted. Nothing here is measured on this CPU.
@@ -684,7 +661,7 @@ print(f"Block-ELL in the interpreter: max |triton - dense| = {(out - reference).
 # %% [markdown] results-status
 
 # %%
-RESULTS = Path(os.environ.get("INSUM_RESULTS", ROOT / "benchmarks" / "results"))
+RESULTS = Path(os.environ.get("INSUM_RESULTS", ROOT / "benchmarks" / "results" / "h200"))
 STUDY_ORDER = ["unstructured", "structured", "nm", "fusion", "costs"]
 studies = {}
 for path in sorted(RESULTS.glob("*.json")):
@@ -698,7 +675,7 @@ for path in sorted(RESULTS.glob("*.json")):
 studies = dict(sorted(studies.items(), key=lambda kv: (STUDY_ORDER + [kv[0]]).index(kv[0])))
 if not studies:
     display(Markdown(f"**No benchmark results** in `{RESULTS.relative_to(ROOT) if RESULTS.is_relative_to(ROOT) else RESULTS}`: "
-                     "run the H200 suite (`bash benchmarks/suite_h200.sh` or `python -m benchmarks`) "
+                     "run the H200 suite (`bash benchmarks/gpu_suite.sh` or `python -m benchmarks`) "
                      "and re-run this notebook. No numbers are shown rather than made up."))
 for name, data in studies.items():
     env = data.get("env", {})

@@ -16,8 +16,8 @@ import torch
 from statements import CASES, build, case, clone, strided, tolerance
 
 from insum import InsumError, insum, parse
+from insum.dtypes import compute_dtype
 from insum.ir import Access, Literal, Var
-from insum.reference import compute_dtype
 
 ALL_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 IDS = [c.id for c in CASES]

@@ -6,6 +6,9 @@ not depend on an inner loop are hoisted out of it. Every named line carries a co
 its block shape. Dot operands the plan marks as boxes are loaded through a tensor
 descriptor made once per program (TMA on Hopper: no pointer block, no masks, since the
 descriptor's bounds zero-fill what lies outside the tensor); the rest through pointers.
+
+Over 400 lines, as one module: every rule reads and extends the one `_Emitter` state (names,
+loop levels, hoisted loads), and the assembly below must see all of it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from ..dtypes import TL_DTYPES
 from ..ir import Access, Index, Literal, Var
 from .schedule import Plan, segment_index
 from .values import Value, broadcast, union
@@ -25,7 +29,6 @@ _RESERVED = (
     "tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest", "task",
     "seg_key", "next_key", "seg_tail", "seg_first", "seg_owned", "_segment_add",
 )
-_TL_DTYPES = {"fp16": "tl.float16", "bf16": "tl.bfloat16", "fp32": "tl.float32", "fp64": "tl.float64"}
 
 
 @dataclass(frozen=True)
@@ -88,14 +91,7 @@ class _Emitter:
         return name
 
     def _tensor_names(self) -> list[str]:
-        names: dict[str, None] = {self.stmt.output.name: None}
-        stack = [self.stmt.output, *self.stmt.accesses()]
-        while stack:
-            access = stack.pop(0)
-            names[access.name] = None
-            for index in access.indices:
-                stack.extend(index.indirect_accesses())
-        return list(names)
+        return list(dict.fromkeys(access.name for access, _ in self.stmt.walk()))
 
     def stride(self, tensor: str, dim: int) -> str:
         key = (tensor, dim)
@@ -216,10 +212,10 @@ class _Emitter:
         spec = self.plan.spec
         if len(values) == 1 and spec.dtype(self.stmt.factors[positions[0]].name) == dtype:
             return values[0]  # a lone operand already in the dot's dtype needs no line
-        acc = _TL_DTYPES[self.plan.acc_dtype]
+        acc = TL_DTYPES[self.plan.acc_dtype]
         expr = " * ".join(f"{broadcast(v, axes)}.to({acc})" for v in values)
         if dtype is not None and dtype != self.plan.acc_dtype:
-            expr = f"({expr}).to({_TL_DTYPES[dtype]})"
+            expr = f"({expr}).to({TL_DTYPES[dtype]})"
         self.put(level, f"{name} = {expr}" + self.shape_comment(axes))
         return Value(name, axes, level)
 
@@ -281,12 +277,19 @@ def _grouped_tile_lines(em: _Emitter) -> list[str]:
     for axis, var in (("M", m), ("N", n)):
         lines.append(f"{em.offs[var]} = {em.tile_pid[var]} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
         lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
-    for position, var in enumerate(reversed(plan.grid)):
-        if position == len(plan.grid) - 1:
-            lines.append(f"{em.scalar[var]} = pid")
+    lines.extend(_unflatten("pid", [(em.scalar[v], em.size[v]) for v in reversed(plan.grid)]))
+    return lines
+
+
+def _unflatten(flat: str, scalars: list[tuple[str, str]]) -> list[str]:
+    """Lines that split the counter `flat` into (name, extent) scalars, the first fastest;
+    the last takes what remains."""
+    lines = []
+    for position, (name, size) in enumerate(scalars):
+        if position == len(scalars) - 1:
+            lines.append(f"{name} = {flat}")
         else:
-            lines.append(f"{em.scalar[var]} = pid % {em.size[var]}")
-            lines.append(f"pid = pid // {em.size[var]}")
+            lines += [f"{name} = {flat} % {size}", f"{flat} = {flat} // {size}"]
     return lines
 
 
@@ -313,12 +316,7 @@ def _loop_lines(em: _Emitter) -> list[str]:
         if k is not None:
             lines.append(f"    {em.start_k} = (rest % {em.steps_k}) * BLOCK_K")
             lines.append(f"    rest = rest // {em.steps_k}")
-        for position, var in enumerate(reversed(plan.loops)):
-            if position == len(plan.loops) - 1:
-                lines.append(f"    {em.scalar[var]} = rest")
-            else:
-                lines.append(f"    {em.scalar[var]} = rest % {em.size[var]}")
-                lines.append(f"    rest = rest // {em.size[var]}")
+        lines.extend("    " + line for line in _unflatten("rest", [(em.scalar[v], em.size[v]) for v in reversed(plan.loops)]))
     if k is not None and plan.folded:
         lines.extend("    " + line for line in _folded_k_lines(em))
     elif k is not None:
@@ -402,7 +400,7 @@ def emit(plan: Plan) -> Source:
     em = _Emitter(plan)
     stmt = plan.stmt
     acc_axes = tuple(a for a, _ in plan.tiles if a != "K")
-    acc_tl = _TL_DTYPES[plan.acc_dtype]
+    acc_tl = TL_DTYPES[plan.acc_dtype]
     acc_shape = ", ".join(f"BLOCK_{a}" for a in acc_axes) if len(acc_axes) > 1 else f"BLOCK_{acc_axes[0]}," if acc_axes else "1,"
     accesses = tuple(i for i, f in enumerate(stmt.factors) if isinstance(f, Access))
 

@@ -21,13 +21,18 @@ they measured faster; with pointer gathers or per-step index loads they measured
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from ..ir import Access, Statement
+from ..dtypes import HALF_NAMES, DtypeName
+from ..ir import Access, Role, Statement
 
-__all__ = ["KernelSpec", "Plan", "schedule", "box_layout", "segment_index", "AXES"]
+__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "AXES"]
 
 AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
-HALF = ("fp16", "bf16")
+#: "dot": a tl.dot of an (M, K) block by a (K, N) block; "reduce": broadcast multiply, tl.sum.
+PlanKind = Literal["dot", "reduce"]
+#: "store": each output element has one owner; "atomic": scattered contributions may collide.
+OutputMode = Literal["store", "atomic", "segment"]
 # Hopper's warp-group MMA needs 64 rows of M per tile: a variable with a smaller extent (the
 # rows of one 32 x 32 block) goes on N instead when the statement allows it.
 NARROW = 64
@@ -52,8 +57,8 @@ class KernelSpec:
     """What a kernel depends on: the statement, roles, dtypes and addressing width."""
 
     stmt: Statement
-    roles: tuple[tuple[str, str], ...]  # (variable, "output" | "scattered" | "reduced")
-    dtypes: tuple[tuple[str, str], ...]  # (tensor, "fp16" | "bf16" | "fp32" | "fp64" | "int32" | "int64")
+    roles: tuple[tuple[str, Role], ...]  # (variable, role)
+    dtypes: tuple[tuple[str, DtypeName], ...]  # (tensor, dtype name)
     wide: frozenset[str] = frozenset()  # tensors whose element offsets may exceed 2**31 - 1
     precision: str = "tf32"  # float32 tl.dot: "tf32" or "ieee"
     narrow: frozenset[str] = frozenset()  # output-side variables with extents below NARROW
@@ -62,10 +67,10 @@ class KernelSpec:
     # row index: a facts channel from formats to the code generator through the call.
     sorted_indices: frozenset[str] = frozenset()
 
-    def role(self, var: str) -> str:
+    def role(self, var: str) -> Role:
         return dict(self.roles)[var]
 
-    def dtype(self, tensor: str) -> str:
+    def dtype(self, tensor: str) -> DtypeName:
         return dict(self.dtypes)[tensor]
 
 
@@ -74,15 +79,15 @@ class Plan:
     """The kernel's shape: tiles, grid, loops, dot split and output strategy."""
 
     spec: KernelSpec
-    kind: str  # "dot" or "reduce"
+    kind: PlanKind
     tiles: tuple[tuple[str, str], ...]  # (axis, variable) for the tiled axes, in AXES order
     grid: tuple[str, ...]  # variables with one value per program
     loops: tuple[str, ...]  # reduced variables looped one value at a time, outermost first
     left: tuple[int, ...]  # factor positions multiplied into the (M, K) dot operand
     right: tuple[int, ...]  # factor positions multiplied into the (K, N) dot operand
-    output: str  # "store" (one owner per element), "atomic", or "segment" (see _segment_index)
-    acc_dtype: str  # "fp32" or "fp64"
-    dot_dtype: str | None  # operand dtype of tl.dot
+    output: OutputMode  # "segment": see segment_index
+    acc_dtype: DtypeName  # "fp32" or "fp64"
+    dot_dtype: DtypeName | None  # operand dtype of tl.dot
     boxes: tuple[int, ...] = ()  # factor positions loaded through a tensor descriptor
     folded: tuple[str, ...] = ()  # reduced variables flattened onto K outside its variable, outermost first
     persistent: bool = False  # one program per SM loops over the tiles (`tl.range(..., flatten=True)`)
@@ -179,7 +184,7 @@ def _direct_in(var: str, accesses: list[Access]) -> bool:
     return bool(using) and all(any(i.variable == var for i in a.indices) for a in using)
 
 
-def _output_candidates(stmt: Statement, roles: dict[str, str]) -> list[str]:
+def _output_candidates(stmt: Statement, roles: dict[str, Role]) -> list[str]:
     """Output-side variables, the innermost direct output dimension first."""
     direct = [i.variable for i in reversed(stmt.output.indices) if i.is_direct]
     scattered = [v for v in stmt.variables() if roles[v] == "scattered"]
@@ -246,10 +251,10 @@ def schedule(spec: KernelSpec, *, fold_k: bool = False) -> Plan:
     value_dtypes = [spec.dtype(f.name) for f in stmt.accesses()]
     acc_dtype = "fp64" if "fp64" in value_dtypes or spec.dtype(stmt.output.name) == "fp64" else "fp32"
 
-    dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF else "fp32"
+    dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF_NAMES else "fp32"
     # Measured with 16-bit operands; tf32 warp-group MMA wants K-major operands, which
     # moving the dense columns onto M would make transposed.
-    narrow = spec.narrow if dot_dtype in HALF else frozenset()
+    narrow = spec.narrow if dot_dtype in HALF_NAMES else frozenset()
     split = _dot_split(stmt, outside, reduced, narrow) if acc_dtype == "fp32" else None
     if split is not None:
         m, n, k, left, right = split

@@ -12,9 +12,10 @@ tensor-core shape). Clamped configurations that coincide are kept once.
 
 from __future__ import annotations
 
+from ..arith import next_power_of_2
 from .schedule import Plan, segment_index
 
-__all__ = ["configs_for", "prune_configs", "next_power_of_2"]
+__all__ = ["configs_for", "prune_configs"]
 
 # (BLOCK_M, BLOCK_K, BLOCK_N, num_warps, num_stages)
 _DOT = [
@@ -36,10 +37,6 @@ _REDUCE = [
     (32, 2, 128, 4, 2), (64, 1, 128, 8, 2), (128, 1, 64, 8, 2),
     (16, 4, 128, 4, 2), (32, 4, 64, 4, 2), (16, 8, 64, 4, 2),
 ]
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def configs_for(plan: Plan) -> list[dict]:

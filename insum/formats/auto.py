@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from ..errors import InsumError
-from .base import HALF_FAN_IN, SparseFormat, check_positive_int, check_values, coords_of, next_pow2
+from .base import SparseFormat
 from .cell import CELL
+from .coords import check_positive_int, check_values, coords_of
 from .ell import ELL
 from .groupcoo import GroupCOO
+from .grouping import HALF_FAN_IN, next_pow2
 
 __all__ = ["auto", "Candidate", "RowStats", "rank", "row_stats"]
 
@@ -232,7 +234,7 @@ def auto(
     if cached is not None:
         name, params, why = cached
         fmt = _pack((name, params), A, dtype, index_dtype)
-        fmt.params["chosen"] = why + " (cached choice for this matrix)"
+        fmt.chosen_because = why + " (cached choice for this matrix)"
         return fmt
     model = "; ".join(str(c) for c in ranked[:4])
     if not measure or stats.nnz == 0:
@@ -252,6 +254,6 @@ def auto(
         times = ", ".join(f"{c.format}{c.params or ''} {t:.1f}us" for t, c, _ in timed)
         why = f"auto: {best.format}{best.params or ''} measured fastest at N={n_cols} ({times}); model ranked: {model}"
     _CACHE[key] = (best.format, dict(best.params), why)
-    fmt.params["chosen"] = why
+    fmt.chosen_because = why
     return fmt
 

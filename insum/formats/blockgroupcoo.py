@@ -11,24 +11,18 @@ when needed and returns only the first M rows of the (M' x N) result.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import InsumError
-from .base import (
-    Coords,
-    GroupCounts,
-    SparseFormat,
-    accumulation_dtype,
-    check_positive_int,
-    index_dtype_for,
-    next_pow2,
-    overwrite,
-    tune,
-    tuning_operand,
-)
+from .base import SparseFormat, pad_rows
+from .coords import Coords, check_positive_int, index_dtype_for
+from .grouping import GroupCounts, next_pow2
+from .transposed import block_gradient, transpose_slots
+from .tuning import tune, tuning_operand
 
 __all__ = ["BlockGroupCOO"]
 
@@ -242,22 +236,45 @@ class BlockGroupCOO(SparseFormat):
         dense = tiles.permute(0, 2, 1, 3).reshape(Mp, Kp)
         return dense[: self.shape[0], : self.shape[1]].contiguous()
 
-    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
-        (bm, bk), (Mp, Kp) = self.block, self.padded_shape
-        N = B.shape[1]
-        if Kp != B.shape[0]:
-            B = torch.cat([B, B.new_zeros(Kp - B.shape[0], N)])
-        acc = accumulation_dtype(dtype, self.fan_in)  # Block-ELL rows: fan-in 1
-        C = torch.empty(Mp // bm, bm, N, dtype=acc, device=B.device)
-        self._run(
-            overwrite(self.expression),
-            backend,
-            precision,
-            C=C,
-            B=B.view(Kp // bk, bk, N),
-            **self._values(dtype),
-        )
-        return C.view(Mp, N)[: self.shape[0]].to(dtype)
+    @classmethod
+    def statement_forms(cls) -> tuple[str, ...]:
+        return (cls.expression, cls.row_expression)
+
+    def operand(self, B: torch.Tensor) -> torch.Tensor:
+        """B padded with zero rows to whole blocks, viewed (K'/bk, bk, N)."""
+        (_, bk), (_, Kp) = self.block, self.padded_shape
+        return pad_rows(B, Kp).view(Kp // bk, bk, B.shape[1])
+
+    def from_operand(self, dB: torch.Tensor) -> torch.Tensor:
+        return dB.reshape(self.padded_shape[1], -1)[: self.shape[1]]
+
+    def output_shape(self, N: int) -> tuple[int, ...]:
+        (bm, _), (Mp, _) = self.block, self.padded_shape
+        return (Mp // bm, bm, N)
+
+    def result(self, C: torch.Tensor) -> torch.Tensor:
+        return C.view(self.padded_shape[0], -1)[: self.shape[0]]
+
+    def output_view(self, dC: torch.Tensor) -> torch.Tensor:
+        return pad_rows(dC, self.padded_shape[0]).reshape(self.output_shape(dC.shape[1]))
+
+    @classmethod
+    def pruning_block(cls, params: Mapping[str, Any]) -> tuple[int, int]:
+        """Whole blocks of the packer's block size."""
+        return _block_of(params.get("block", (16, 16)))
+
+    def transposed_pattern(self) -> dict[str, torch.Tensor]:
+        AM = self._tensors.get("AM")  # absent when each block row is one group ("row")
+        one_group_per_row = AM is None
+        if one_group_per_row:
+            AM = torch.arange(self.AK.shape[0], device=self.AK.device)
+        rows = AM.unsqueeze(1).expand_as(self.AK)
+        KB = self.padded_shape[1] // self.block[1]
+        return transpose_slots(rows, self.AK, KB, self.index_dtype, by_column=one_group_per_row)
+
+    def input_gradient(self, pattern, dC, backend, precision) -> torch.Tensor:
+        KB = self.padded_shape[1] // self.block[1]
+        return block_gradient(self.AV.to(dC.dtype), pattern, dC, KB, backend, precision)
 
     def _describe(self) -> dict[str, Any]:
         shown = {"block": self.block, "group_size": self.group_size}

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ..errors import InsumError
-from .base import Coords, SparseFormat, check_positive_int, coords_of, index_dtype_for
+from .base import SparseFormat
+from .coords import Coords, check_positive_int, coords_of, index_dtype_for
 
 __all__ = ["CELL", "cell_cost"]
 
@@ -190,6 +191,9 @@ class CELL(SparseFormat):
 
     name = "cell"
     expression = "C[RI[r],n] += V[r,w]*B[CI[r,w],n]"
+    #: Buckets add into shared rows: accumulated from zeros, half precision in float32 (no
+    #: fan-in is recorded), so that the output is rounded once rather than once per bucket.
+    accumulates = True
 
     @classmethod
     def _pack(
@@ -331,24 +335,6 @@ class CELL(SparseFormat):
             rows = t["RI"].long().unsqueeze(1).expand_as(t["CI"])
             dense.index_put_((rows, t["CI"].long()), t["V"], accumulate=True)
         return dense
-
-    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
-        # Buckets add into shared rows: accumulate from zeros, half precision in float32
-        # so that the output is rounded once rather than once per bucket.
-        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-        C = torch.zeros(self.shape[0], B.shape[1], dtype=wide, device=B.device)
-        for expression, t in self.statements():
-            self._run(
-                expression,
-                backend,
-                precision,
-                C=C,
-                B=B,
-                RI=t["RI"],
-                CI=t["CI"],
-                V=t["V"].to(dtype),
-            )
-        return C.to(dtype)
 
     def _describe(self) -> dict[str, Any]:
         return {

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import Coords, SparseFormat, index_dtype_for
+from .base import SparseFormat
+from .coords import Coords, index_dtype_for
 
 __all__ = ["COO"]
 
@@ -45,9 +46,8 @@ class COO(SparseFormat):
         }
         return cls._packed(coords, tensors, itype, {"fan_in": host[0]})
 
-    def to_dense(self) -> torch.Tensor:
-        dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        return dense.index_put_((self.AM.long(), self.AK.long()), self.AV, accumulate=True)
+    def _slot_rows(self) -> tuple[torch.Tensor, bool]:
+        return self.AM, False
 
     def _describe(self) -> dict[str, Any]:
         return {}

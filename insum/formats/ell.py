@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .base import Coords, SparseFormat, index_dtype_for
+from .base import SparseFormat
+from .coords import Coords, index_dtype_for
 
 __all__ = ["ELL"]
 
@@ -56,16 +57,14 @@ class ELL(SparseFormat):
         """W, the padded row length."""
         return int(self.AK.shape[1])
 
-    def to_dense(self) -> torch.Tensor:
-        M, W = self.AK.shape
-        dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        rows = torch.arange(M, device=self.device).unsqueeze(1).expand(M, W)
-        return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
-
     @property
     def fan_in(self) -> int:
         """One group per row: every output row has one owner."""
         return 1
+
+    def _slot_rows(self) -> tuple[torch.Tensor, bool]:
+        rows = torch.arange(self.AK.shape[0], device=self.AK.device)
+        return rows.unsqueeze(1).expand_as(self.AK), True
 
     def _describe(self) -> dict[str, Any]:
         return {"width": self.width}

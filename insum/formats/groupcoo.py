@@ -13,18 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InsumError
-from .base import (
-    Coords,
-    GroupCounts,
-    SparseFormat,
-    check_positive_int,
-    default_group_size,
-    index_dtype_for,
-    next_pow2,
-    pack_row_groups,
-    tune,
-    tuning_operand,
-)
+from .base import SparseFormat
+from .coords import Coords, check_positive_int, index_dtype_for
+from .grouping import GroupCounts, default_group_size, next_pow2, pack_row_groups
+from .tuning import tune, tuning_operand
 
 __all__ = ["GroupCOO"]
 
@@ -120,11 +112,8 @@ class GroupCOO(SparseFormat):
     def groups(self) -> int:
         return int(self.AK.shape[0])
 
-    def to_dense(self) -> torch.Tensor:
-        G, g = self.AK.shape
-        dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        rows = self.AM.long().unsqueeze(1).expand(G, g)
-        return dense.index_put_((rows, self.AK.long()), self.AV, accumulate=True)
+    def _slot_rows(self) -> tuple[torch.Tensor, bool]:
+        return self.AM.unsqueeze(1).expand_as(self.AK), False
 
     def _describe(self) -> dict[str, Any]:
         shown = {"group_size": self.group_size, "groups": self.groups}

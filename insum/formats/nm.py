@@ -13,13 +13,17 @@ K - 1, so every index is valid for the unpadded B; `spmm` returns the first R ro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..api import insum
 from ..errors import InsumError, InsumShapeError
-from .base import Coords, SparseFormat, check_positive_int, check_values, index_dtype_for, overwrite
+from .base import SparseFormat, pad_rows
+from .coords import Coords, check_positive_int, check_values, index_dtype_for
+from .transposed import with_zero_slot
 
 __all__ = ["NM"]
 
@@ -56,6 +60,7 @@ class NM(SparseFormat):
 
     name = "nm"
     expression = "C[rb,l,n] += AV[rb,l,u]*B[AK[rb,u],n]"
+    input_gradient_expression = "DX[k, n] += WT[IU[rb, k], l] * DY[rb, l, n]"
     _value_names = ("AV",)
 
     @classmethod
@@ -197,11 +202,40 @@ class NM(SparseFormat):
         dense.index_put_((blocks, self.AK.long()), self.AV.transpose(1, 2), accumulate=True)
         return dense.transpose(1, 2).reshape(RB * L, K)[:R].contiguous()
 
-    def _spmm(self, B, dtype, backend, precision) -> torch.Tensor:
+    @property
+    def fan_in(self) -> int:
+        """Every output row has one owner."""
+        return 1
+
+    def output_shape(self, N: int) -> tuple[int, ...]:
         RB, L, _ = self.AV.shape
-        C = torch.empty(RB, L, B.shape[1], dtype=dtype, device=B.device)
-        self._run(overwrite(self.expression), backend, precision, C=C, B=B, **self._values(dtype))
-        return C.view(RB * L, -1)[: self.shape[0]]
+        return (RB, L, N)
+
+    def result(self, C: torch.Tensor) -> torch.Tensor:
+        return C.view(self.padded_rows, -1)[: self.shape[0]]
+
+    def output_view(self, dC: torch.Tensor) -> torch.Tensor:
+        return pad_rows(dC, self.padded_rows).reshape(self.output_shape(dC.shape[1]))
+
+    @classmethod
+    def pruning_block(cls, params: Mapping[str, Any]) -> tuple[int, int] | None:
+        raise InsumError("NM prunes to its own n:m pattern; pass n=, m= instead of sparsity=")
+
+    def transposed_pattern(self) -> dict[str, torch.Tensor] | None:
+        """Per row block, the slot of every column (a zero slot where it keeps none): B's
+        gradient is then a dense-shaped tl.dot with no scatter at all."""
+        AK = self.AK.long()
+        RB, U = AK.shape
+        if U > 1 and bool((AK[:, 1:] == AK[:, :-1]).any()):
+            return None  # clamped padding columns repeat an index: one slot per column fails
+        IU = torch.full((RB, self.shape[1]), RB * U, dtype=torch.int64, device=AK.device)
+        IU.scatter_(1, AK, torch.arange(RB * U, device=AK.device).view(RB, U))
+        return {"IU": IU.to(self.index_dtype)}
+
+    def input_gradient(self, pattern, dC, backend, precision) -> torch.Tensor:
+        RB, L, U = self.AV.shape
+        WT = with_zero_slot(self.AV.to(dC.dtype).transpose(1, 2).reshape(RB * U, L))
+        return insum(self.input_gradient_expression, WT=WT, DY=dC, backend=backend, precision=precision, **pattern)
 
     def _describe(self) -> dict[str, Any]:
         return dict(self.params)

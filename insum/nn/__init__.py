@@ -7,12 +7,17 @@
     torch.Size([3, 4])
 
 - `linear`: `SparseLinear` (a weight held in a sparse format), `magnitude_prune`.
+- `sparse_autograd`: the one autograd path of `SparseLinear` and `sparse_linear`.
+- `conv`: `SparseConv3d` (submanifold, strided and transposed sparse convolution).
+- `kernel_map`: the GPU kernel-map builder, its packings and `KernelMapCache`.
 - `distributed`: `DistributedSparseLinear` (output features split across ranks).
-- `functional`: the functional forms (`sparse_linear`).
+- `functional`: the functional forms (`sparse_linear`, `sparse_conv3d`).
 """
 
-from . import functional
+from . import functional, kernel_map
+from .conv import SparseConv3d, sparse_conv3d
 from .distributed import DistributedSparseLinear
+from .kernel_map import KernelMap, KernelMapCache, build_kernel_map
 from .linear import SparseLinear, magnitude_prune, sparse_linear
 
 __all__ = [
@@ -20,5 +25,11 @@ __all__ = [
     "DistributedSparseLinear",
     "sparse_linear",
     "magnitude_prune",
+    "SparseConv3d",
+    "sparse_conv3d",
+    "KernelMap",
+    "KernelMapCache",
+    "build_kernel_map",
     "functional",
+    "kernel_map",
 ]

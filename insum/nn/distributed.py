@@ -20,7 +20,6 @@ with the same arguments on every rank; `from_dense`/`from_linear` slice a full w
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import InsumError, InsumShapeError
-from .linear import SparseLinear, magnitude_prune
+from .linear import SparseLinear, initial_bias, initial_weight, pruned_linear
 
 __all__ = ["DistributedSparseLinear", "feature_ranges"]
 
@@ -145,15 +144,9 @@ class DistributedSparseLinear(nn.Module):
     ):
         super().__init__()
         self._setup(in_features, out_features, group, input_is_sharded, gather_output)
-        weight = torch.empty(len(self.out_rows), in_features, device=device, dtype=dtype)
-        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))  # nn.Linear's bound: 1/sqrt(in)
-        if sparsity:
-            block = format_params.get("block", (16, 16)) if format.lower() == "blockgroupcoo" else None
-            weight = magnitude_prune(weight, sparsity, block)
-        local_bias = None
-        if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            local_bias = torch.empty(len(self.out_rows), device=device, dtype=dtype).uniform_(-bound, bound)
+        rows = len(self.out_rows)
+        weight = initial_weight(rows, in_features, format, sparsity, format_params, device, dtype)
+        local_bias = initial_bias(rows, in_features, device, dtype) if bias else None
         self.local = SparseLinear.from_dense(
             weight, local_bias, format, backend=backend, precision=precision, **format_params
         )
@@ -205,12 +198,7 @@ class DistributedSparseLinear(nn.Module):
         cls, linear: nn.Linear, format: str = "GroupCOO", *, sparsity: float = 0.0, **kwargs: Any
     ) -> DistributedSparseLinear:
         """Prune an nn.Linear (the same on every rank) by magnitude and keep this rank's rows."""
-        weight = linear.weight.detach()
-        if sparsity:
-            block = kwargs.get("block", (16, 16)) if format.lower() == "blockgroupcoo" else None
-            weight = magnitude_prune(weight, sparsity, block)
-        bias = None if linear.bias is None else linear.bias.detach()
-        return cls.from_dense(weight, bias, format, **kwargs)
+        return cls.from_dense(*pruned_linear(linear, format, sparsity, kwargs), format, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 1 or x.shape[-1] != self.in_features:

@@ -1,8 +1,8 @@
 """insum inside PyTorch on a CUDA GPU: custom ops, autograd, CUDA graphs, torch.compile, nn.
 
-    python -m benchmarks.torch_h200 [--quick] [--skip-bench | --skip-checks] [--budget S]
+    python -m benchmarks.torch_checks [--quick] [--skip-bench | --skip-checks] [--budget S]
                                     [--forward] [--out FILE.json]
-    TRITON_INTERPRET=1 python -m benchmarks.torch_h200 --cpu   # a smoke run of the logic
+    TRITON_INTERPRET=1 python -m benchmarks.torch_checks --cpu   # a smoke run of the logic
 
 Checks (each prints PASS/FAIL; the exit status is the number of failures):
   opcheck       torch.library.opcheck of insum::insum_ and insum::insum, backend="triton"
@@ -357,22 +357,21 @@ def mlp_benchmark(quick: bool, budget: float, forward: bool) -> None:
         mods = []
         for m in dense:
             if isinstance(m, torch.nn.Linear):
-                kw = dict(sparsity=0.9) if fmt == "BlockGroupCOO" else {}  # NM prunes itself
-                mods.append(SparseLinear.from_linear(m, fmt, transposed_backward=transposed, **kw, **params))
+                mods.append(SparseLinear.from_linear(m, fmt, transposed_backward=transposed, **params))
             else:
                 mods.append(torch.nn.ReLU())
         return torch.nn.Sequential(*mods)
 
-    models = {  # by importance: the budget cuts from the end
+    models = {  # by importance: the budget cuts from the end (NM prunes to its own pattern)
         "dense (cuBLAS)": lambda: dense,
-        "BlockGroupCOO 90% 32x32": lambda: sparse("BlockGroupCOO", True, block=(32, 32)),
+        "BlockGroupCOO 90% 32x32": lambda: sparse("BlockGroupCOO", True, sparsity=0.9, block=(32, 32)),
         "NM 2:4 L=128": lambda: sparse("NM", True, n=2, m=4, vector_len=128),
         "Block-ELL 90% 32x32 (row groups)": lambda: sparse(
-            "BlockGroupCOO", True, block=(32, 32), group_size="row"
+            "BlockGroupCOO", True, sparsity=0.9, block=(32, 32), group_size="row"
         ),
     }
     if not quick:  # the plain derived input gradient (scatters), for comparison
-        models["BlockGroupCOO 90%, derived dx"] = lambda: sparse("BlockGroupCOO", False, block=(32, 32))
+        models["BlockGroupCOO 90%, derived dx"] = lambda: sparse("BlockGroupCOO", False, sparsity=0.9, block=(32, 32))
         models["NM 2:4 L=128, derived dx"] = lambda: sparse("NM", False, n=2, m=4, vector_len=128)
     x = torch.randn(batch, width, device=DEVICE, dtype=dtype)
     gy = torch.randn(batch, width, device=DEVICE, dtype=dtype)

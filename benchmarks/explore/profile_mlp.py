@@ -1,7 +1,7 @@
 """Where a pruned MLP's time goes: torch.profiler tables of one forward and one
-forward+backward of the `torch_h200` MLP (3 x 4096, batch 4096, fp16, 90% 32x32 blocks).
+forward+backward of the `torch_checks` MLP (3 x 4096, batch 4096, fp16, 90% 32x32 blocks).
 
-    python -m benchmarks.profile_mlp [--width 4096] [--format BlockGroupCOO]
+    python -m benchmarks.explore.profile_mlp [--width 4096] [--format BlockGroupCOO]
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import torch
 
 from insum.nn import SparseLinear
 
+#: The layers profiled, by format: 90% 32x32 blocks, or 2:4 with 128-row vectors.
+PARAMS = {"BlockGroupCOO": dict(sparsity=0.9, block=(32, 32)), "NM": dict(n=2, m=4, vector_len=128)}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--format", default="BlockGroupCOO")
+    parser.add_argument("--format", default="BlockGroupCOO", choices=sorted(PARAMS))
     args = parser.parse_args()
     torch.manual_seed(0)
     width = args.width
@@ -24,7 +27,7 @@ def main() -> None:
         torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, width),
     ).cuda().half()
-    params = dict(sparsity=0.9, block=(32, 32)) if args.format == "BlockGroupCOO" else dict(n=2, m=4, vector_len=128)
+    params = PARAMS[args.format]
     model = torch.nn.Sequential(*[
         SparseLinear.from_linear(m, args.format, **params) if isinstance(m, torch.nn.Linear) else m for m in dense
     ])

@@ -1,7 +1,7 @@
 """Tensor-core path (issue 11): the generated dot kernels A/B against main's generator and
 side by side with cuBLAS, TorchBSR and cuSPARSELt, in one process.
 
-    python -m benchmarks.tensorcore_h200 [--budget 300] [--out DIR]
+    python -m benchmarks.explore.tensorcore [--budget 300] [--out DIR]
 
 Variants of each generated kernel, compiled in this one process on the same inputs:
   main       the generator of `main` (a copy of its `insum` package importable as
@@ -19,8 +19,8 @@ own whole space instead. Every result is checked against a float64 product of th
 inputs (relative error <= 1e-2 for fp16/bf16). Times: do_bench medians, B rotated over two
 copies. Sections run in order of value and stop when the time budget is spent.
 
-The logs: results/tensorcore_ab1_h200.log (commit 1d28f85: grouped order, descriptors),
-results/tensorcore_run2_h200.log (commit 5df1a41: folding was the default for 32-wide
+The logs: results/h200/tensorcore_ab1.log (commit 1d28f85: grouped order, descriptors),
+results/h200/tensorcore_run2.log (commit 5df1a41: folding was the default for 32-wide
 16-bit blocks and transposed boxes were allowed: its `tma` rows for 32x32 blocks are the
 folded plan, `unfolded` the transposed-descriptor plan; both lost to main's pointers, so
 neither is the default now, and 32x32 blocks run the `pointers` plan of the first log).
@@ -42,7 +42,7 @@ from insum.formats import NM
 from insum.parser import parse
 from insum.runtime import Kernel, spec_for
 
-from .common import median_ms, relative_error, rotating
+from ..common import median_ms, relative_error, rotating
 
 try:  # main's generator, for the A/B
     import insum_main
@@ -297,7 +297,7 @@ def main() -> None:
         section()
         say(f"-- section {number} done at {time.time() - start:.0f} s")
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "tensorcore_h200.json"), "w") as f:
+        with open(os.path.join(args.out, "tensorcore.json"), "w") as f:
             json.dump(ROWS, f, indent=1)
 
 

@@ -1,7 +1,7 @@
 """Where a gathered GEMM loses to cuBLAS: the generated dense GEMM, the same with B's rows
 gathered through an identity index, and the N:M kernel, against cuBLAS, fully autotuned.
 
-    python -m benchmarks.explore_gemm [--size 4096]
+    python -m benchmarks.explore.gemm [--size 4096]
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from insum.formats import NM
 from insum.parser import parse
 from insum.runtime import kernel_for
 
-from .common import median_ms, relative_error, rotating
+from ..common import median_ms, relative_error, rotating
 
 
 def chosen_config(expr: str, tensors: dict) -> str:
+    # TODO(core hook): the chosen tile configuration from a public Kernel launcher.
     bound = bind(parse(expr), tensors)
     kernel = kernel_for(bound)
     launcher = kernel._launchers.get(bound.signature)

@@ -1,7 +1,7 @@
 """The code generator on a CUDA GPU: GroupCOO and BlockGroupCOO SpMM against their anchors,
 and the host overhead of a cached insum() call.
 
-    python -m benchmarks.codegen_h200 [--data DIR] [--out FILE]
+    python -m benchmarks.codegen [--data DIR] [--out FILE]
 
 GroupCOO SpMM (fp32, N = 128) on DLMC matrices runs against cuSPARSE (torch CSR @ dense);
 BlockGroupCOO SpMM (fp16, 4096^3, 32x32 blocks) against dense cuBLAS and TorchBSR

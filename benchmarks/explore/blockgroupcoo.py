@@ -1,6 +1,6 @@
 """Why BlockGroupCOO SpMM is as fast as it is: output strategies and dot orientations.
 
-    python -m benchmarks.explore_blockgroupcoo [--size 4096] [--block 32]
+    python -m benchmarks.explore.blockgroupcoo [--size 4096] [--block 32]
 
 For fp16 A (size x size, random blocks kept with probability 1 - s) times dense B, side by
 side in one run: dense cuBLAS, TorchBSR, and the generated kernel with
@@ -26,7 +26,7 @@ from insum.formats import BlockGroupCOO
 from insum.parser import parse
 from insum.runtime import Kernel, spec_for
 
-from .common import ceilings, median_ms, relative_error, rotating
+from ..common import ceilings, median_ms, relative_error, rotating
 
 GROUPED = "C[AM[p], m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]"
 ROW = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
@@ -46,6 +46,7 @@ def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int) -> dict[str, torc
 
 def swapped(kernel_expr: str, tensors: dict) -> Kernel:
     """The generated kernel with its dot's M and N variables exchanged."""
+    # TODO(core hook): an orientation override on compile(); reads runtime.spec_for.
     bound = bind(parse(kernel_expr), tensors)
     spec = spec_for(bound)
     plan = Kernel(spec).plan

@@ -2,7 +2,7 @@
 same matrix from dense (from COO when dense does not fit), do_bench medians, and each
 packer's launched ops / host syncs (counted by insum.formats.opcount, once per matrix).
 
-    python -m benchmarks.packing_h200 [--data DIR]
+    python -m benchmarks.packing [--data DIR]
 
 Packing on a GPU costs about one launch per op and a full queue drain per host sync, so the
 ops/syncs table explains the times table.
@@ -28,25 +28,29 @@ from insum.formats.opcount import count_ops
 
 from .common import median_ms
 
+
+def _no_padding_bound(M: int, K: int, longest: int) -> int:
+    return 0
+
+
+# (label, class, parameters, an upper bound on the padded value slots from M, K and the
+# longest row): a packer whose bound exceeds MAX_SLOTS is skipped.
 PACKERS = [
-    ("COO", COO, {}),
-    ("GroupCOO", GroupCOO, {}),
-    ("ELL", ELL, {}),
-    ("BlockGC", BlockGroupCOO, {}),
-    ("B-ELL", BlockGroupCOO, {"group_size": "row"}),
-    ("CELL", CELL, {}),
+    ("COO", COO, {}, _no_padding_bound),
+    ("GroupCOO", GroupCOO, {}, _no_padding_bound),
+    ("ELL", ELL, {}, lambda M, K, longest: M * longest),
+    ("BlockGC", BlockGroupCOO, {}, _no_padding_bound),
+    # at most 16 rows' worth of blocks per 16-row block row
+    ("B-ELL", BlockGroupCOO, {"group_size": "row"}, lambda M, K, longest: -(-M // 16) * min(-(-K // 16), 16 * longest) * 256),
+    ("CELL", CELL, {}, _no_padding_bound),
 ]
-MAX_SLOTS = 2**28  # skip ELL / Block-ELL when their padded value tensor would exceed this
+MAX_SLOTS = 2**28
 
 
-def _too_big(name: str, csr: torch.Tensor) -> bool:
+def _too_big(slots_bound, csr: torch.Tensor) -> bool:
     M, K = csr.shape
     longest = int(csr.crow_indices().diff().max()) if M else 0
-    if name == "ELL":
-        return M * longest > MAX_SLOTS
-    if name == "B-ELL":  # at most 16 rows' worth of blocks per 16-row block row
-        return -(-M // 16) * min(-(-K // 16), 16 * longest) * 256 > MAX_SLOTS
-    return False
+    return slots_bound(M, K, longest) > MAX_SLOTS
 
 
 def main() -> None:
@@ -64,7 +68,7 @@ def main() -> None:
                 power_law_matrix(rows, rows, avg, seed=0, device="cuda"),
             )
         )
-    names = [name for name, _, _ in PACKERS]
+    names = [name for name, *_ in PACKERS]
     print("times in ms (ratio to to_sparse_csr)")
     print(f"{'matrix':58s} {'nnz':>9s} {'to_csr':>7s} " + " ".join(f"{n:>15s}" for n in names))
     counts = []
@@ -73,8 +77,8 @@ def main() -> None:
         source = dense if dense is not None else csr.to_sparse_coo()
         t_csr = median_ms(lambda c=source: c.to_sparse_csr())
         cells, tallies = [], []
-        for label, cls, params in PACKERS:
-            if _too_big(label, csr):
+        for _, cls, params, slots_bound in PACKERS:
+            if _too_big(slots_bound, csr):
                 cells.append(f"{'-':>15s}")
                 tallies.append("-")
                 continue

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The one GPU driver: each part is one device call (under the 10-minute call limit).
+#   bash benchmarks/gpu_suite.sh unstructured,costs     # studies, through python -m benchmarks
+#   bash benchmarks/gpu_suite.sh structured,nm,fusion
+#   bash benchmarks/gpu_suite.sh tests                  # the CUDA test suite, then codegen and the demo
+#   bash benchmarks/gpu_suite.sh torch                  # torch_checks: opcheck, autograd, graphs, MLP
+#   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
+# Extra arguments go to the runner or script (e.g. --quick, --budget-scale 0.8). Needs lark as
+# a wheel in .whl/ and a copy of ../shared/data in .data/ (carry both). Everything lands in
+# $OUT/<device>/ (device from torch.cuda.get_device_name(): h200, h100, ...): logs, <study>.json
+# and REPORT.md without plots. Copy that folder's files into benchmarks/results/<device>/ here
+# and run `python -m benchmarks.report` for the merged report with plots.
+pip install -q --no-index --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+set -uo pipefail
+PART=${1:-unstructured,costs}
+shift || true
+export PYTHONUNBUFFERED=1 INSUM_CACHE_DIR=${INSUM_CACHE_DIR:-/tmp/insum-cache}
+DEVICE=$(python -c "from benchmarks.common import device_name; print(device_name())")
+DIR="${OUT:-/tmp/out}/$DEVICE"
+mkdir -p "$DIR"
+LOG="$DIR/suite-${PART//,/-}.log"
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,memory.used --format=csv
+  python -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$LOG"
+# Dynamo/inductor warnings (lines starting W1121 ...) stay out of the logs.
+quiet() { grep --line-buffered -v '^[WI][0-9]\{4\} '; }
+case "$PART" in
+  tests)
+    if [ "${SKIP_TESTS:-0}" != 1 ]; then
+      python -m pytest -q -x -p no:cacheprovider tests/test_codegen.py tests/test_formats_kernels.py tests/test_formats.py \
+        ${PYTEST_ARGS:-} 2>&1 | tee "$DIR/pytest_cuda.log" | tail -15
+    fi
+    python -m benchmarks.codegen "$@" 2>&1 | tee "$DIR/codegen.log"
+    python -m insum demo 2>&1 | tee "$DIR/demo.log" | grep -v Warning
+    ;;
+  torch)
+    timeout 560 python -m benchmarks.torch_checks --out "$DIR/torch_mlp.json" "$@" 2>&1 | quiet | tee "$DIR/torch_checks.log"
+    ;;
+  packing)
+    timeout 560 python -m benchmarks.packing "$@" 2>&1 | quiet | tee "$DIR/packing.log"
+    ;;
+  *)
+    timeout 520 python -m benchmarks --studies "$PART" --data .data --out "benchmarks/results/$DEVICE" --copy-to "$DIR" \
+      --deadline 470 --no-report "$@" 2>&1 | quiet | tee -a "$LOG"
+    echo "runner exit status ${PIPESTATUS[0]}" | tee -a "$LOG"
+    python -m benchmarks.report --results "benchmarks/results/$DEVICE" --out "$DIR" --no-plots 2>&1 | tee -a "$LOG"
+    ;;
+esac

@@ -1,0 +1,330 @@
+"""Sparse 3-D convolution on voxelised indoor scenes: insum.nn.SparseConv3d against the torch
+gather-mm-index_add loop and spconv-triton (when importable), fp16, submanifold 3x3x3.
+
+    python -m benchmarks.study_conv [--sizes 120000,1000000] [--channels 32,64,128] [--out DIR]
+
+Scenes are rooms (floor, ceiling, walls), boxes (furniture), spheres and slanted planes,
+sampled densely on their surfaces and voxelised at unit size: surface-like sets whose
+voxels have about 9-14 neighbours of 27. Every form is checked against the float32 loop
+(relative error); TFLOP/s count 2 * in * out flops per real (input, output, offset) pair,
+three times that for forward+backward. The kernel-map time is insum's build (sort,
+searchsorted, tiling; plus the transposed tiling and pair groups for training) against
+spconv-triton's first call minus its cached call. Rows go to DIR/conv.json as they finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import median_ms, relative_error, shorten_autotune
+from insum import insum
+from insum.nn.conv import TILED, sparse_conv3d
+from insum.nn.kernel_map import build_kernel_map
+
+BUDGET_S = float(os.environ.get("CONV_BUDGET_S", "300"))
+
+
+# --------------------------------------------------------------------------- scenes
+
+
+def _parallelogram(origin, a, b, density, gen, device):
+    area = torch.linalg.cross(a, b).norm().item()
+    n = max(1, int(area * density))
+    uv = torch.rand(n, 2, generator=gen, device=device)
+    return origin + uv[:, :1] * a + uv[:, 1:] * b
+
+
+def _box_faces(lo, hi, density, gen, device, floor=True):
+    size = hi - lo
+    ex, ey, ez = (torch.diag(size)[i] for i in range(3))
+    faces = [(lo, ex, ey), (lo + ez, ex, ey), (lo, ex, ez), (lo + ey, ex, ez), (lo, ey, ez), (lo + ex, ey, ez)]
+    if not floor:
+        faces = faces[1:]
+    return [_parallelogram(o, a, b, density, gen, device) for o, a, b in faces]
+
+
+def room_scene(target: int, seed: int, device) -> torch.Tensor:
+    """int32 [N, 4] voxel coordinates (batch 0) of a furnished room of about `target` voxels."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    side = math.sqrt(target / 3.4)
+    height = side / 3
+    density = 4.0
+    lo = torch.zeros(3, device=device)
+    hi = torch.tensor([side, side, height], device=device)
+    parts = _box_faces(lo, hi, density, gen, device)
+    for _ in range(12):  # furniture
+        size = torch.rand(3, generator=gen, device=device) * torch.tensor([side / 6, side / 6, height / 2], device=device) + 2
+        corner = torch.rand(3, generator=gen, device=device) * (hi - size)
+        corner[2] = 0
+        parts += _box_faces(corner, corner + size, density, gen, device, floor=False)
+    for _ in range(6):  # spheres
+        radius = float(torch.rand(1, generator=gen, device=device)) * height / 4 + 2
+        centre = torch.rand(3, generator=gen, device=device) * (hi - 2 * radius) + radius
+        n = int(4 * math.pi * radius**2 * density)
+        d = torch.randn(n, 3, generator=gen, device=device)
+        parts.append(centre + radius * d / d.norm(dim=1, keepdim=True))
+    for _ in range(4):  # slanted planes (ramps, open doors)
+        origin = torch.rand(3, generator=gen, device=device) * hi * 0.5
+        a = torch.randn(3, generator=gen, device=device) * side / 6
+        b = torch.randn(3, generator=gen, device=device) * side / 6
+        pts = _parallelogram(origin, a, b, density, gen, device)
+        parts.append(pts[((pts >= 0) & (pts < hi)).all(1)])
+    vox = torch.cat(parts).floor().long().clamp_min(0)
+    vox = torch.unique(vox, dim=0)
+    return torch.cat([torch.zeros_like(vox[:, :1]), vox], 1).int()
+
+
+# --------------------------------------------------------------------------- anchors
+
+
+def torch_loop(feats, weight, pairs_in, pairs_out):
+    """The gather-mm-index_add loop over the 27 offsets."""
+    out = feats.new_zeros(feats.shape[0], weight.shape[-1])
+    for w, (i, o) in enumerate(zip(pairs_in, pairs_out)):
+        if i.numel():
+            out = out.index_add(0, o, feats[i] @ weight[w])
+    return out
+
+
+def _pairs_per_offset(km):
+    nbr = km.nbr.long()
+    ins, outs = [], []
+    for w in range(nbr.shape[1]):
+        o = (nbr[:, w] >= 0).nonzero().flatten()
+        ins.append(nbr[o, w])
+        outs.append(o)
+    return ins, outs
+
+
+def _spconv():
+    try:
+        import spconv_triton.pytorch as spconv
+    except Exception as e:  # noqa: BLE001 - report why the anchor is missing
+        return None, f"{type(e).__name__}: {e}"
+    return spconv, None
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def gpu_checks(device, size: int = 6000) -> list[dict]:
+    """The generated kernels against the torch lowering (float64) on a small scene: every
+    mode and form, fp32/fp16/bf16, forward and both gradients."""
+    from insum.nn import SparseConv3d
+
+    coords = room_scene(size, seed=7, device=device)[:, 1:] + 4
+    rows = []
+    cases = (("subm", 3, 1, "tiles"), ("subm", 3, 1, "pairs"), ("subm", 5, 1, "tiles"),
+             ("strided", 2, 2, "tiles"), ("strided", 3, 2, "pairs"), ("transposed", 2, 2, "tiles"))
+    tuning = os.environ.get("INSUM_AUTOTUNE")
+    os.environ["INSUM_AUTOTUNE"] = "0"  # correctness only: one configuration per kernel
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for mode, k, s, form in cases if dtype == torch.float32 else cases[:2] + cases[-1:]:
+            down = SparseConv3d(8, 8, 2, stride=2, subm=False).to(device)
+            coarse = down(torch.randn(coords.shape[0], 8, device=device), coords)[1]
+            kw = dict(subm=mode == "subm", transposed=mode == "transposed", stride=s, form=form)
+            conv = SparseConv3d(24, 40, k, bias=True, **kw).to(device)
+            src, dst = (coarse, coords) if mode == "transposed" else (coords, None)
+            x = torch.randn(src.shape[0], 24, device=device).to(dtype).float()
+            results = {}
+            for backend, dt in (("triton", dtype), ("torch", torch.float64)):
+                conv.backend = backend
+                c = conv.to(dt)
+                xg = x.to(dt).clone().requires_grad_()
+                y, _ = c(xg, src, dst)
+                g = torch.ones_like(y) + torch.arange(y.shape[1], device=device, dtype=dt) / y.shape[1]
+                y.backward(g)
+                results[backend] = (y.double(), xg.grad.double(), c.weight.grad.double())
+                c.weight.grad = None
+            errs = [relative_error(a, b) for a, b in zip(results["triton"], results["torch"])]
+            rows.append({"check": f"{mode} k{k} s{s} {form} {str(dtype)[6:]}", "y": errs[0], "dx": errs[1], "dw": errs[2]})
+            print(json.dumps(rows[-1]), flush=True)
+    if tuning is None:
+        del os.environ["INSUM_AUTOTUNE"]
+    else:
+        os.environ["INSUM_AUTOTUNE"] = tuning
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="120000,1000000")
+    parser.add_argument("--channels", default="32,64,128")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    undo = shorten_autotune()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spconv, why = _spconv()
+    rows = []
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, spconv-triton: {why or 'ok'}", flush=True)
+
+    def add(row):
+        rows.append(row)
+        (out_dir / "conv.json").write_text(json.dumps(rows, indent=1))
+        print(json.dumps(row), flush=True)
+
+    scenes = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        coords = room_scene(size, seed=size, device=device)
+        km = build_kernel_map(coords)
+        scenes.append((coords, km, _pairs_per_offset(km), _map_times(coords)))
+    # Widest channels first: the point the issue found worst.
+    for c in sorted((int(s) for s in args.channels.split(",")), reverse=True):
+        for coords, km, (ins, outs), maps in scenes:
+            if time.perf_counter() - started > BUDGET_S:
+                print(f"budget spent: skipping N={coords.shape[0]} C={c}", flush=True)
+                continue
+            try:
+                add({**maps, **_case(km, coords, ins, outs, c, spconv)})
+            except Exception:  # noqa: BLE001 - one failed case must not lose the others
+                traceback.print_exc()
+    _table(rows)
+    if time.perf_counter() - started < BUDGET_S + 30:
+        checks = gpu_checks(device)
+        (out_dir / "conv_checks.json").write_text(json.dumps(checks, indent=1))
+    undo()
+    return 0
+
+
+def _map_times(coords) -> dict:
+    """insum's kernel map: for inference (map + tiles) and for training (+ transpose, pairs)."""
+    def build_train():
+        km = build_kernel_map(coords)
+        km.tiles(128), km.transpose().tiles(128), km.pair_groups()
+
+    return {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles(128)), "map_train_ms": median_ms(build_train)}
+
+
+def _case(km, coords, ins, outs, c, spconv) -> dict:
+    """One scene and channel count: every form, the loop and spconv-triton."""
+    device, n, pairs = coords.device, coords.shape[0], km.pairs
+    gen = torch.Generator(device=device).manual_seed(c)
+    x32 = torch.randn(n, c, device=device, generator=gen)
+    w32 = torch.randn(3, 3, 3, c, c, device=device, generator=gen) / math.sqrt(27 * c)
+    x, w = x32.half(), w32.half()
+    ref = torch_loop(x32, w32.reshape(27, c, c), ins, outs)
+    flops = 2 * pairs * c * c
+    row = {"voxels": n, "pairs": pairs, "pairs_per_voxel": pairs / n, "channels": c}
+    for form, tile in (("tiles", 128), ("tiles", 64), ("pairs", 128)):
+        got = sparse_conv3d(x, w, km, form=form, tile=tile)
+        name = f"{form}{tile}"
+        row[f"{name}_err"] = relative_error(got.float(), ref)
+        row[f"{name}_fwd_ms"] = median_ms(lambda form=form, tile=tile: sparse_conv3d(x, w, km, form=form, tile=tile))
+        if form == "tiles":
+            t = km.tiles(tile)
+            row[f"{name}_padding"] = t.padded_pairs / max(1, t.real_pairs)
+            row[f"{name}_buckets"] = [b[2].shape[2] for b in t.buckets]
+    # The tiled statement alone (no zero-row copy, no reordering gather): kernel efficiency.
+    tiled, w3 = km.tiles(128), w.reshape(27, c, c)
+    x0 = torch.cat([x, x.new_zeros(1, c)])
+    y = x.new_empty(tiled.n_tiles, tiled.tile, c)
+
+    def kernels_only():
+        for start, end, nb, tw in tiled.buckets:
+            insum(TILED, O=y[start:end], X=x0, NB=nb, TW=tw, W=w3, check_indices=False)
+
+    row["tiles128_kernels_ms"] = median_ms(kernels_only)
+    row["tiles128_kernels_padded_tflops"] = 2 * tiled.padded_pairs * c * c / row["tiles128_kernels_ms"] * 1e-9
+    row["loop_fwd_ms"] = median_ms(lambda: torch_loop(x, w.reshape(27, c, c), ins, outs))
+    best = min(("tiles128", "tiles64", "pairs128"), key=lambda f: row[f"{f}_fwd_ms"])
+    row["best_fwd"] = best
+    row["best_fwd_tflops"] = flops / row[f"{best}_fwd_ms"] * 1e-9
+
+    # forward + backward (tiled forward and input gradient, grouped-pairs weight gradient)
+    xg = x.clone().requires_grad_()
+    wg = w.clone().requires_grad_()
+    g = torch.randn(n, c, device=device, dtype=torch.float16, generator=gen)
+    for tile in (128, 64):
+        def step(tile=tile):
+            xg.grad = wg.grad = None
+            sparse_conv3d(xg, wg, km, tile=tile).backward(g)
+
+        step()
+        if tile == 128:
+            x32g, w32g = x32.clone().requires_grad_(), w32.clone().requires_grad_()
+            torch_loop(x32g, w32g.reshape(27, c, c), ins, outs).backward(g.float())
+            row["grad_x_err"] = relative_error(xg.grad.float(), x32g.grad)
+            row["grad_w_err"] = relative_error(wg.grad.float(), w32g.grad)
+        row[f"tiles{tile}_fwdbwd_ms"] = median_ms(step)
+
+    def loop_step():
+        xg.grad = wg.grad = None
+        torch_loop(xg, wg.reshape(27, c, c), ins, outs).backward(g)
+
+    row["loop_fwdbwd_ms"] = median_ms(loop_step)
+    row["best_fwdbwd_ms"] = min(row["tiles128_fwdbwd_ms"], row["tiles64_fwdbwd_ms"])
+    row["best_fwdbwd_tflops"] = 3 * flops / row["best_fwdbwd_ms"] * 1e-9
+    if spconv is not None:
+        try:
+            _spconv_row(spconv, row, coords, x, w, g, ref, n, c, flops)
+        except Exception as e:  # noqa: BLE001 - keep insum's numbers when the anchor fails
+            row["spconv_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def _spconv_row(spconv, row, coords, x, w, g, ref, n, c, flops):
+    shape = (coords[:, 1:].max(0).values + 1).tolist()
+    conv = spconv.SubMConv3d(c, c, 3, bias=False, indice_key="subm0").cuda().half()
+    # spconv 2.x keeps [out, k, k, k, in]; ours is [k, k, k, in, out].
+    with torch.no_grad():
+        if tuple(conv.weight.shape) == (c, 3, 3, 3, c):
+            conv.weight.copy_(w.permute(4, 0, 1, 2, 3))
+        else:
+            row["spconv_weight_shape"] = list(conv.weight.shape)
+    st = spconv.SparseConvTensor(x, coords, shape, 1)
+    got = conv(st).features
+    row["spconv_err"] = relative_error(got.float(), ref)
+    if row["spconv_err"] > 0.05:  # the other kernel orientation?
+        with torch.no_grad():
+            conv.weight.copy_(w.flip(0, 1, 2).permute(4, 0, 1, 2, 3))
+        row["spconv_err_flipped"] = relative_error(conv(st).features.float(), ref)
+    row["spconv_fwd_ms"] = median_ms(lambda: conv(st))
+    row["spconv_map_ms"] = median_ms(lambda: conv(spconv.SparseConvTensor(x, coords, shape, 1))) - row["spconv_fwd_ms"]
+    xg = x.clone().requires_grad_()
+    stg = spconv.SparseConvTensor(xg, coords, shape, 1)
+    stg.indice_dict = st.indice_dict
+
+    def step():
+        xg.grad = None
+        conv.weight.grad = None
+        conv(stg).features.backward(g)
+
+    step()
+    row["spconv_fwdbwd_ms"] = median_ms(step)
+    row["speedup_fwd"] = row["spconv_fwd_ms"] / row[f"{row['best_fwd']}_fwd_ms"]
+    row["speedup_fwdbwd"] = row["spconv_fwdbwd_ms"] / row["best_fwdbwd_ms"]
+    row["spconv_fwd_tflops"] = flops / row["spconv_fwd_ms"] * 1e-9
+
+
+def _table(rows):
+    head = (f"{'voxels':>8} {'p/v':>5} {'C':>4} | {'tiles128':>8} {'tiles64':>8} {'pairs':>8} {'loop':>8} {'spconv':>8}"
+            f" | {'x spc':>6} {'TF/s':>6} | {'fb ins':>8} {'fb loop':>8} {'fb spc':>8} {'x spc':>6} | {'map':>6} {'map spc':>7}"
+            f" | {'err':>7} {'pad':>5}")
+    print("\nforward / forward+backward, ms (do_bench median), fp16 submanifold 3x3x3")
+    print(head)
+    for r in rows:
+        def f(key, fmt="8.3f", r=r):
+            v = r.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else format("-", ">" + fmt.split(".")[0])
+
+        print(f"{r['voxels']:>8} {r['pairs_per_voxel']:5.1f} {r['channels']:>4} | {f('tiles128_fwd_ms')} {f('tiles64_fwd_ms')}"
+              f" {f('pairs128_fwd_ms')} {f('loop_fwd_ms')} {f('spconv_fwd_ms')} | {f('speedup_fwd', '6.2f')}"
+              f" {f('best_fwd_tflops', '6.1f')} | {f('best_fwdbwd_ms')} {f('loop_fwdbwd_ms')} {f('spconv_fwdbwd_ms')}"
+              f" {f('speedup_fwdbwd', '6.2f')} | {f('map_fwd_ms', '6.2f')} {f('spconv_map_ms', '7.2f')}"
+              f" | {f('tiles128_err', '7.1e')} {f('tiles128_padding', '5.2f')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

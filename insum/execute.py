@@ -1,0 +1,132 @@
+"""Run a bound statement: the one executor below `insum()` and the torch.library operators.
+
+Both entry points hand down a statement that is already parsed and bound (`insum.api` for
+eager calls, the operators of `insum.library` for autograd and torch.compile); this module
+decides the backend, falls back to the torch lowering with one warning when the generated
+kernel cannot run, checks indices, and launches:
+
+    parse(text) -> bind(stmt, tensors) -> run(bound, out, backend=..., ...) -> out
+
+Options are validated here once for every entry point (`check_options`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Literal
+
+import torch
+
+from .bind import Bound
+from .bounds import check_indices as _check_indices
+from .cache import BoundedCache
+from .errors import InsumError, InsumTypeError, UnsupportedStatement
+from .ir import Statement
+from .reference import run_reference
+
+__all__ = ["run", "check_options", "check_names", "sorted_facts", "Backend", "Precision", "BACKENDS", "PRECISIONS", "OPTIONS"]
+
+#: "torch": the reference lowering; "triton": the generated kernel; "auto": the generated
+#: kernel on CUDA tensors (falling back to the lowering with a warning), the lowering elsewhere.
+Backend = Literal["auto", "torch", "triton"]
+#: Float32 `tl.dot`: "tf32" tensor cores, or "ieee" full precision.
+Precision = Literal["tf32", "ieee"]
+BACKENDS: tuple[Backend, ...] = ("auto", "torch", "triton")
+PRECISIONS: tuple[Precision, ...] = ("tf32", "ieee")
+OPTIONS = ("backend", "precision", "autotune", "check_indices", "sorted_indices")  # keywords that are not tensors
+
+_WARNED_FALLBACK: BoundedCache[str, None] = BoundedCache()  # statements that already warned
+
+
+def check_options(**options) -> None:
+    """Reject an unknown option value, or a tensor passed under an option's name."""
+    for name, value in options.items():
+        if isinstance(value, torch.Tensor):
+            raise InsumError(
+                f"a tensor was passed as {name}=: '{name}' is an option of insum(), so no tensor "
+                "may be named so; rename it in the statement"
+            )
+    backend, precision = options.get("backend", "auto"), options.get("precision", "tf32")
+    if backend not in BACKENDS:
+        raise InsumError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if precision not in PRECISIONS:
+        raise InsumError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    for name in ("autotune", "check_indices"):
+        if options.get(name) not in (None, True, False):
+            raise InsumError(f"{name} must be True, False or None, not {options[name]!r}")
+
+
+def check_names(stmt: Statement) -> None:
+    """Reject a statement that names a tensor like an option (it could not be passed)."""
+    taken = _option_names_in(stmt)
+    if taken:
+        raise InsumError(
+            f"tensor name {taken[0]!r} in '{stmt}' is an option of insum() ({', '.join(OPTIONS)}); "
+            "rename the tensor"
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _option_names_in(stmt: Statement) -> tuple[str, ...]:
+    """Tensor names of the statement that are insum() options (per statement: a cached call
+    walks it once, not on every launch)."""
+    return tuple(sorted({access.name for access, _ in stmt.walk()} & set(OPTIONS)))
+
+
+def sorted_facts(bound: Bound, names) -> frozenset[str]:
+    """The declared sorted index tensors, each checked to be one the statement indexes with."""
+    facts = frozenset(names) if not isinstance(names, str) else frozenset((names,))
+    for name in facts:
+        if name not in bound.index_names:
+            raise InsumError(
+                f"sorted_indices names {name!r}, which is not an index tensor of '{bound.stmt}' "
+                f"(index tensors: {', '.join(bound.index_names) or 'none'})"
+            )
+    return facts
+
+
+def _checking(check_indices: bool | None) -> bool:
+    if check_indices is not None:
+        return check_indices
+    return os.environ.get("INSUM_CHECK_INDICES", "0") not in ("", "0")
+
+
+def run(
+    bound: Bound,
+    out: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+    precision: Precision = "tf32",
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
+) -> torch.Tensor:
+    """Run a bound statement into `out` and return `out` (no dispatcher, no autograd).
+
+    With backend "triton" a statement the generated kernel cannot run raises
+    `UnsupportedStatement`; with "auto" it falls back to the torch lowering, warning once
+    per statement. autotune, check_indices and sorted_indices (checked): as for `insum()`.
+    """
+    if bound.device.type == "meta":
+        raise InsumTypeError(
+            "the tensors are on the meta device and hold no values; insum runs on them only "
+            "while torch.compile traces (the operators' fake implementations)"
+        )
+    if backend == "torch" or (backend == "auto" and bound.device.type != "cuda"):
+        return run_reference(bound, out)
+    from .runtime import kernel_for  # the runtime loads the code generator: on first use
+
+    try:
+        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
+    except UnsupportedStatement as e:
+        if backend == "triton":
+            raise
+        key = str(bound.stmt)
+        if key not in _WARNED_FALLBACK:
+            _WARNED_FALLBACK[key] = None
+            warnings.warn(f"insum: falling back to the torch lowering: {e}", stacklevel=3)
+        return run_reference(bound, out)
+    _check_indices(bound, out, device_check=_checking(check_indices))
+    return kernel.launch(bound, out, autotune=autotune)

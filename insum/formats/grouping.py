@@ -1,0 +1,129 @@
+"""Grouping entries into fixed-size groups: the paper's group-size rule, the group counts
+packers read in their one sync, the half-precision accumulation rule that a group count
+(fan-in) decides, and slot grouping by row (packing) or by column (the transposed pattern
+that SparseLinear's input gradient runs on).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "HALF_FAN_IN",
+    "GroupCounts",
+    "accumulation_dtype",
+    "default_group_size",
+    "grouped_slots",
+    "next_pow2",
+    "pack_row_groups",
+    "round_pow2",
+]
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (1 for x <= 1)."""
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def round_pow2(x: float) -> int:
+    """The power of two nearest to x in log scale (at least 1)."""
+    return 1 if x <= 1 else 1 << round(math.log2(x))
+
+
+def _group_size_rule(nnz: int, nonempty: int, longest_pow2: int) -> int:
+    if nonempty == 0:
+        return 1
+    return min(round_pow2(math.sqrt(nnz / nonempty)), longest_pow2)
+
+
+def default_group_size(counts: torch.Tensor) -> int:
+    """The InSum paper's group size: minimise gathers plus scatters (paper §4.2).
+
+    With group size g, row i issues ceil(n_i/g) scatters and g gathers per group; bounding
+    ceil(x) by x + 1 gives nnz + nnz/g + R g + R over the R non-empty rows, minimised at
+    g = sqrt(nnz / R). Rounded to the nearest power of two (Triton's tiles are powers of
+    two) and capped at the longest row, beyond which a larger g only adds padding.
+    """
+    nnz, nonempty, longest = torch.stack(
+        [counts.sum(), (counts > 0).sum(), counts.max() if counts.numel() else counts.sum()]
+    ).tolist()
+    return _group_size_rule(nnz, nonempty, next_pow2(longest))
+
+
+class GroupCounts:
+    """Groups per row for every power-of-two group size the paper's rule can pick.
+
+    Computed on the device before the packer's one sync (`values`), so that the rule and
+    the padded size G, which the host must know to allocate, cost no sync of their own.
+    """
+
+    def __init__(self, counts: torch.Tensor, width: int):
+        # Exponents 0 .. bit_length(width): the last exceeds any row (at most `width`
+        # entries), so it counts the non-empty rows, and the rule's g <= next_pow2(width).
+        shifts = torch.arange(max(width, 1).bit_length() + 1, device=counts.device)
+        # ceil(c / 2^e) = -((-c) >> e): kept negated, the host flips the sums.
+        self.neg_groups = (-counts).unsqueeze(0) >> shifts.unsqueeze(1)
+        self.exponents = len(shifts)
+        # Group counts per exponent, then the most groups any row has (its fan-in).
+        padded = F.pad(self.neg_groups, (0, 1))  # a zero column: rows may be absent
+        self.values = torch.cat([self.neg_groups.sum(1), padded.min(1).values])
+
+    def choose(self, host: list[int]) -> tuple[int, int]:
+        """(g, G) by the paper's rule from `values` read back."""
+        groups = [-v for v in host[: self.exponents]]
+        nnz, nonempty = groups[0], groups[-1]  # g = 1: one group per entry
+        longest = next(e for e, n in enumerate(groups) if n == nonempty)
+        g = _group_size_rule(nnz, nonempty, 1 << longest)
+        return g, groups[g.bit_length() - 1]
+
+    def per_row(self, g: int) -> torch.Tensor:
+        """Groups in each row for a power-of-two g."""
+        return self.neg_groups[g.bit_length() - 1].neg()
+
+    def fan_in(self, host: list[int], g: int) -> int:
+        """The most groups one row has for a power-of-two g (from `values` read back)."""
+        return -host[self.exponents + g.bit_length() - 1]
+
+
+#: A scattering SpMM adds each group's partial sum into its output row. Up to this many per
+#: row, half-precision outputs take them in their own precision (native atomics); more
+#: are accumulated in float32 and rounded once.
+HALF_FAN_IN = 8
+
+
+def accumulation_dtype(dtype: torch.dtype, fan_in: int | None) -> torch.dtype:
+    """The output dtype a scattering SpMM accumulates in (fan_in None: unknown, so float32)."""
+    if dtype in (torch.float16, torch.bfloat16) and (fan_in is None or fan_in > HALF_FAN_IN):
+        return torch.float32
+    return dtype
+
+
+def grouped_slots(
+    idx: torch.Tensor, end: torch.Tensor, pad: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx [G, g], valid [G, g]) for groups of consecutive entries idx[j, 0] ... < end[j].
+
+    A padded slot's idx becomes its group's `pad` (default: its first entry), so that the
+    column gathered there re-reads a row of B that the group reads anyway.
+    """
+    valid = idx < end.unsqueeze(1)
+    return torch.where(valid, idx, idx[:, :1] if pad is None else pad.unsqueeze(1)), valid
+
+
+def pack_row_groups(
+    crow: torch.Tensor, per_row: torch.Tensor, g: int, G: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut each row's entries into per_row[r] groups of g slots, by gathers, no sync.
+
+    Returns (group_row [G], idx [G, g], valid [G, g], base [M]); group j (global) of row r
+    holds entries base[r] + j*g onwards. Groups are ordered by row and never empty.
+    """
+    cum = torch.cumsum(per_row, 0)
+    base = torch.sub(crow[:-1], cum - per_row, alpha=g)
+    group_row = torch.repeat_interleave(per_row, output_size=G)
+    slots = torch.arange(G * g, device=crow.device).view(G, g)  # j*g + q
+    idx, valid = grouped_slots(slots + base[group_row].unsqueeze(1), crow[1:][group_row])
+    return group_row, idx, valid, base

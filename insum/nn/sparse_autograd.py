@@ -1,0 +1,151 @@
+"""The one autograd path of SparseLinear and `sparse_linear`: y = x W^T for a weight W held
+in a sparse format, with gradients for x and the format's value tensors.
+
+Every SparseLinear and `sparse_linear` runs through `_SparseLinearFunction`: the forward is
+the format's SpMM; each value tensor's gradient is its derived statement (insum.autograd)
+on the format's views of x and dy; x's gradient runs on the transposed pattern when the
+layer keeps one (`SparseFormat.transposed_pattern`: an SpMM shaped like the forward, which
+the H200 measured faster than the derived scatter of every stored slot), else as the
+derived scatter statement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..api import insum
+from ..autograd import derive
+from ..formats.base import FORMATS, SparseFormat
+
+__all__ = ["Gradients", "apply_sparse_linear", "format_meta", "gradient_statements", "rebuild_format"]
+
+
+#: Per statement of a format: (dC's name, dB's name, tensor -> its gradient statements and
+#: the tensors they read).
+Gradients = tuple[tuple[str, str, dict[str, tuple[tuple[str, tuple[str, ...]], ...]]], ...]
+
+
+_DERIVED: dict[str, tuple] = {}
+
+
+def _derived(expression: str) -> tuple:
+    """One statement's entry of `Gradients`, cached in a plain dict: under torch.compile a
+    hit is a constant, so the parser is never traced."""
+    if expression not in _DERIVED:
+        derivation = derive(expression)
+        statements = {
+            name: tuple((str(stmt), derivation.inputs[stmt]) for stmt in stmts)
+            for name, stmts in derivation.gradients.items()
+        }
+        _DERIVED[expression] = (derivation.output_grad, derivation.grad_names["B"], statements)
+    return _DERIVED[expression]
+
+
+def gradient_statements(fmt: SparseFormat) -> Gradients:
+    """The derived gradient statements of each of `fmt.statements()`, worked out before
+    tracing (torch.compile does not trace the parser)."""
+    return tuple(_derived(expression) for expression, _ in fmt.statements())
+
+
+for _format_cls in FORMATS.values():  # every format's statements, before any tracing
+    for _expression in _format_cls.statement_forms():
+        _derived(_expression)
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _SparseLinearFunction(torch.autograd.Function):
+    """y = x W^T through the format's statements, with the gradients described above."""
+
+    @staticmethod
+    def forward(ctx, info, x2, *tensors):
+        fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision = info
+        fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
+        ctx.info = info
+        ctx.save_for_backward(x2, *tensors)
+        return fmt.spmm(x2.t(), backend=backend, precision=precision).t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision = ctx.info
+        x2, *tensors = ctx.saved_tensors
+        fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
+        pattern = dict(zip(pattern_names, tensors[len(names) :]))
+        needs = ctx.needs_input_grad
+        dtype = torch.promote_types(fmt.dtype, dy.dtype)
+        B, dC = fmt.operand(x2.t().to(dtype)), fmt.output_view(dy.t().to(dtype))
+        dx = None
+        if needs[1]:
+            if pattern:
+                dB = fmt.input_gradient(pattern, dC, backend, precision)
+            else:
+                dB = _derived_input_gradient(fmt, gradients, B, dC, backend, precision)
+            dx = fmt.from_operand(dB).t().to(x2.dtype)
+        wanted = {name for i, name in enumerate(names) if needs[2 + i]}
+        grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision)
+        return (None, dx, *(grads.get(name) for name in names), *([None] * len(pattern_names)))
+
+
+def _derived_input_gradient(fmt: SparseFormat, gradients: Gradients, B, dC, backend: str, precision: str) -> torch.Tensor:
+    """B's gradient by the derived scatter statements (half precision into float32)."""
+    dB = torch.zeros(B.shape, dtype=_accumulator(B.dtype), device=B.device)
+    for (_, tensors), (output_grad, grad_name, statements) in zip(fmt.statements(), gradients):
+        env = {**tensors, "B": B, output_grad: dC}
+        for stmt, reads in statements["B"]:
+            insum(stmt, backend=backend, precision=precision, **{grad_name: dB}, **{n: env[n] for n in reads})
+    return dB
+
+
+def _value_gradients(
+    fmt: SparseFormat, gradients: Gradients, wanted: set[str], B, dC, backend: str, precision: str
+) -> dict[str, torch.Tensor]:
+    """The gradient of every value tensor in `wanted`, by its derived statements."""
+    owner = {id(t): name for name, t in fmt.tensors.items()}
+    grads: dict[str, torch.Tensor] = {}
+    for (_, tensors), (output_grad, _, statements) in zip(fmt.statements(), gradients):
+        env = {**tensors, "B": B, output_grad: dC}
+        for local, stmts in statements.items():
+            name = owner.get(id(tensors.get(local)))
+            if name not in wanted:
+                continue
+            for stmt, reads in stmts:
+                grad = insum(stmt, backend=backend, precision=precision, **{n: env[n] for n in reads})
+                grad = grad.to(tensors[local].dtype)
+                grads[name] = grad if name not in grads else grads[name] + grad
+    return grads
+
+
+def format_meta(fmt: SparseFormat) -> dict[str, Any]:
+    """What rebuilds a format object around new tensors (see `rebuild_format`)."""
+    return {"nnz": fmt.nnz, "index_dtype": fmt.index_dtype, "params": dict(fmt.params), "expression": fmt.expression}
+
+
+def rebuild_format(fmt_cls, shape, meta, tensors) -> SparseFormat:
+    """A format object over `tensors` (dtype and device from its values)."""
+    values = [t for n, t in tensors.items() if fmt_cls._is_value(fmt_cls, n)]
+    anchor = values[0] if values else next(iter(tensors.values()))
+    fmt = fmt_cls(
+        shape,
+        tensors,
+        nnz=meta["nnz"],
+        dtype=anchor.dtype,
+        index_dtype=meta["index_dtype"],
+        device=anchor.device,
+        params=meta["params"],
+    )
+    if meta["expression"] != fmt_cls.expression:  # a variant's statement (Block-ELL rows)
+        fmt.expression = meta["expression"]
+    return fmt
+
+
+def apply_sparse_linear(x2, fmt, meta, pattern, gradients: Gradients, backend: str, precision: str) -> torch.Tensor:
+    """x2 (batch, in) @ W^T through the one autograd path."""
+    tensors = fmt.tensors
+    info = (type(fmt), fmt.shape, meta, tuple(tensors), tuple(pattern), gradients, backend, precision)
+    return _SparseLinearFunction.apply(info, x2, *tensors.values(), *pattern.values())
+
+

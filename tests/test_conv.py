@@ -1,0 +1,319 @@
+"""SparseConv3d and its kernel map against dense references.
+
+- The kernel map against a Python dictionary lookup, for every mode.
+- The convolution (torch lowering, float64) against `torch.nn.functional.conv3d` /
+  `conv_transpose3d` on a dense voxel grid, read at the active sites.
+- The generated kernels (Triton interpreter) against the torch lowering, forward and both
+  gradients; gradients by gradcheck in float64.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from insum.errors import InsumError, InsumShapeError, InsumTypeError
+from insum.nn import KernelMapCache, SparseConv3d, build_kernel_map, sparse_conv3d
+from insum.nn.kernel_map import output_coords, pair_groups, tile_map
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+def random_sites(n: int, extent: int, batches: int = 1, seed: int = 0, dtype=torch.int64) -> torch.Tensor:
+    """Unique [M, 4] sites (batch first) in [0, extent)^3, in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    pts = torch.cat([torch.randint(0, batches, (n, 1), generator=gen), torch.randint(0, extent, (n, 3), generator=gen)], 1)
+    pts = torch.unique(pts, dim=0)
+    return pts[torch.randperm(pts.shape[0], generator=gen)].to(dtype)
+
+
+def naive_map(coords, out_coords, k, s, d, mode):
+    """nbr[v][w] by a dictionary lookup, one (output, offset) at a time."""
+    where = {tuple(c): i for i, c in enumerate(coords.tolist())}
+    r = (k - 1) // 2
+    rows = []
+    for b, *o in out_coords.tolist():
+        row = []
+        for tap in itertools.product(range(k), repeat=3):
+            t = [d * (i - r) for i in tap]
+            if mode == "subm":
+                pos = [o[a] + t[a] for a in range(3)]
+            elif mode == "strided":
+                pos = [o[a] * s + t[a] for a in range(3)]
+            else:
+                if any((o[a] - t[a]) % s for a in range(3)):
+                    row.append(-1)
+                    continue
+                pos = [(o[a] - t[a]) // s for a in range(3)]
+            row.append(where.get((b, *pos), -1))
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, k**3)
+
+
+def dense_reference(x, coords, weight, out_coords, stride, dilation, transposed=False):
+    """The convolution on a dense grid (float64), read at `out_coords` ([M, 4])."""
+    k = weight.shape[0]
+    r = (k - 1) // 2
+    margin = stride * (dilation * k + 1)
+    batches = int(max(coords[:, 0].max(), out_coords[:, 0].max())) + 1
+    size = int(max(coords[:, 1:].max(), out_coords[:, 1:].max())) + 2 * margin + 2
+    grid = torch.zeros(batches, x.shape[1], size, size, size, dtype=x.dtype)
+    c = coords[:, 1:] + margin
+    grid[coords[:, 0], :, c[:, 0], c[:, 1], c[:, 2]] = x
+    if transposed:
+        y = F.conv_transpose3d(grid, weight.permute(3, 4, 0, 1, 2), stride=stride, padding=dilation * r, dilation=dilation)
+        o = out_coords[:, 1:] + margin * stride
+    else:
+        y = F.conv3d(grid, weight.permute(4, 3, 0, 1, 2), stride=stride, padding=dilation * r, dilation=dilation)
+        o = out_coords[:, 1:] + margin // stride
+    return y[out_coords[:, 0], :, o[:, 0], o[:, 1], o[:, 2]]
+
+
+# --------------------------------------------------------------------------- the kernel map
+
+
+@pytest.mark.parametrize("k,s,d,mode", [
+    (3, 1, 1, "subm"), (3, 1, 2, "subm"), (2, 1, 1, "subm"), (5, 1, 1, "subm"),
+    (2, 2, 1, "strided"), (3, 2, 1, "strided"), (3, 3, 2, "strided"),
+    (2, 2, 1, "transposed"), (3, 2, 1, "transposed"),
+])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_kernel_map_matches_dictionary_lookup(k, s, d, mode, dtype):
+    coords = random_sites(80, 7, batches=2, seed=k + s + d, dtype=dtype)
+    out = None
+    if mode == "transposed":
+        out = random_sites(60, 12, batches=2, seed=3, dtype=dtype)
+    km = build_kernel_map(coords, k, s, d, mode, out)
+    expected_out = coords if mode == "subm" else out if out is not None else output_coords(coords, k, s, d)
+    assert torch.equal(km.out_coords, expected_out.long())
+    assert torch.equal(km.nbr, naive_map(coords.long(), km.out_coords, k, s, d, mode))
+
+
+def test_three_column_coords_are_batch_zero():
+    coords = random_sites(50, 6)
+    km3 = build_kernel_map(coords[:, 1:] - 3, 3)  # negative coordinates too
+    km4 = build_kernel_map(torch.cat([coords[:, :1] * 0, coords[:, 1:] - 3], 1), 3)
+    assert torch.equal(km3.nbr, km4.nbr)
+
+
+@pytest.mark.parametrize("k,s,d", [(2, 2, 1), (3, 2, 1), (3, 2, 2), (3, 1, 1)])
+def test_output_sites_are_the_reachable_dense_sites(k, s, d):
+    coords = random_sites(40, 8, seed=k * s)
+    ones = torch.ones(coords.shape[0], 1, dtype=torch.float64)
+    w = torch.ones(k, k, k, 1, 1, dtype=torch.float64)
+    margin = s * (d * k + 1)
+    size = int(coords[:, 1:].max()) + 2 * margin + 2
+    grid = torch.zeros(1, 1, size, size, size, dtype=torch.float64)
+    c = coords[:, 1:] + margin
+    grid[0, 0, c[:, 0], c[:, 1], c[:, 2]] = 1
+    reach = F.conv3d(grid, w.permute(4, 3, 0, 1, 2), stride=s, padding=d * ((k - 1) // 2), dilation=d)[0, 0]
+    dense_sites = {tuple((v - margin // s).tolist()) for v in reach.nonzero()}
+    sites = output_coords(coords, k, s, d)
+    assert {tuple(v) for v in sites[:, 1:].tolist()} == dense_sites
+    assert dense_reference(ones, coords, w, sites, s, d).min() > 0
+
+
+def test_packings_hold_every_pair_once():
+    coords = random_sites(300, 9, seed=5)
+    km = build_kernel_map(coords, 3)
+    pairs = {(v, w, i) for v, w in (km.nbr >= 0).nonzero().tolist() for i in [int(km.nbr[v, w])]}
+    tiled = tile_map(km.nbr, km.n_in, tile=16, max_buckets=3)
+    assert len(tiled.buckets) <= 3 and tiled.padded_pairs >= tiled.real_pairs == len(pairs)
+    rows = torch.full((tiled.n_tiles * 16,), -1, dtype=torch.long)
+    rows[tiled.inverse] = torch.arange(km.n_out)
+    seen = set()
+    for start, _end, nb, tw in tiled.buckets:
+        for t, m, j in (nb < km.n_in).nonzero().tolist():
+            seen_pair = (int(rows[(start + t) * 16 + m]), int(tw[t, j]), int(nb[t, m, j]))
+            assert seen_pair not in seen
+            seen.add(seen_pair)
+    assert seen == pairs
+    groups = pair_groups(km.nbr, km.n_in, group=32)
+    real = groups.PI < km.n_in
+    got = {(o, int(groups.PW[p]), i) for p, q in real.nonzero().tolist() for o, i in [(int(groups.PO[p, q]), int(groups.PI[p, q]))]}
+    assert got == pairs and int(real.sum()) == len(pairs)
+
+
+def test_transpose_inverts_the_map():
+    coords = random_sites(100, 8, seed=2)
+    km = build_kernel_map(coords, 3, 2, 1, "strided")
+    kt = km.transpose()
+    assert kt.n_in == km.n_out and kt.n_out == km.n_in
+    for v, w in (km.nbr >= 0).nonzero().tolist():
+        assert int(kt.nbr[km.nbr[v, w], w]) == v
+    assert int((kt.nbr >= 0).sum()) == km.pairs
+
+
+def test_map_errors_name_the_tensor():
+    with pytest.raises(InsumTypeError, match="coords"):
+        build_kernel_map(torch.zeros(3, 3))
+    with pytest.raises(InsumShapeError, match="coords"):
+        build_kernel_map(torch.zeros(3, 5, dtype=torch.long))
+    with pytest.raises(InsumError, match="coordinates must lie"):
+        build_kernel_map(torch.tensor([[0, 0, 40000]]))
+    with pytest.raises(InsumError, match="out_coords"):
+        build_kernel_map(torch.zeros(1, 3, dtype=torch.long), 2, 2, 1, "transposed")
+    with pytest.raises(InsumError, match="mode"):
+        build_kernel_map(torch.zeros(1, 3, dtype=torch.long), mode="dense")
+
+
+# --------------------------------------------------------------------------- the convolution
+
+
+@pytest.mark.parametrize("form", ["tiles", "pairs"])
+@pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (2, 1), (5, 1), (1, 1)])
+def test_submanifold_matches_dense_conv3d(k, d, form):
+    coords = random_sites(70, 7, batches=2, seed=k + d)
+    x = torch.randn(coords.shape[0], 3, dtype=torch.float64)
+    w = torch.randn(k, k, k, 3, 4, dtype=torch.float64)
+    km = build_kernel_map(coords, k, 1, d)
+    got = sparse_conv3d(x, w, km, form=form, tile=16, backend="torch")
+    torch.testing.assert_close(got, dense_reference(x, coords, w, coords, 1, d))
+
+
+@pytest.mark.parametrize("form", ["tiles", "pairs"])
+@pytest.mark.parametrize("k,s,d", [(2, 2, 1), (3, 2, 1), (3, 2, 2), (3, 3, 1)])
+def test_strided_matches_dense_conv3d(k, s, d, form):
+    coords = random_sites(70, 9, batches=2, seed=k * s + d)
+    x = torch.randn(coords.shape[0], 3, dtype=torch.float64)
+    conv = SparseConv3d(3, 5, k, stride=s, dilation=d, subm=False, bias=True, form=form, tile=16, backend="torch").double()
+    y, sites = conv(x, coords.int())
+    assert sites.dtype == torch.int32 and sites.shape[1] == 4
+    want = dense_reference(x, coords, conv.weight.detach(), sites.long(), s, d) + conv.bias.detach()
+    torch.testing.assert_close(y, want)
+
+
+@pytest.mark.parametrize("k,s", [(2, 2), (3, 2)])
+def test_transposed_matches_conv_transpose3d(k, s):
+    fine = random_sites(80, 10, batches=2, seed=k)
+    down = SparseConv3d(3, 3, k, stride=s, subm=False, backend="torch").double()
+    _, coarse = down(torch.randn(fine.shape[0], 3, dtype=torch.float64), fine)
+    up = SparseConv3d(3, 4, k, stride=s, subm=False, transposed=True, tile=16, backend="torch").double()
+    x = torch.randn(coarse.shape[0], 3, dtype=torch.float64)
+    y, sites = up(x, coarse, fine)
+    assert sites is fine
+    torch.testing.assert_close(y, dense_reference(x, coarse, up.weight.detach(), fine, s, 1, transposed=True))
+
+
+def test_empty_input_and_one_point():
+    conv = SparseConv3d(3, 4, backend="torch").double()
+    y, _ = conv(torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, 3, dtype=torch.long))
+    assert y.shape == (0, 4)
+    one = torch.tensor([[2, 3, 4]])
+    x = torch.randn(1, 3, dtype=torch.float64)
+    y, _ = conv(x, one)
+    torch.testing.assert_close(y, x @ conv.weight.detach()[1, 1, 1])
+    down = SparseConv3d(3, 4, 2, stride=2, subm=False, backend="torch").double()
+    y, sites = down(torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, 4, dtype=torch.long))
+    assert y.shape == (0, 4) and sites.shape == (0, 4)
+
+
+def test_auto_form_picks_by_real_pairs(monkeypatch):
+    from insum.nn import conv as conv_module
+
+    km = build_kernel_map(random_sites(50, 5))
+    assert conv_module.choose_form(km) == "pairs" and conv_module.choose_form(km, "tiles") == "tiles"
+    monkeypatch.setattr(conv_module, "PAIRS_BELOW", km.pairs)
+    assert conv_module.choose_form(km) == "tiles"
+    with pytest.raises(InsumError, match="form"):
+        conv_module.choose_form(km, "dense")
+
+
+def test_layer_errors_name_the_tensor():
+    with pytest.raises(InsumError, match="stride"):
+        SparseConv3d(3, 4, stride=2)
+    with pytest.raises(InsumError, match="submanifold"):
+        SparseConv3d(3, 4, transposed=True)
+    with pytest.raises(InsumError, match="form"):
+        SparseConv3d(3, 4, form="dense")
+    conv = SparseConv3d(3, 4, backend="torch")
+    coords = random_sites(10, 4)
+    with pytest.raises(InsumShapeError, match="feats"):
+        conv(torch.randn(coords.shape[0], 5), coords)
+    with pytest.raises(InsumShapeError, match="weight"):
+        sparse_conv3d(torch.randn(coords.shape[0], 3), torch.randn(3, 3, 3, 4), build_kernel_map(coords))
+
+
+def test_layers_share_one_map_per_coordinate_tensor():
+    cache = KernelMapCache()
+    coords = random_sites(60, 6)
+    a = SparseConv3d(3, 4, cache=cache, backend="torch")
+    b = SparseConv3d(4, 4, cache=cache, backend="torch")
+    down = SparseConv3d(4, 4, 2, stride=2, subm=False, cache=cache, backend="torch")
+    y, _ = b(*a(torch.randn(coords.shape[0], 3), coords))
+    assert a.kernel_map(coords) is b.kernel_map(coords) and len(cache) == 1
+    _, s1 = down(y, coords)
+    _, s2 = down(y, coords)
+    assert s1 is s2 and len(cache) == 2
+    coords += 1  # a new version: the map is rebuilt
+    assert a.kernel_map(coords) is not b.kernel_map(coords.clone())
+    del coords, s1, s2
+    gc.collect()
+    assert len(cache) == 0  # entries die with their coordinate tensors
+
+
+@pytest.mark.parametrize("mode", ["subm", "strided", "transposed"])
+@pytest.mark.parametrize("form", ["tiles", "pairs"])
+def test_gradcheck(mode, form):
+    fine = random_sites(20, 4, seed=11)
+    kw = {"subm": mode == "subm", "transposed": mode == "transposed", "stride": 1 if mode == "subm" else 2}
+    coarse = output_coords(fine, 2, 2, 1)
+    src, dst = (coarse, fine) if mode == "transposed" else (fine, None)
+    k = 3 if mode == "subm" else 2
+    km = SparseConv3d(2, 3, k, **kw).kernel_map(src, dst)
+    x = torch.randn(src.shape[0], 2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(k, k, k, 2, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    conv = lambda x, w, b: sparse_conv3d(x, w, km, b, form=form, tile=16, backend="torch")  # noqa: E731
+    assert torch.autograd.gradcheck(conv, (x, w, b), fast_mode=True)
+
+
+def test_compiles_without_graph_breaks():
+    coords = random_sites(40, 5)
+    km = build_kernel_map(coords).prepare(tile=16)
+    x = torch.randn(coords.shape[0], 3, requires_grad=True)
+    w = torch.randn(3, 3, 3, 3, 4, requires_grad=True)
+    for form in ("tiles", "pairs"):
+        compiled = torch.compile(lambda x, w, form=form: sparse_conv3d(x, w, km, form=form, tile=16), backend="aot_eager", fullgraph=True)
+        y = compiled(x, w)
+        torch.testing.assert_close(y, sparse_conv3d(x, w, km, form=form, tile=16))
+        y.square().sum().backward()
+        gw = w.grad.clone()
+        w.grad = None
+        sparse_conv3d(x, w, km, form=form, tile=16).square().sum().backward()
+        torch.testing.assert_close(gw, w.grad)
+        w.grad = x.grad = None
+
+
+# --------------------------------------------------------------------------- generated kernels
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode,form", [("subm", "tiles"), ("subm", "pairs"), ("strided", "tiles"), ("transposed", "tiles")])
+def test_generated_kernels_match_the_lowering(mode, form, dtype):
+    fine = random_sites(40, 5, batches=2, seed=4)
+    coarse = output_coords(fine, 2, 2, 1)
+    src, dst = (coarse, fine) if mode == "transposed" else (fine, None)
+    k = 3 if mode == "subm" else 2
+    conv = SparseConv3d(16, 24, k, stride=1 if mode == "subm" else 2, subm=mode == "subm",
+                        transposed=mode == "transposed", form=form, tile=16, precision="ieee")
+    km = conv.kernel_map(src, dst)
+    x = torch.randn(src.shape[0], 16).to(dtype)
+    w = conv.weight.detach().to(dtype)
+    g = torch.randn(km.n_out, 24).to(dtype)
+    results = {}
+    for backend in ("triton", "torch"):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = sparse_conv3d(xg, wg, km, form=form, tile=16, backend=backend, precision="ieee")
+        y.backward(g)
+        results[backend] = [t.double() for t in (y, xg.grad, wg.grad)]
+    tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5}[dtype]
+    tol = {"rtol": tol, "atol": tol}
+    for got, want in zip(results["triton"], results["torch"]):
+        torch.testing.assert_close(got, want, **tol)
