@@ -69,7 +69,7 @@ def auto_demo(rows: int, n: int, avg_nnz: float, seed: int = 0, data: Path = DAT
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
         print("insum demo on cpu: no GPU here, so the generated kernels' torch lowering runs; the "
-              "results are checked, but speed needs a GPU (times below are not meaningful).\n")
+              "results are checked, but speed needs a GPU.\n")
     graph = power_law_matrix(rows, rows, avg_nnz, seed=seed).to(device)
     matrices = [_real_matrix(data, device, seed), (f"power-law graph {rows}x{rows}, avg {avg_nnz:g}", graph)]
     out, failures = [], []

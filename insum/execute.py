@@ -12,7 +12,6 @@ Options are validated here once for every entry point (`check_options`).
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from typing import Literal
@@ -21,7 +20,7 @@ import torch
 
 from .bind import Bound
 from .bounds import check_indices as _check_indices
-from .cache import BoundedCache
+from .cache import BoundedCache, memoize
 from .errors import InsumError, InsumTypeError, UnsupportedStatement
 from .ir import Statement
 from .reference import run_reference
@@ -68,7 +67,7 @@ def check_names(stmt: Statement) -> None:
         )
 
 
-@functools.lru_cache(maxsize=4096)
+@memoize
 def _option_names_in(stmt: Statement) -> tuple[str, ...]:
     """Tensor names of the statement that are insum() options (per statement: a cached call
     walks it once, not on every launch)."""
