@@ -5,6 +5,11 @@
 #   bash benchmarks/gpu_suite.sh tests                  # the CUDA test suite, then codegen and the demo
 #   bash benchmarks/gpu_suite.sh torch                  # torch_checks: opcheck, autograd, graphs, MLP
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
+#   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop
+#   bash benchmarks/gpu_suite.sh tp                     # tensor products vs e3nn, cuEquivariance, OEQ
+# conv installs the spconv-triton wheel from .carry-conv-whl/ when carried; tp unpacks
+# cuEquivariance from .carry-tp-whl1/cue_all.tar.xz and puts OpenEquivariance's source from
+# .carry-tp/oeq_src on the path when carried (third-party code: carried, never committed).
 # Extra arguments go to the runner or script (e.g. --quick, --budget-scale 0.8). Needs lark as
 # a wheel in .whl/ and a copy of ../shared/data in .data/ (carry both). Everything lands in
 # $OUT/<device>/ (device from torch.cuda.get_device_name(): h200, h100, ...): logs, <study>.json
@@ -28,7 +33,8 @@ quiet() { grep --line-buffered -v '^[WI][0-9]\{4\} '; }
 case "$PART" in
   tests)
     if [ "${SKIP_TESTS:-0}" != 1 ]; then
-      python -m pytest -q -x -p no:cacheprovider tests/test_codegen.py tests/test_formats_kernels.py tests/test_formats.py \
+      python -m pytest -q -p no:cacheprovider tests/test_codegen.py tests/test_formats_kernels.py tests/test_formats.py \
+        tests/test_tensorcore.py tests/test_reliability.py tests/test_nn.py tests/test_conv.py tests/test_tensor_product.py \
         ${PYTEST_ARGS:-} 2>&1 | tee "$DIR/pytest_cuda.log" | tail -15
     fi
     python -m benchmarks.codegen "$@" 2>&1 | tee "$DIR/codegen.log"
@@ -36,6 +42,15 @@ case "$PART" in
     ;;
   torch)
     timeout 560 python -m benchmarks.torch_checks --out "$DIR/torch_mlp.json" "$@" 2>&1 | quiet | tee "$DIR/torch_checks.log"
+    ;;
+  conv)
+    [ -d .carry-conv-whl ] && pip install -q --no-index --no-deps --target /tmp/site .carry-conv-whl/*.whl
+    timeout 560 python -m benchmarks.study_conv --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/conv.log"
+    ;;
+  tp)
+    [ -f .carry-tp-whl1/cue_all.tar.xz ] && tar xJf .carry-tp-whl1/cue_all.tar.xz -C /tmp/site
+    [ -d .carry-tp/oeq_src ] && export PYTHONPATH=$PYTHONPATH:$PWD/.carry-tp/oeq_src
+    timeout 560 python -m benchmarks.study_tensor_product --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/tensor_product.log"
     ;;
   packing)
     timeout 560 python -m benchmarks.packing "$@" 2>&1 | quiet | tee "$DIR/packing.log"

@@ -1,0 +1,565 @@
+"""insum.nn.tensor_product: e3nn-compatible equivariant tensor products as one insum statement.
+
+    >>> import torch
+    >>> from insum.nn import FullyConnectedTensorProduct
+    >>> tp = FullyConnectedTensorProduct("4x0e+4x1o", "0e+1o", "4x0e+4x1o")
+    >>> tp(torch.randn(10, 16), torch.randn(10, 4)).shape
+    torch.Size([10, 16])
+
+A tensor product of irreps sums, over its paths (l1 ⊗ l2 → l3), the Clebsch–Gordan table
+contracted with the two inputs and a weight. Grouping the table's nonzero entries by the
+output component they feed (padded to the longest group, Q) turns the whole layer into
+one indirect Einsum; for the fully connected ("uvw") product
+
+    Z[b,p,w] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u,w]
+
+where p is an output component (irrep entry, m), q its q-th CG entry, CGV the entry times
+the path's normalisation, CGJ the flat position in input 2 (multiplicity v folded in),
+CGI the component of input 1, and PW the weight slab of the entry's (path, v). The code
+generator runs it as a `tl.dot` over the channels u (M = batch, N = output channels) with
+the CG entries as the loop: no dense CG tensor, no zero entries. The channel-wise ("uvu")
+product of MACE-style models keeps the channel: `Z[b,p,u] = ... X[b,CGI[p,q],u] * W[PW[p,q],u]`
+(or `W[b,PW[p,q],u]` with one weight vector per edge), a broadcast-multiply-and-sum.
+
+Layouts and normalisation are e3nn's (`irrep_normalization="component"`,
+`path_normalization="element"` by default), and so is the flat weight vector (paths in
+instruction order, each `[mul1, mul2, mul_out]` or `[mul1, mul2]`), so `from_e3nn(tp)`
+copies an e3nn module's weights. Input 1 is permuted once into component-major
+`[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks (two gathers).
+Gradients are insum's derived statements; the layer runs under `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..api import insum
+from ..errors import InsumShapeError
+from .irreps import Irreps, IrrepsError, wigner_3j
+
+__all__ = ["TensorProduct", "FullyConnectedTensorProduct", "Instruction", "STATEMENTS", "tensor_product_tables"]
+
+# The layer's statements, by (connection mode, weights shared across the batch).
+STATEMENTS = {
+    ("uvw", True): "Z[b,p,w] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u,w]",
+    ("uvw", False): "Z[b,p,w] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u,w]",
+    ("uvu", True): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u]",
+    ("uvu", False): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u]",
+}
+# The same products writing straight into e3nn's layout: one launch per run of consecutive
+# output entries of one multiplicity and dimension, Z a strided view [batch, entry, m, channel].
+RUN_STATEMENTS = {
+    ("uvw", True): "Z[b,j,k,w] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[PW[j,k,q],u,w]",
+    ("uvw", False): "Z[b,j,k,w] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[b,PW[j,k,q],u,w]",
+    ("uvu", True): "Z[b,j,k,u] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[PW[j,k,q],u]",
+    ("uvu", False): "Z[b,j,k,u] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[b,PW[j,k,q],u]",
+}
+_OUTPUTS = ("gather", "views")
+
+# The backward statements (the same CG entries regrouped: see _gradient_tables), by
+# (mode, weights shared): the gradients of X, of W, and of Y (through T for "uvw").
+GRADIENT_STATEMENTS = {
+    ("uvw", True): {
+        "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],w] * W[XS[c,q],u,w]",
+        # split over batch groups g (summed after): one weight slab alone is too little parallel work
+        "W": "DW[g,s,u,w] = WV[s,q] * Y[g,i,WJ[s,q]] * X[g,i,WC[s,q],u] * DZ[g,i,WP[s,q],w]",
+        "T": "T[b,r,w] = X[b,RC[r],u] * W[RS[r],u,w]",
+        "Y": "DY[b,j] = YV[j,q] * T[b,YR[j,q],w] * DZ[b,YP[j,q],w]",
+    },
+    ("uvw", False): {
+        "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],w] * W[b,XS[c,q],u,w]",
+        "W": "DW[b,s,u,w] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],w]",
+        "T": "T[b,r,w] = X[b,RC[r],u] * W[b,RS[r],u,w]",
+        "Y": "DY[b,j] = YV[j,q] * T[b,YR[j,q],w] * DZ[b,YP[j,q],w]",
+    },
+    ("uvu", True): {
+        "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],u] * W[XS[c,q],u]",
+        "W": "DW[g,s,u] = WV[s,q] * Y[g,i,WJ[s,q]] * X[g,i,WC[s,q],u] * DZ[g,i,WP[s,q],u]",
+        "Y": "DY[b,j] = YV[j,q] * X[b,YC[j,q],u] * W[YS[j,q],u] * DZ[b,YP[j,q],u]",
+    },
+    ("uvu", False): {
+        "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],u] * W[b,XS[c,q],u]",
+        "W": "DW[b,s,u] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],u]",
+        "Y": "DY[b,j] = YV[j,q] * X[b,YC[j,q],u] * W[b,YS[j,q],u] * DZ[b,YP[j,q],u]",
+    },
+}
+_MODES = ("uvw", "uvu")
+_IRREP_NORMALIZATIONS = ("component", "norm", "none")
+_PATH_NORMALIZATIONS = ("element", "path", "none")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One path: input-1 entry, input-2 entry, output entry, mode, and its coefficient."""
+
+    i_in1: int
+    i_in2: int
+    i_out: int
+    mode: str
+    coefficient: float
+
+    def weight_shape(self, irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps) -> tuple[int, ...]:
+        mul1, mul2, mul_out = irreps1[self.i_in1][0], irreps2[self.i_in2][0], irreps_out[self.i_out][0]
+        return (mul1, mul2, mul_out) if self.mode == "uvw" else (mul1, mul2)
+
+
+def _normalised(
+    irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, paths: list[tuple[int, int, int, str, float]],
+    irrep_normalization: str, path_normalization: str,
+) -> list[Instruction]:
+    """e3nn's path coefficients: sqrt(alpha), alpha from the output's dimension and fan-in."""
+
+    def fan_in(i1: int, i2: int, mode: str) -> int:
+        return irreps1[i1][0] * irreps2[i2][0] if mode == "uvw" else irreps2[i2][0]
+
+    out = []
+    for i1, i2, io, mode, path_weight in paths:
+        ir1, ir2, ir_out = irreps1[i1][1], irreps2[i2][1], irreps_out[io][1]
+        alpha = {"component": ir_out.dim, "norm": ir1.dim * ir2.dim, "none": 1}[irrep_normalization]
+        if path_normalization == "element":
+            x = sum(fan_in(a, b, m) for a, b, o, m, _ in paths if o == io)
+        elif path_normalization == "path":
+            x = fan_in(i1, i2, mode) * sum(1 for path in paths if path[2] == io)
+        else:
+            x = 1
+        if x > 0:
+            alpha /= x
+        out.append(Instruction(i1, i2, io, mode, math.sqrt(alpha * path_weight)))
+    return out
+
+
+def _check(irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, ins: Instruction) -> None:
+    for name, irreps, i in (("irreps_in1", irreps1, ins.i_in1), ("irreps_in2", irreps2, ins.i_in2), ("irreps_out", irreps_out, ins.i_out)):
+        if not 0 <= i < len(irreps):
+            raise IrrepsError(f"instruction {ins}: {name} has {len(irreps)} entries, no entry {i}")
+    (mul1, ir1), (_, ir2), (mul_out, ir_out) = irreps1[ins.i_in1], irreps2[ins.i_in2], irreps_out[ins.i_out]
+    if ir_out not in ir1 * ir2:
+        raise IrrepsError(f"instruction {ins}: {ir_out} is not in {ir1} x {ir2}")
+    if ins.mode not in _MODES:
+        raise IrrepsError(f"instruction {ins}: connection mode {ins.mode!r} is not supported (choose one of {', '.join(_MODES)})")
+    if ins.mode == "uvu" and mul1 != mul_out:
+        raise IrrepsError(f"instruction {ins}: 'uvu' needs the output multiplicity ({mul_out}) to equal input 1's ({mul1})")
+
+
+def tensor_product_tables(
+    irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, instructions: list[Instruction]
+) -> dict[str, np.ndarray]:
+    """The index and value tables of the layer's statement (numpy, built once per layer).
+
+    CGV, CGJ, CGI, PW [P, Q]: the CG entries grouped by output component p (padded with
+    zero entries); X_INDEX [C1, U]: input 1's flat position of (component, channel);
+    W_INDEX [S, U, Wd] or [S, U]: the flat weight position of each slab element;
+    OUT_INDEX [D_out]: where each e3nn output position lies in the flattened Z.
+    Padded positions point one past the end (a zero appended there).
+    """
+    mode = instructions[0].mode if instructions else "uvw"
+    offsets1, offsets2, offsets_out = irreps1.offsets(), irreps2.offsets(), irreps_out.offsets()
+    U = max((mul for mul, _ in irreps1), default=1) or 1
+    Wd = U if mode == "uvu" else (max((mul for mul, _ in irreps_out), default=1) or 1)
+    comp1 = np.cumsum([0] + [ir.dim for _, ir in irreps1])  # first component row of each entry
+    x_index = np.full((int(comp1[-1]), U), irreps1.dim, dtype=np.int64)
+    for e, (mul, ir) in enumerate(irreps1):
+        for i in range(ir.dim):
+            x_index[comp1[e] + i, :mul] = offsets1[e] + np.arange(mul) * ir.dim + i
+
+    comp_out = np.cumsum([0] + [ir.dim for _, ir in irreps_out])
+    rows: list[list[tuple[int, float, int, int]]] = [[] for _ in range(int(comp_out[-1]))]  # (slab, v, j, i)
+    slabs: list[np.ndarray] = []
+    weight_numel, weight_offset = 0, 0
+    for ins in instructions:
+        (mul1, ir1), (mul2, ir2), (mul_out, ir_out) = irreps1[ins.i_in1], irreps2[ins.i_in2], irreps_out[ins.i_out]
+        cg = wigner_3j(ir1.l, ir2.l, ir_out.l).numpy()
+        size = int(np.prod(ins.weight_shape(irreps1, irreps2, irreps_out)))
+        for v in range(mul2):
+            slab = len(slabs)
+            u = np.arange(mul1)[:, None]
+            if mode == "uvw":
+                index = np.full((U, Wd), -1, dtype=np.int64)
+                index[:mul1, :mul_out] = weight_offset + (u * mul2 + v) * mul_out + np.arange(mul_out)[None, :]
+            else:
+                index = np.full((U,), -1, dtype=np.int64)
+                index[:mul1] = weight_offset + u[:, 0] * mul2 + v
+            slabs.append(index)
+            for i, j, k in zip(*np.nonzero(cg)):
+                rows[comp_out[ins.i_out] + k].append(
+                    (slab, ins.coefficient * float(cg[i, j, k]), offsets2[ins.i_in2] + v * ir2.dim + j, comp1[ins.i_in1] + i)
+                )
+        weight_offset += size
+        weight_numel += size
+    Q = max((len(r) for r in rows), default=1) or 1
+    P = len(rows)
+    cgv, cgj, cgi, pw = np.zeros((P, Q)), np.zeros((P, Q), np.int64), np.zeros((P, Q), np.int64), np.zeros((P, Q), np.int64)
+    for p, row in enumerate(rows):
+        row.sort(key=lambda entry: (entry[0], entry[3], entry[2]))  # neighbouring entries share weight slabs
+        for q, (slab, value, j, i) in enumerate(row):
+            pw[p, q], cgv[p, q], cgj[p, q], cgi[p, q] = slab, value, j, i
+    w_index = np.stack(slabs) if slabs else np.full((1, U, Wd) if mode == "uvw" else (1, U), -1, dtype=np.int64)
+    w_index[w_index < 0] = weight_numel
+
+    out_index = np.zeros(irreps_out.dim, dtype=np.int64)
+    for e, (mul, ir) in enumerate(irreps_out):
+        w, k = np.meshgrid(np.arange(mul), np.arange(ir.dim), indexing="ij")
+        out_index[offsets_out[e] + w * ir.dim + k] = (comp_out[e] + k) * Wd + w
+    out_inverse = np.full(P * Wd, irreps_out.dim, dtype=np.int64)  # Z position -> e3nn position
+    out_inverse[out_index] = np.arange(irreps_out.dim)
+    tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index, "OUT_INVERSE": out_inverse,
+              "OUT_INDEX": out_index, "weight_numel": np.array(weight_numel)}
+    entries = [(p, slab, value, j, c) for p, row in enumerate(rows) for slab, value, j, c in row]
+    tables.update(_gradient_tables(entries, mode, n_components=len(x_index), n_slabs=len(w_index), n_in2=irreps2.dim))
+    return tables
+
+
+def _grouped(entries: list[tuple], key: int, fields: tuple[int, ...], n_rows: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The CG entries (p, slab, value, j, c) grouped by entry[key] into n_rows padded rows;
+    one [n_rows, Q] table per field (value tables float64, index tables int64)."""
+    rows: list[list[tuple]] = [[] for _ in range(n_rows)]
+    for entry in entries:
+        rows[entry[key]].append(entry)
+    Q = max((len(r) for r in rows), default=1) or 1
+    out = {name: np.zeros((n_rows, Q), np.float64 if f == 2 else np.int64) for name, f in zip(names, fields)}
+    for r, row in enumerate(rows):
+        for q, entry in enumerate(sorted(row)):
+            for name, f in zip(names, fields):
+                out[name][r, q] = entry[f]
+    return out
+
+
+def _gradient_tables(entries: list[tuple], mode: str, n_components: int, n_slabs: int, n_in2: int) -> dict[str, np.ndarray]:
+    """Tables of the backward statements: the same CG entries grouped by the input-1
+    component (dX), by the weight slab (dW) and by the input-2 position (dY), so that
+    every gradient is owned by one row and stored without atomics."""
+    P, S, V, J, C = range(5)
+    tables = _grouped(entries, C, (V, J, P, S), n_components, ("XV", "XJ", "XP", "XS"))
+    tables.update(_grouped(entries, S, (V, J, C, P), n_slabs, ("WV", "WJ", "WC", "WP")))
+    if mode == "uvu":
+        tables.update(_grouped(entries, J, (V, C, S, P), n_in2, ("YV", "YC", "YS", "YP")))
+        return tables
+    # uvw: dY goes through T[b, r, w] = X[b, c_r, :] @ W[s_r] for each (component, slab) pair r.
+    pairs = sorted({(e[C], e[S]) for e in entries}) or [(0, 0)]
+    pair_of = {pair: r for r, pair in enumerate(pairs)}
+    with_pair = [e + (pair_of[(e[C], e[S])],) for e in entries]
+    tables.update(_grouped(with_pair, J, (V, 5, P), n_in2, ("YV", "YR", "YP")))
+    tables["RC"] = np.array([c for c, _ in pairs], np.int64)
+    tables["RS"] = np.array([s for _, s in pairs], np.int64)
+    return tables
+
+
+class TensorProduct(nn.Module):
+    """An e3nn-compatible tensor product with "uvw" or "uvu" paths, run as one insum statement.
+
+    instructions: `(i_in1, i_in2, i_out, mode)` or `(..., mode, has_weight)` or
+    `(..., has_weight, path_weight)` tuples as e3nn takes them; every path is weighted, and
+    all share one mode ("uvw": fully connected channels, "uvu": channel-wise).
+    shared_weights: one weight vector for the batch (a parameter when internal_weights),
+    else `forward(x1, x2, weight)` takes `weight[..., weight_numel]`, one per batch element.
+    backend, precision: passed to `insum` ("tf32" or "ieee" float32 `tl.dot`).
+    output: "gather" (one launch into component-major Z, then one gather into e3nn's
+    layout) or "views" (one launch per run of equal output entries, each writing its
+    strided view of the e3nn-layout output: no gather pass, more launches).
+    """
+
+    def __init__(
+        self,
+        irreps_in1: Any,
+        irreps_in2: Any,
+        irreps_out: Any,
+        instructions: list[tuple],
+        *,
+        irrep_normalization: str = "component",
+        path_normalization: str = "element",
+        shared_weights: bool = True,
+        internal_weights: bool | None = None,
+        backend: str = "auto",
+        precision: str = "tf32",
+        output: str = "gather",
+    ) -> None:
+        super().__init__()
+        if irrep_normalization not in _IRREP_NORMALIZATIONS:
+            raise IrrepsError(f"irrep_normalization {irrep_normalization!r}: choose one of {', '.join(_IRREP_NORMALIZATIONS)}")
+        if path_normalization not in _PATH_NORMALIZATIONS:
+            raise IrrepsError(f"path_normalization {path_normalization!r}: choose one of {', '.join(_PATH_NORMALIZATIONS)}")
+        self.irreps_in1, self.irreps_in2, self.irreps_out = Irreps(irreps_in1), Irreps(irreps_in2), Irreps(irreps_out)
+        paths = []
+        for raw in instructions:
+            if len(raw) < 4:
+                raise IrrepsError(f"instruction {raw!r}: expected (i_in1, i_in2, i_out, mode[, has_weight[, path_weight]])")
+            i1, i2, io, mode = raw[:4]
+            if len(raw) > 4 and not raw[4]:
+                raise IrrepsError(f"instruction {raw!r}: paths without weights are not supported")
+            for name, irreps, i in (("irreps_in1", self.irreps_in1, i1), ("irreps_in2", self.irreps_in2, i2), ("irreps_out", self.irreps_out, io)):
+                if not 0 <= int(i) < len(irreps):
+                    raise IrrepsError(f"instruction {raw!r}: {name} has {len(irreps)} entries, no entry {i}")
+            paths.append((int(i1), int(i2), int(io), str(mode), float(raw[5]) if len(raw) > 5 else 1.0))
+        self.instructions = _normalised(
+            self.irreps_in1, self.irreps_in2, self.irreps_out, paths, irrep_normalization, path_normalization
+        )
+        self._setup(shared_weights, internal_weights, backend, precision, output)
+
+    def _setup(self, shared_weights: bool, internal_weights: bool | None, backend: str, precision: str, output: str = "gather") -> None:
+        if output not in _OUTPUTS:
+            raise IrrepsError(f"output {output!r}: choose one of {', '.join(_OUTPUTS)}")
+        self.output = output
+        self._cast: dict = {}
+        for ins in self.instructions:
+            _check(self.irreps_in1, self.irreps_in2, self.irreps_out, ins)
+        modes = {ins.mode for ins in self.instructions}
+        if len(modes) > 1:
+            raise IrrepsError(f"all paths must share one connection mode, got {sorted(modes)}")
+        self.mode = modes.pop() if modes else "uvw"
+        self.shared_weights = shared_weights
+        self.internal_weights = shared_weights if internal_weights is None else internal_weights
+        if self.internal_weights and not shared_weights:
+            raise IrrepsError("internal_weights=True needs shared_weights=True")
+        self.backend, self.precision = backend, precision
+        tables = tensor_product_tables(self.irreps_in1, self.irreps_in2, self.irreps_out, self.instructions)
+        self.weight_numel = int(tables.pop("weight_numel"))
+        # Whether a padded (channel or weight) position reads the zero appended to x1 / weight.
+        self._pad_x = bool((tables["X_INDEX"] == self.irreps_in1.dim).any())
+        self._pad_w = bool((tables["W_INDEX"] == self.weight_numel).any())
+        # float64, cast per call: the CG values must stay exact for a float64 product
+        self._value_tables = {name: table for name, table in tables.items() if table.dtype == np.float64}
+        for name, table in tables.items():
+            if table.dtype == np.float64:
+                self.register_buffer(name, torch.from_numpy(table), persistent=False)
+            else:
+                gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX", "OUT_INVERSE")  # torch indexing: int64
+                self.register_buffer(name, torch.from_numpy(table).to(torch.int64 if name in gathers else torch.int32), persistent=False)
+        self.statement = STATEMENTS[(self.mode, shared_weights)]
+        self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
+        self.run_statement = RUN_STATEMENTS[(self.mode, shared_weights)]
+        self._runs = self._output_runs()
+        if self.internal_weights:
+            self.weight = nn.Parameter(torch.randn(self.weight_numel))
+        else:
+            self.register_parameter("weight", None)
+
+    @classmethod
+    def from_e3nn(cls, tp: Any, **options: Any) -> TensorProduct:
+        """The same product as an `e3nn.o3.TensorProduct` (or FullyConnectedTensorProduct),
+        its path coefficients and (internal) weights copied."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.irreps_in1, layer.irreps_in2, layer.irreps_out = Irreps(tp.irreps_in1), Irreps(tp.irreps_in2), Irreps(tp.irreps_out)
+        layer.instructions = []
+        for ins in tp.instructions:
+            if not ins.has_weight:
+                raise IrrepsError(f"from_e3nn: path {ins} has no weight; paths without weights are not supported")
+            layer.instructions.append(Instruction(ins.i_in1, ins.i_in2, ins.i_out, ins.connection_mode, float(ins.path_weight)))
+        layer._setup(tp.shared_weights, tp.internal_weights, options.get("backend", "auto"),
+                     options.get("precision", "tf32"), options.get("output", "gather"))
+        if layer.internal_weights:
+            with torch.no_grad():
+                layer.weight.copy_(tp.weight.detach().reshape(-1))
+        device = next((t.device for t in (*tp.parameters(), *tp.buffers())), None)
+        return layer.to(device) if device is not None else layer
+
+    def extra_repr(self) -> str:
+        return (f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, {len(self.instructions)} paths "
+                f"({self.mode}), weight_numel={self.weight_numel}")
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x1[..., irreps_in1.dim], x2[..., irreps_in2.dim] -> [..., irreps_out.dim] (leading dims broadcast)."""
+        if x1.shape[-1] != self.irreps_in1.dim:
+            raise InsumShapeError(f"x1 has {x1.shape[-1]} features (shape {tuple(x1.shape)}), irreps_in1 {self.irreps_in1} has {self.irreps_in1.dim}")
+        if x2.shape[-1] != self.irreps_in2.dim:
+            raise InsumShapeError(f"x2 has {x2.shape[-1]} features (shape {tuple(x2.shape)}), irreps_in2 {self.irreps_in2} has {self.irreps_in2.dim}")
+        if weight is None:
+            if self.weight is None:
+                raise InsumShapeError("this tensor product has no internal weights: pass weight[..., weight_numel]")
+            weight = self.weight
+        if weight.shape[-1] != self.weight_numel:
+            raise InsumShapeError(f"weight has {weight.shape[-1]} entries (shape {tuple(weight.shape)}), the paths need {self.weight_numel}")
+        lead = self._lead(x1, x2, weight)
+        if math.prod(lead) == 0 or not self.instructions:
+            dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
+            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
+        t = self.statement_tensors(x1, x2, weight, lead)
+        Y, X, W = t["Y"], t["X"], t["W"]
+        if torch.is_grad_enabled() and (Y.requires_grad or X.requires_grad or W.requires_grad):
+            out = _ProductFunction.apply(self, Y, X, W)
+        else:
+            out = self._product(Y, X, W)  # no autograd node: less host time per call
+        return out.reshape(*lead, self.irreps_out.dim)
+
+    def _lead(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
+        """The broadcast leading shape (torch.broadcast_shapes only when the shapes differ)."""
+        shapes = [x1.shape[:-1], x2.shape[:-1]] + ([] if self.shared_weights else [weight.shape[:-1]])
+        if all(shape == shapes[0] for shape in shapes):
+            return tuple(shapes[0])
+        return tuple(torch.broadcast_shapes(*shapes))
+
+    def _table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A value table (kept in float64) in the product's dtype, converted once per dtype."""
+        table = getattr(self, name)
+        if torch.compiler.is_compiling():
+            return table.to(dtype)  # a traced graph converts once anyway; no cache mutation in it
+        key = (name, dtype, table.device)
+        cached = self._cast.get(key)
+        if cached is None:
+            cached = self._cast[key] = table.to(dtype)
+        return cached
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda(), .float(), ...: the value tables stay float64 (exact CG values for a
+        float64 product after a float32 one) on the new device; the per-dtype copies go."""
+        module = super()._apply(fn, *args, **kwargs)
+        self._cast = {}
+        for name, table in self._value_tables.items():
+            buffer = self._buffers[name]
+            if buffer.dtype != torch.float64:
+                self._buffers[name] = torch.from_numpy(table).to(buffer.device)
+        return module
+
+    def _product(self, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """The e3nn-layout output [batch, irreps_out.dim] of the forward statement(s)."""
+        if self.output == "views":
+            return self._forward_views(Y, X, W)
+        Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=self.CGJ, CGI=self.CGI, PW=self.PW)
+        return Z.reshape(Z.shape[0], -1).index_select(1, self.OUT_INDEX)
+
+    def _output_runs(self) -> list[tuple[int, int, int, int, int, int]]:
+        """(first component row, entries, mul, dim, output offset, Q) per run of consecutive
+        output entries with one multiplicity and dimension; Q trims the run's padding."""
+        runs: list[list[int]] = []
+        row, offset = 0, 0
+        counts = (self.CGV != 0).sum(1).tolist() if self.CGV.numel() else []
+        for mul, ir in self.irreps_out:
+            if runs and runs[-1][2:4] == [mul, ir.dim]:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, 1, mul, ir.dim, offset, 0])
+            row += ir.dim
+            offset += mul * ir.dim
+        for run in runs:
+            first, n, _, dim = run[:4]
+            run[5] = max([1] + counts[first : first + n * dim])
+        return [tuple(r) for r in runs]
+
+    def _forward_views(self, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """The e3nn-layout output written run by run through strided views (no gather)."""
+        batch = Y.shape[0]
+        out = Y.new_empty(batch, self.irreps_out.dim)
+        cgv = self._table("CGV", Y.dtype)
+        for first, n, mul, dim, offset, Q in self._runs:
+            rows = slice(first, first + n * dim)
+            view = out[:, offset : offset + n * mul * dim].view(batch, n, mul, dim).transpose(2, 3)
+            # The run's output channels: w (the weight's last axis) for uvw, u for uvu.
+            channels = X if self.mode == "uvw" else X[:, :, :mul]
+            weights = W[..., :mul]
+            self._run(self.run_statement, Z=view, Y=Y, X=channels, W=weights,
+                      CGV=cgv[rows, :Q].view(n, dim, Q), CGJ=self.CGJ[rows, :Q].view(n, dim, Q),
+                      CGI=self.CGI[rows, :Q].view(n, dim, Q), PW=self.PW[rows, :Q].view(n, dim, Q))
+        return out
+
+    def _run(self, statement: str, **tensors: torch.Tensor) -> torch.Tensor:
+        return insum(statement, backend=self.backend, precision=self.precision, **tensors)
+
+    def statement_tensors(
+        self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None, lead: tuple[int, ...] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The tensors of `self.statement` for these inputs: X gathered component-major, the
+        weight slabs W, input 2 as Y, and the CG tables (Z, the output, is left to insum)."""
+        weight = self.weight if weight is None else weight
+        lead = self._lead(x1, x2, weight) if lead is None else lead
+        batch = math.prod(lead)
+        dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
+        if x1.shape[:-1] != lead:
+            x1 = x1.expand(*lead, x1.shape[-1])
+        if x2.shape[:-1] != lead:
+            x2 = x2.expand(*lead, x2.shape[-1])
+        x1, x2 = x1.reshape(batch, -1), x2.reshape(batch, -1)
+        if self.shared_weights:
+            W = _gather(weight.reshape(-1), self.W_INDEX, self._pad_w)
+        else:
+            weight = weight if weight.shape[:-1] == lead else weight.expand(*lead, self.weight_numel)
+            W = _gather(weight.reshape(batch, -1), self.W_INDEX, self._pad_w)
+        X = _gather(x1, self.X_INDEX, self._pad_x)
+        return {"CGV": self._table("CGV", dtype), "Y": x2.to(dtype), "X": X.to(dtype), "W": W.to(dtype),
+                "CGJ": self.CGJ, "CGI": self.CGI, "PW": self.PW}
+
+
+
+class _ProductFunction(torch.autograd.Function):
+    """Z from (Y, X, W) by the layer's statement; the backward runs the regrouped
+    statements of GRADIENT_STATEMENTS (each gradient element owned by one row: no atomics)
+    instead of insum's derived ones, which scatter every CG entry into dX and dW."""
+
+    @staticmethod
+    def forward(ctx, layer: TensorProduct, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        ctx.layer = layer
+        ctx.save_for_backward(Y, X, W)
+        return layer._product(Y, X, W)
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        layer: TensorProduct = ctx.layer
+        Y, X, W = ctx.saved_tensors
+        # The output gradient, component-major like Z (padded channels read a zero).
+        P, channels = layer.CGV.shape[0], (X.shape[2] if layer.mode == "uvu" else W.shape[-1])
+        DZ = _gather(d_out, layer.OUT_INVERSE, True).view(d_out.shape[0], P, channels)
+        dtype, stmts = DZ.dtype, layer.gradient_statements
+        need_y, need_x, need_w = ctx.needs_input_grad[1:4]
+        dY = dX = dW = None
+        if need_x:
+            dX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
+        if need_w:
+            tables = {"WV": layer._table("WV", dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
+            if layer.shared_weights:
+                groups = _batch_groups(Y.shape[0])
+
+                def split(t: torch.Tensor) -> torch.Tensor:
+                    return t.reshape(groups, t.shape[0] // groups, *t.shape[1:])
+
+                dW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), **tables).sum(0)
+            else:
+                dW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, **tables)
+        if need_y and layer.mode == "uvu":
+            dY = layer._run(stmts["Y"], YV=layer._table("YV", dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
+        elif need_y:
+            T = layer._run(stmts["T"], X=X, W=W, RC=layer.RC, RS=layer.RS)
+            dY = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP)
+        return None, dY, dX, dW
+
+
+def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
+    """How many groups the batch splits into for a shared weight's gradient: the largest
+    divisor of the batch up to `most` that leaves each group `least_rows` rows (else 1)."""
+    for groups in range(min(most, batch // least_rows), 1, -1):
+        if batch % groups == 0:
+            return groups
+    return 1
+
+
+def _gather(t: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
+    """t[..., index] along the last dimension; when padded, index t.shape[-1] reads a zero.
+    (index_select on the flat index: far less host time per call than advanced indexing.)"""
+    if padded:
+        t = nn.functional.pad(t, (0, 1))
+    return t.index_select(t.dim() - 1, index.reshape(-1)).view(*t.shape[:-1], *index.shape)
+
+
+class FullyConnectedTensorProduct(TensorProduct):
+    """e3nn's FullyConnectedTensorProduct: every (in1, in2) -> out path allowed by O(3), "uvw".
+
+        >>> import torch
+        >>> tp = FullyConnectedTensorProduct("2x0e+2x1o", "1x0e+1x1o", "3x1o")
+        >>> tp.weight_numel, tp(torch.randn(5, 8), torch.randn(5, 4)).shape
+        (18, torch.Size([5, 9]))
+    """
+
+    def __init__(self, irreps_in1: Any, irreps_in2: Any, irreps_out: Any, **options: Any) -> None:
+        irreps1, irreps2, irreps_out_ = Irreps(irreps_in1), Irreps(irreps_in2), Irreps(irreps_out)
+        paths = [
+            (i1, i2, io, "uvw")
+            for i1, (_, ir1) in enumerate(irreps1)
+            for i2, (_, ir2) in enumerate(irreps2)
+            for io, (_, ir_out) in enumerate(irreps_out_)
+            if ir_out in ir1 * ir2
+        ]
+        super().__init__(irreps1, irreps2, irreps_out_, paths, **options)

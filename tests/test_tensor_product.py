@@ -1,0 +1,278 @@
+"""insum.nn tensor products against e3nn's own modules (weights copied), on the CPU.
+
+The torch backend runs the layer's statement through the reference lowering; one tiny case
+runs the generated kernel in the Triton interpreter. e3nn is built in float64 (its CG
+constants follow the default dtype at construction) so that float64 results agree to 1e-12.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from insum import InsumError
+from insum.nn import FullyConnectedTensorProduct, Irreps, TensorProduct, wigner_3j
+from insum.nn.irreps import Irrep
+
+o3 = pytest.importorskip("e3nn.o3")
+
+
+@pytest.fixture(autouse=True)
+def _float64_default():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-10) -> None:
+    assert actual.shape == expected.shape
+    assert torch.isfinite(actual).all()
+    scale = expected.abs().max().clamp_min(1.0)
+    assert (actual - expected).abs().max() <= tol * scale, (actual - expected).abs().max()
+
+
+def _mace(irreps1, irreps2, lmax):
+    """MACE-style channel-wise paths into 0e+1o+...+lmax, outputs sorted by irrep."""
+    target = [o3.Irrep(l, (-1) ** l) for l in range(lmax + 1)]  # noqa: E741
+    outs, ins = [], []
+    for i, (mul, ir1) in enumerate(irreps1):
+        for j, (_, ir2) in enumerate(irreps2):
+            for ir in ir1 * ir2:
+                if ir in target:
+                    ins.append((i, j, len(outs), "uvu", True))
+                    outs.append((mul, ir))
+    irreps_out, perm, _ = o3.Irreps(outs).sort()
+    return irreps_out, [(a, b, perm[c], m, w) for a, b, c, m, w in ins]
+
+
+def test_wigner_3j_equals_e3nn():
+    for l1 in range(4):
+        for l2 in range(4):
+            for l3 in range(abs(l1 - l2), min(l1 + l2, 4) + 1):
+                _close(wigner_3j(l1, l2, l3), o3.wigner_3j(l1, l2, l3, dtype=torch.float64), 1e-13)
+    assert wigner_3j(0, 1, 3).abs().max() == 0  # outside the triangle
+
+
+def test_irreps_parse_and_print():
+    irreps = Irreps("16x0e + 8x1o+2e+1y")
+    assert str(irreps) == "16x0e+8x1o+1x2e+1x1o"
+    assert irreps.dim == 16 + 24 + 5 + 3
+    assert Irreps(o3.Irreps("3x1o+2x2e")).entries == ((3, Irrep(1, -1)), (2, Irrep(2, 1)))
+    assert Irreps([(2, (1, -1))]).dim == 6
+
+
+@pytest.mark.parametrize(
+    "irreps1, irreps2, irreps_out",
+    [
+        ("5x0e+3x1o", "0e+1o", "4x0e+2x1o"),  # multiplicities differ between all three
+        ("3x0e+2x1o+1x2e+2x1e", "2x0e+1o+2e", "2x0o+3x1o+2e+1x3o"),  # parities, mul2 > 1, unreachable 0o
+        ("3x0e+3x1o+3x2e+3x3o", "0e+1o+2e+3o", "3x0e+3x1o+3x2e+3x3o"),  # the paper's grid, L = 3
+    ],
+)
+def test_fully_connected_equals_e3nn(irreps1, irreps2, irreps_out):
+    torch.manual_seed(0)
+    ref = o3.FullyConnectedTensorProduct(irreps1, irreps2, irreps_out)
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    assert layer.weight_numel == ref.weight_numel
+    x1, x2 = torch.randn(7, ref.irreps_in1.dim), torch.randn(7, ref.irreps_in2.dim)
+    _close(layer(x1, x2), ref(x1, x2))
+    # Built from the irreps alone, with the weights copied: the same product.
+    fresh = FullyConnectedTensorProduct(irreps1, irreps2, irreps_out, backend="torch")
+    with torch.no_grad():
+        fresh.weight.copy_(ref.weight)
+    _close(fresh(x1, x2), ref(x1, x2))
+    # Leading dimensions broadcast as in e3nn.
+    _close(layer(x1.view(7, 1, -1), x2[:3]), ref(x1.view(7, 1, -1), x2[:3]))
+
+
+@pytest.mark.parametrize("irrep_normalization, path_normalization", [("norm", "path"), ("none", "none")])
+def test_normalisations_equal_e3nn(irrep_normalization, path_normalization):
+    torch.manual_seed(1)
+    args = ("2x0e+2x1o", "0e+1o", "3x0e+1x1o")
+    options = dict(irrep_normalization=irrep_normalization, path_normalization=path_normalization)
+    ref = o3.FullyConnectedTensorProduct(*args, **options)
+    layer = FullyConnectedTensorProduct(*args, backend="torch", **options)
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight)
+    x1, x2 = torch.randn(4, 8), torch.randn(4, 4)
+    _close(layer(x1, x2), ref(x1, x2))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_channel_wise_equals_e3nn(shared):
+    torch.manual_seed(2)
+    irreps1, irreps2 = o3.Irreps("4x0e+4x1o+4x2e"), o3.Irreps("0e+1o+2e+3o")
+    irreps_out, ins = _mace(irreps1, irreps2, 3)
+    ref = o3.TensorProduct(irreps1, irreps2, irreps_out, ins, shared_weights=shared, internal_weights=shared)
+    layer = TensorProduct.from_e3nn(ref, backend="torch")
+    x1, x2 = torch.randn(6, irreps1.dim), torch.randn(6, irreps2.dim)
+    if shared:
+        _close(layer(x1, x2), ref(x1, x2))
+    else:
+        w = torch.randn(6, ref.weight_numel)
+        _close(layer(x1, x2, w), ref(x1, x2, w))
+
+
+def test_channel_wise_with_second_multiplicity():
+    torch.manual_seed(3)
+    irreps1, irreps2, irreps_out = o3.Irreps("3x0e+2x1o"), o3.Irreps("2x0e+2x1o"), o3.Irreps("3x1o+2x0e+2x1o")
+    ins = [(0, 1, 0, "uvu", True), (1, 1, 1, "uvu", True), (1, 0, 2, "uvu", True)]
+    ref = o3.TensorProduct(irreps1, irreps2, irreps_out, ins)
+    layer = TensorProduct.from_e3nn(ref, backend="torch")
+    x1, x2 = torch.randn(5, irreps1.dim), torch.randn(5, irreps2.dim)
+    _close(layer(x1, x2), ref(x1, x2))
+
+
+def test_gradients_equal_e3nn_and_gradcheck():
+    torch.manual_seed(4)
+    args = ("2x0e+1x1o", "0e+1o", "1x0e+2x1o")
+    ref = o3.FullyConnectedTensorProduct(*args)
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    x1 = torch.randn(3, 5, requires_grad=True)
+    x2 = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, ref.irreps_out.dim)
+    mine = torch.autograd.grad(layer(x1, x2), [x1, x2, layer.weight], g)
+    theirs = torch.autograd.grad(ref(x1, x2), [x1, x2, ref.weight], g)
+    for a, b in zip(mine, theirs):
+        _close(a, b)
+    # Shared weights passed in (internal_weights=False): gradcheck through all three.
+    external = FullyConnectedTensorProduct(*args, internal_weights=False, backend="torch")
+    weight = torch.randn(external.weight_numel, requires_grad=True)
+    assert torch.autograd.gradcheck(external, (x1, x2, weight))
+
+
+def test_channel_wise_gradcheck_per_edge_weights():
+    torch.manual_seed(5)
+    irreps1, irreps2 = o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o")
+    irreps_out, ins = _mace(irreps1, irreps2, 1)
+    layer = TensorProduct(irreps1, irreps2, irreps_out, ins, shared_weights=False, backend="torch")
+    x1 = torch.randn(3, irreps1.dim, requires_grad=True)
+    x2 = torch.randn(3, irreps2.dim, requires_grad=True)
+    w = torch.randn(3, layer.weight_numel, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x1, x2, w))
+
+
+@pytest.mark.interpreter
+def test_generated_kernel_in_the_interpreter(monkeypatch):
+    """The layer's statement through the generated kernel (CPU: the Triton interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(6)
+    ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+3x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="triton", precision="ieee").float()
+    x1 = torch.randn(5, 8, dtype=torch.float32, requires_grad=True)
+    x2 = torch.randn(5, 4, dtype=torch.float32)
+    out = layer(x1, x2)
+    _close(out.double(), ref(x1.double(), x2.double()), 1e-5)
+    (grad,) = torch.autograd.grad(out, [x1], torch.ones_like(out))
+    (expected,) = torch.autograd.grad(ref(x1.double(), x2.double()).sum(), [x1])
+    _close(grad.double(), expected.double(), 1e-5)
+
+
+def test_empty_batch_and_no_internal_weights():
+    layer = FullyConnectedTensorProduct("2x0e", "0e", "1x0e", backend="torch")
+    assert layer(torch.randn(0, 2), torch.randn(0, 1)).shape == (0, 1)
+    external = FullyConnectedTensorProduct("2x0e", "0e", "1x0e", shared_weights=False, backend="torch")
+    with pytest.raises(InsumError, match="no internal weights"):
+        external(torch.randn(3, 2), torch.randn(3, 1))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Irreps("16x0q"), "cannot read the term"),
+        (lambda: Irreps("3x"), "cannot read the term"),
+        (lambda: FullyConnectedTensorProduct("2x0e", "1o", "2x1e"), None),  # no path: allowed, zeros
+        (lambda: TensorProduct("2x0e", "0e", "3x0e", [(0, 0, 0, "uvu")]), "'uvu' needs"),
+        (lambda: TensorProduct("2x0e", "0e", "2x1o", [(0, 0, 0, "uvw")]), "is not in"),
+        (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 1, "uvw")]), "no entry 1"),
+        (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uuu")]), "connection mode"),
+        (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uvw", False)]), "without weights"),
+        (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", path_normalization="x"), "path_normalization"),
+    ],
+)
+def test_bad_irreps_raise(make, match):
+    if match is None:
+        layer = make()
+        layer.backend = "torch"
+        assert layer(torch.randn(2, 2), torch.randn(2, 3)).abs().max() == 0
+        return
+    with pytest.raises(InsumError, match=match):
+        make()
+
+
+def test_wrong_feature_count_names_the_input():
+    layer = FullyConnectedTensorProduct("2x0e+1o", "0e", "1x0e", backend="torch")
+    with pytest.raises(InsumError, match="x1 has 4 features"):
+        layer(torch.randn(3, 4), torch.randn(3, 1))
+    with pytest.raises(InsumError, match="x2 has 2 features"):
+        layer(torch.randn(3, 5), torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("mode", ["uvw", "uvu"])
+def test_views_output_equals_gather_output(mode):
+    """output="views" (a launch per run of equal output entries into e3nn's layout) and
+    the default gather agree, forward and backward, with multiplicities that differ."""
+    torch.manual_seed(7)
+    if mode == "uvw":
+        ref = o3.FullyConnectedTensorProduct("3x0e+2x1o", "0e+1o", "2x0e+3x1o+1x1o+2x2e")
+        args = ()
+    else:
+        irreps1, irreps2 = o3.Irreps("3x0e+3x1o+3x2e"), o3.Irreps("0e+1o+2e")
+        irreps_out, ins = _mace(irreps1, irreps2, 2)
+        ref = o3.TensorProduct(irreps1, irreps2, irreps_out, ins, shared_weights=False, internal_weights=False)
+        args = (torch.randn(4, ref.weight_numel, requires_grad=True),)
+    x1 = torch.randn(4, ref.irreps_in1.dim, requires_grad=True)
+    x2 = torch.randn(4, ref.irreps_in2.dim, requires_grad=True)
+    expected = ref(x1, x2, *args)
+    g = torch.randn_like(expected)
+    want = torch.autograd.grad(expected, [x1, x2, *args], g)
+    for output in ("gather", "views"):
+        layer = TensorProduct.from_e3nn(ref, backend="torch", output=output)
+        out = layer(x1, x2, *args)
+        _close(out, expected)
+        for a, b in zip(torch.autograd.grad(out, [x1, x2, *args], g), want):
+            _close(a, b)
+
+
+def test_shared_weight_gradient_split_over_batch_groups():
+    """A batch of 768 splits the shared weight's gradient into 3 groups (summed after)."""
+    from insum.nn.tensor_product import _batch_groups
+
+    assert _batch_groups(768) == 3 and _batch_groups(10_000) == 25 and _batch_groups(9973) == 1
+    torch.manual_seed(8)
+    ref = o3.FullyConnectedTensorProduct("2x0e+1x1o", "0e+1o", "1x0e+2x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    x1, x2 = torch.randn(768, 5), torch.randn(768, 4)
+    g = torch.randn(768, ref.irreps_out.dim)
+    (mine,) = torch.autograd.grad(layer(x1, x2), [layer.weight], g)
+    (theirs,) = torch.autograd.grad(ref(x1, x2), [ref.weight], g)
+    _close(mine, theirs)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch.manual_seed(9)
+    ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    compiled = torch.compile(layer, fullgraph=True)
+    x1 = torch.randn(5, 8, requires_grad=True)
+    x2 = torch.randn(5, 4, requires_grad=True)
+    out = compiled(x1, x2)
+    _close(out, ref(x1, x2))
+    mine = torch.autograd.grad(out.sum(), [x1, x2, layer.weight])
+    theirs = torch.autograd.grad(ref(x1, x2).sum(), [x1, x2, ref.weight])
+    for a, b in zip(mine, theirs):
+        _close(a, b)
+
+
+def test_converted_tables_follow_the_module_dtype():
+    """The per-dtype copies of the CG values are dropped by .to()/.float()/.double()."""
+    torch.manual_seed(10)
+    ref = o3.FullyConnectedTensorProduct("2x0e+1x1o", "0e+1o", "1x0e+1x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch").float()
+    x1, x2 = torch.randn(3, 5), torch.randn(3, 4)
+    _close(layer(x1.float(), x2.float()).double(), ref(x1, x2), 1e-5)
+    layer.double()
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight)  # .float() rounded the weights; the CG values must not be
+    _close(layer(x1, x2), ref(x1, x2))
