@@ -13,7 +13,7 @@ One GPU run, side by side, every result checked against a float64 product:
 3. Host time per cached call: insum() and fmt @ B against a bare Triton launch of the same
    kernel, and torch CSR @ B.
 
-    python -m benchmarks.unstructured_auto_h200 [--data ../.data] [--budget 320] [--out DIR]
+    python -m benchmarks.unstructured_auto [--data ../.data] [--budget 320] [--out DIR]
 """
 
 from __future__ import annotations
