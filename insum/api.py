@@ -20,6 +20,7 @@ from .execute import (
     check_names,
     check_options,
     run,
+    sorted_facts,
 )
 from .library import call
 from .parser import parse
@@ -35,6 +36,7 @@ def insum(
     precision: Precision = "tf32",
     autotune: bool | None = None,
     check_indices: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
     **tensors: torch.Tensor,
 ) -> torch.Tensor:
     """Evaluate one indirect Einsum and return its output.
@@ -50,6 +52,11 @@ def insum(
     default on); False bounds the first call's latency.
     check_indices: check index values before the generated kernel runs (None:
     INSUM_CHECK_INDICES, default off); the torch backend always checks. See `insum.bounds`.
+    sorted_indices: names of index tensors whose values the caller guarantees sorted
+    (equal values adjacent), such as a format's row index. A scatter through one
+    (`C[AM[p], n]` with AM sorted) then sums adjacent contributions to one row in
+    registers and writes once per row and tile. Unchecked: a wrong claim gives wrong
+    sums. Used by the direct call; under autograd or torch.compile it is ignored.
 
     >>> import torch
     >>> AV = torch.ones(2, 3); AK = torch.tensor([[0, 1, 2], [2, 2, 0]]); B = torch.eye(3)
@@ -66,7 +73,8 @@ def insum(
     if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
         return call(expr, tensors, stmt=stmt, **options)
     bound = bind(stmt, tensors)
-    return run(bound, bound.output(), **options)
+    facts = sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
+    return run(bound, bound.output(), sorted_indices=facts, **options)
 
 
 def _any_requires_grad(tensors: dict) -> bool:
@@ -93,8 +101,11 @@ def compile(expr: str, /, *, precision: Precision = "tf32", autotune: bool | Non
     return cached_kernel(spec_for(bound, precision), autotune)
 
 
-def explain(expr: str, /, *, precision: Precision = "tf32", **tensors: torch.Tensor) -> str:
-    """Describe how a statement is understood and compiled: IR, extents, roles, plan, source."""
+def explain(
+    expr: str, /, *, precision: Precision = "tf32", sorted_indices: frozenset[str] = frozenset(), **tensors: torch.Tensor
+) -> str:
+    """Describe how a statement is understood and compiled: IR, extents, roles, plan, source
+    (sorted_indices as for `insum()`)."""
     check_options(precision=precision)
     bound = bind(parse(expr), tensors)
     lines = [f"statement: {bound.stmt}", f"ir: {bound.stmt!r}", "variables:"]
@@ -106,7 +117,7 @@ def explain(expr: str, /, *, precision: Precision = "tf32", **tensors: torch.Ten
     from .runtime import kernel_for
 
     try:
-        kernel = kernel_for(bound, precision=precision)
+        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_facts(bound, sorted_indices))
     except UnsupportedStatement as e:
         lines.append(f"generated kernel: none ({e})")
     else:

@@ -356,7 +356,11 @@ def _accumulate(fmt: SparseFormat, C: torch.Tensor, B: torch.Tensor, backend: st
         C.copy_(product) if first else C.add_(product)
         return
     expression = overwrite(fmt.expression) if first else fmt.expression
-    insum(expression, backend=backend, precision=precision, check_indices=False, C=C, B=B, **fmt.tensors)
+    facts = fmt.sorted_indices & fmt.tensors.keys()  # a sorted row index: segment reduction
+    insum(
+        expression, backend=backend, precision=precision, check_indices=False, sorted_indices=facts,
+        C=C, B=B, **fmt.tensors,
+    )
 
 
 def _transposed(fmt: SparseFormat, dC: torch.Tensor, dB: torch.Tensor, backend: str, precision: str) -> None:

@@ -20,12 +20,12 @@ import torch
 
 from .bind import Bound
 from .bounds import check_indices as _check_indices
-from .cache import BoundedCache
+from .cache import BoundedCache, memoize
 from .errors import InsumError, InsumTypeError, UnsupportedStatement
 from .ir import Statement
 from .reference import run_reference
 
-__all__ = ["run", "check_options", "check_names", "Backend", "Precision", "BACKENDS", "PRECISIONS", "OPTIONS"]
+__all__ = ["run", "check_options", "check_names", "sorted_facts", "Backend", "Precision", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
 #: "torch": the reference lowering; "triton": the generated kernel; "auto": the generated
 #: kernel on CUDA tensors (falling back to the lowering with a warning), the lowering elsewhere.
@@ -34,7 +34,7 @@ Backend = Literal["auto", "torch", "triton"]
 Precision = Literal["tf32", "ieee"]
 BACKENDS: tuple[Backend, ...] = ("auto", "torch", "triton")
 PRECISIONS: tuple[Precision, ...] = ("tf32", "ieee")
-OPTIONS = ("backend", "precision", "autotune", "check_indices")  # keywords that are not tensors
+OPTIONS = ("backend", "precision", "autotune", "check_indices", "sorted_indices")  # keywords that are not tensors
 
 _WARNED_FALLBACK: BoundedCache[str, None] = BoundedCache()  # statements that already warned
 
@@ -59,12 +59,31 @@ def check_options(**options) -> None:
 
 def check_names(stmt: Statement) -> None:
     """Reject a statement that names a tensor like an option (it could not be passed)."""
-    taken = sorted({access.name for access, _ in stmt.walk()} & set(OPTIONS))
+    taken = _option_names_in(stmt)
     if taken:
         raise InsumError(
             f"tensor name {taken[0]!r} in '{stmt}' is an option of insum() ({', '.join(OPTIONS)}); "
             "rename the tensor"
         )
+
+
+@memoize
+def _option_names_in(stmt: Statement) -> tuple[str, ...]:
+    """Tensor names of the statement that are insum() options (per statement: a cached call
+    walks it once, not on every launch)."""
+    return tuple(sorted({access.name for access, _ in stmt.walk()} & set(OPTIONS)))
+
+
+def sorted_facts(bound: Bound, names) -> frozenset[str]:
+    """The declared sorted index tensors, each checked to be one the statement indexes with."""
+    facts = frozenset(names) if not isinstance(names, str) else frozenset((names,))
+    for name in facts:
+        if name not in bound.index_names:
+            raise InsumError(
+                f"sorted_indices names {name!r}, which is not an index tensor of '{bound.stmt}' "
+                f"(index tensors: {', '.join(bound.index_names) or 'none'})"
+            )
+    return facts
 
 
 def _checking(check_indices: bool | None) -> bool:
@@ -81,12 +100,13 @@ def run(
     precision: Precision = "tf32",
     autotune: bool | None = None,
     check_indices: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Run a bound statement into `out` and return `out` (no dispatcher, no autograd).
 
     With backend "triton" a statement the generated kernel cannot run raises
     `UnsupportedStatement`; with "auto" it falls back to the torch lowering, warning once
-    per statement. autotune and check_indices: as for `insum()`.
+    per statement. autotune, check_indices and sorted_indices (checked): as for `insum()`.
     """
     if bound.device.type == "meta":
         raise InsumTypeError(
@@ -98,7 +118,7 @@ def run(
     from .runtime import kernel_for  # the runtime loads the code generator: on first use
 
     try:
-        kernel = kernel_for(bound, precision=precision)
+        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
     except UnsupportedStatement as e:
         if backend == "triton":
             raise

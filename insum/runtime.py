@@ -92,11 +92,16 @@ def box_tensors(bound: Bound, descriptors: bool) -> frozenset[str]:
     )
 
 
-def spec_for(bound: Bound, precision: str = "tf32", descriptors: bool | None = None) -> KernelSpec:
-    """The parts of a bound statement that a kernel depends on.
+def spec_for(
+    bound: Bound,
+    precision: str = "tf32",
+    descriptors: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
+) -> KernelSpec:
+    """The parts of a bound statement that a kernel depends on (and the caller's facts).
 
     descriptors: allow tensor-descriptor loads (default: `descriptors_supported` on the
-    tensors' device)."""
+    tensors' device). sorted_indices: index tensors the caller guarantees sorted."""
     dtypes = {name: DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
     dtypes[bound.output_name] = DTYPE_NAMES[bound.out_dtype]
     wide = {
@@ -115,6 +120,7 @@ def spec_for(bound: Bound, precision: str = "tf32", descriptors: bool | None = N
         precision=precision,
         narrow=frozenset(narrow),
         boxes=box_tensors(bound, descriptors_supported(bound.device) if descriptors is None else descriptors),
+        sorted_indices=frozenset(sorted_indices),
     )
 
 
@@ -148,8 +154,6 @@ class Kernel:
         self.digest = generated.digest
         self.path = cache_dir() / "kernels" / f"insum_{self.digest}.py"
         self.fn = _load(self.path, self.source, self.digest)
-        if self.plan.boxes:
-            _set_descriptor_allocator()
         self.out_arg = f"{spec.stmt.output.name}_ptr"
         self.tuned: BoundedCache[tuple, dict] = BoundedCache()  # extents bucket -> configuration
         self._launchers: BoundedCache[tuple, _Launcher] = BoundedCache()  # tensor signature -> prepared launch
@@ -162,7 +166,7 @@ class Kernel:
         """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents."""
         bound = bind(self.spec.stmt, tensors)
         _check_device(bound)
-        spec = spec_for(bound, self.spec.precision)
+        spec = spec_for(bound, self.spec.precision, sorted_indices=self.spec.sorted_indices)
         if spec.dtypes != self.spec.dtypes:
             compiled, given = dict(self.spec.dtypes), dict(spec.dtypes)
             wrong = [f"{n} is {given[n]}, compiled for {compiled[n]}" for n in compiled if given[n] != compiled[n]]
@@ -186,12 +190,14 @@ class Kernel:
             if bound.signature is not None:
                 self._launchers[bound.signature] = launcher
         target = out
-        if self.plan.output == "atomic":
+        if self.plan.output in ("atomic", "segment"):
             if out.dtype in HALF_DTYPES and not _half_atomics(out):
                 # No half-precision atomics here: scatter into float32, then add once.
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
             elif not self.plan.stmt.accumulate:
                 out.zero_()
+        if self.plan.boxes:
+            _ensure_descriptor_allocator()
         if launcher.launched:
             args = launcher.args(bound.tensors, target)
             if launcher.config is None:
@@ -375,21 +381,24 @@ def _half_atomics(out: torch.Tensor) -> bool:
     return major >= (9 if out.dtype == torch.bfloat16 else 7)
 
 
-_ALLOCATOR_SET = False
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-def _set_descriptor_allocator() -> None:
-    """Device-side tensor descriptors live in a scratch buffer Triton asks for at launch."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET:
-        return
-    import triton
+def _ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors live in a scratch buffer Triton asks for at launch.
 
-    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-        return torch.empty(size, device="cuda", dtype=torch.int8)
+    Triton keeps its allocator in a ContextVar: a thread that never set one (autograd runs
+    CUDA backward passes on its own device threads) sees none. So this runs before every
+    launch of a kernel with descriptors, and keeps an allocator the caller set.
+    """
+    from triton.runtime import _allocation
 
-    triton.set_allocator(alloc)
-    _ALLOCATOR_SET = True
+    current = _allocation._allocator
+    if isinstance(getattr(current, "get", lambda: current)(), _allocation.NullAllocator):
+        import triton
+
+        triton.set_allocator(_descriptor_scratch)
 
 
 def _program_slots(device: torch.device) -> int:
@@ -447,17 +456,20 @@ def _triton_imported_interpreting() -> bool:
     return type(tl.cdiv).__name__ == "InterpretedFunction"
 
 
-def kernel_for(bound: Bound, precision: str = "tf32") -> Kernel:
-    """The cached kernel for a bound statement, compiled on first use."""
+def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset()) -> Kernel:
+    """The cached kernel for a bound statement, compiled on first use.
+
+    sorted_indices: index tensors the caller guarantees sorted (see `insum()`).
+    """
     _check_device(bound)
     if bound.signature is None:
-        return cached_kernel(spec_for(bound, precision))
-    key = (bound.stmt, bound.signature, precision)
+        return cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
+    key = (bound.stmt, bound.signature, precision, sorted_indices)
     if descriptors_supported(bound.device):  # descriptors need 16-byte aligned starts
         key += tuple(bound.tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
     kernel = _BY_SIGNATURE.get(key)
     if kernel is None:
-        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision))
+        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
     return kernel
 
 

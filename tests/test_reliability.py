@@ -472,7 +472,9 @@ def test_packed_formats_pass_the_index_check(name):
         finally:
             monkey.undo()
         expr, kw = seen[0]
-        tensors = {k: v for k, v in kw.items() if k not in ("backend", "precision", "check_indices")}
+        from insum.api import OPTIONS
+
+        tensors = {k: v for k, v in kw.items() if k not in OPTIONS}
     else:
         expr = overwrite(fmt.expression)
     bound = bind(parse(expr), tensors)

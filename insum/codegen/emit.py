@@ -19,13 +19,16 @@ from dataclasses import dataclass
 
 from ..dtypes import TL_DTYPES
 from ..ir import Access, Index, Literal, Var
-from .schedule import Plan
+from .schedule import Plan, segment_index
 from .values import Value, broadcast, union
 
 __all__ = ["Source", "emit", "KERNEL_NAME"]
 
 KERNEL_NAME = "insum_kernel"
-_RESERVED = ("tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest", "task")
+_RESERVED = (
+    "tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest", "task",
+    "seg_key", "next_key", "seg_tail", "seg_first", "seg_owned", "_segment_add",
+)
 
 
 @dataclass(frozen=True)
@@ -328,6 +331,49 @@ def _loop_lines(em: _Emitter) -> list[str]:
     return lines
 
 
+_SEGMENT_ADD = '''@triton.jit
+def _segment_add(key_a, acc_a, key_b, acc_b):
+    """Segmented sum: b adds a's running sum when both lanes belong to one output row."""
+    return key_b, acc_b + tl.where(key_a == key_b, acc_a, 0)'''
+
+
+def _segment_lines(em: _Emitter, acc_axes: tuple[str, ...], mask: str | None) -> tuple[str, str | None]:
+    """Sum adjacent lanes of one output row (sorted index) and keep each segment's last lane.
+
+    Returns the mask argument of the write (only a segment's last lane in the tile writes)
+    and, for `=` statements, the block-shaped condition of the segments that start and end
+    inside the tile: their rows have no other writer, so a plain store replaces the atomic.
+    """
+    access = segment_index(em.plan)
+    var = access.indices[0].variable
+    axis = em.plan.var_axis(var)
+    key = em.gather(access)  # the row of each lane, [var]
+    offs, size = em.offs[var], em.size[var]
+    index = f"{offs} + 1"
+    if access.name in em.plan.spec.wide:
+        index = f"({index}).to(tl.int64)"
+    following = f"{em.ptr[access.name]} + ({index}) * {em.stride(access.name, 0)}"
+    shape = em.shape_comment((axis,))
+    em.put(0, f"seg_key = tl.where({em.mask[var]}, {key.expr}, -1)" + shape)
+    em.put(0, f"next_key = tl.load({following}, mask={offs} + 1 < {size}, other=-1)" + shape)
+    em.put(0, f"seg_tail = (next_key != seg_key) | (tl.arange(0, BLOCK_{axis}) == BLOCK_{axis} - 1)" + shape)
+    keys = broadcast(Value("seg_key", (axis,), 0), acc_axes)
+    if acc_axes != (axis,):
+        blocks = ", ".join(f"BLOCK_{a}" for a in acc_axes)
+        keys = f"tl.broadcast_to({keys}, ({blocks}))"
+    em.put(0, f"_, acc = tl.associative_scan(({keys}, acc), {acc_axes.index(axis)}, _segment_add)" + em.shape_comment(acc_axes))
+    tail = broadcast(Value("seg_tail", (axis,), 0), acc_axes)
+    mask_arg = f", mask={mask} & {tail}" if mask else f", mask={tail}"
+    if em.stmt.accumulate:
+        return mask_arg, None
+    first = f"{em.tile_pid[var]} * BLOCK_{axis}"
+    if access.name in em.plan.spec.wide:
+        first = f"({first}).to(tl.int64)"
+    em.put(0, f"seg_first = tl.load({em.ptr[access.name]} + {first} * {em.stride(access.name, 0)})  # []")
+    em.put(0, f"seg_owned = (seg_key != seg_first) & (tl.arange(0, BLOCK_{axis}) != BLOCK_{axis} - 1)" + shape)
+    return mask_arg, broadcast(Value("seg_owned", (axis,), 0), acc_axes)
+
+
 def _folded_k_lines(em: _Emitter) -> list[str]:
     """Offsets of every variable on a folded K axis, from one flat offset (K's variable fastest)."""
     names = em.plan.axis_vars("K")
@@ -392,7 +438,13 @@ def emit(plan: Plan) -> Source:
     mask_arg = f", mask={mask}" if mask else ""
     value = broadcast(Value("acc", acc_axes, 0), out_axes) if out_axes != acc_axes else "acc"
     out_ty = f"{em.ptr[stmt.output.name]}.dtype.element_ty"
-    if plan.output == "atomic":
+    if plan.output == "segment":
+        mask_arg, owned = _segment_lines(em, acc_axes, mask)
+        if owned is not None:
+            # `=`: a segment inside the tile is its row's only writer (the output was zeroed).
+            em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg} & {owned})")
+            mask_arg = f"{mask_arg} & ~{owned}"
+    if plan.output in ("atomic", "segment"):
         # Into a float32 buffer, or the output's own dtype where the GPU has such atomics.
         cast = f"({value}).to({out_ty})" if value != "acc" else f"acc.to({out_ty})"
         em.put(0, f"tl.atomic_add(out_ptrs, {cast}{mask_arg}, sem=\"relaxed\")")
@@ -416,7 +468,10 @@ def emit(plan: Plan) -> Source:
     def group(kind):
         return ", ".join(arg_names[a] for a in args if a[0] == kind)
 
-    out = ["import triton", "import triton.language as tl", "", "", "@triton.jit", f"def {KERNEL_NAME}("]
+    out = ["import triton", "import triton.language as tl", "", ""]
+    if plan.output == "segment":
+        out += _SEGMENT_ADD.splitlines() + ["", ""]
+    out += ["@triton.jit", f"def {KERNEL_NAME}("]
     out.append(f"    # pointers\n    {group('ptr')},")
     if em.size:  # a statement without variables has no extents
         out.append(f"    # extents\n    {group('size')},")

@@ -26,13 +26,13 @@ from typing import Literal
 from ..dtypes import HALF_NAMES, DtypeName
 from ..ir import Access, Role, Statement
 
-__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "AXES"]
+__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "AXES"]
 
 AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
 #: "dot": a tl.dot of an (M, K) block by a (K, N) block; "reduce": broadcast multiply, tl.sum.
 PlanKind = Literal["dot", "reduce"]
 #: "store": each output element has one owner; "atomic": scattered contributions may collide.
-OutputMode = Literal["store", "atomic"]
+OutputMode = Literal["store", "atomic", "segment"]
 # Hopper's warp-group MMA needs 64 rows of M per tile: a variable with a smaller extent (the
 # rows of one 32 x 32 block) goes on N instead when the statement allows it.
 NARROW = 64
@@ -63,6 +63,9 @@ class KernelSpec:
     precision: str = "tf32"  # float32 tl.dot: "tf32" or "ieee"
     narrow: frozenset[str] = frozenset()  # output-side variables with extents below NARROW
     boxes: frozenset[str] = frozenset()  # input tensors whose layout fits a tensor descriptor
+    # Index tensors the caller declares sorted (equal values adjacent), e.g. a format's
+    # row index: a facts channel from formats to the code generator through the call.
+    sorted_indices: frozenset[str] = frozenset()
 
     def role(self, var: str) -> Role:
         return dict(self.roles)[var]
@@ -82,7 +85,7 @@ class Plan:
     loops: tuple[str, ...]  # reduced variables looped one value at a time, outermost first
     left: tuple[int, ...]  # factor positions multiplied into the (M, K) dot operand
     right: tuple[int, ...]  # factor positions multiplied into the (K, N) dot operand
-    output: OutputMode
+    output: OutputMode  # "segment": see segment_index
     acc_dtype: DtypeName  # "fp32" or "fp64"
     dot_dtype: DtypeName | None  # operand dtype of tl.dot
     boxes: tuple[int, ...] = ()  # factor positions loaded through a tensor descriptor
@@ -132,8 +135,47 @@ class Plan:
         if self.persistent:
             lines.append("programs: persistent (one per SM, striding over the tiles)")
         lines.append(f"accumulator: {self.acc_dtype}")
-        lines.append(f"output: {self.output}" + (" (one owner per element)" if self.output == "store" else " (tl.atomic_add: scattered contributions may collide)"))
+        lines.append(f"output: {self.output}" + _OUTPUT_NOTES[self.output])
         return "\n".join(lines)
+
+
+_OUTPUT_NOTES = {
+    "store": " (one owner per element)",
+    "atomic": " (tl.atomic_add: scattered contributions may collide)",
+    "segment": " (sorted scatter index: equal rows summed in registers, one tl.atomic_add per segment)",
+}
+
+
+def segment_index(plan: Plan) -> Access | None:
+    """The sorted 1-D index `X[v]` of a segment-reduced output (None for other strategies)."""
+    if plan.output != "segment":
+        return None
+    return _sorted_scatter(plan.spec, dict(plan.tiles))
+
+
+def _sorted_scatter(spec: KernelSpec, tiles: dict[str, str]) -> Access | None:
+    """The output's one scattered index, when it is `X[v]` with X declared sorted and v tiled.
+
+    Then consecutive values of v that share a row are adjacent in a tile, so a segmented
+    scan over the tile adds them in registers (the segment group of the Sgap paper) and only
+    each segment's last lane writes: one atomic per segment and tile instead of one per value.
+    """
+    out = spec.stmt.output
+    scattered = [i for i in out.indices if not i.is_direct]
+    if len(scattered) != 1:
+        return None
+    index = scattered[0]
+    if index.const or len(index.terms) != 1 or index.terms[0].coef != 1:
+        return None
+    access = index.terms[0].atom
+    if not isinstance(access, Access) or access.name not in spec.sorted_indices or len(access.indices) != 1:
+        return None
+    var = access.indices[0].variable
+    if var is None or not access.indices[0].is_direct or var not in tiles.values() or tiles.get("K") == var:
+        return None
+    if sum(var in i.variables() for i in out.indices) != 1:
+        return None
+    return access
 
 
 def _direct_in(var: str, accesses: list[Access]) -> bool:
@@ -235,6 +277,7 @@ def schedule(spec: KernelSpec, *, fold_k: bool = False) -> Plan:
     tiled = set(tiles.values())
     out_vars = [i.variable for i in stmt.output.indices]
     one_owner = all(v is not None for v in out_vars) and len(set(out_vars)) == len(out_vars)
+    output = "store" if one_owner else "segment" if _sorted_scatter(spec, tiles) and not persistent else "atomic"
     return Plan(
         spec=spec,
         kind=kind,
@@ -243,7 +286,7 @@ def schedule(spec: KernelSpec, *, fold_k: bool = False) -> Plan:
         loops=tuple(v for v in reduced if v not in tiled and v not in folded),
         left=left,
         right=right,
-        output="store" if one_owner else "atomic",
+        output=output,
         acc_dtype=acc_dtype,
         dot_dtype=dot_dtype,
         boxes=boxes,

@@ -13,7 +13,7 @@ tensor-core shape). Clamped configurations that coincide are kept once.
 from __future__ import annotations
 
 from ..arith import next_power_of_2
-from .schedule import Plan
+from .schedule import Plan, segment_index
 
 __all__ = ["configs_for", "prune_configs"]
 
@@ -33,6 +33,9 @@ _REDUCE = [
     (1, 8, 256, 4, 2), (2, 32, 64, 4, 2), (4, 16, 64, 4, 2), (8, 8, 64, 4, 2),
     (16, 8, 32, 4, 2), (32, 4, 32, 4, 2), (64, 4, 16, 4, 2), (16, 16, 16, 4, 2),
     (128, 1, 32, 4, 2), (1, 64, 64, 4, 2), (1, 128, 32, 4, 2), (256, 1, 16, 4, 2),
+    # Tall tiles of narrow groups: a sorted scatter reduces more groups per segment.
+    (32, 2, 128, 4, 2), (64, 1, 128, 8, 2), (128, 1, 64, 8, 2),
+    (16, 4, 128, 4, 2), (32, 4, 64, 4, 2), (16, 8, 64, 4, 2),
 ]
 
 
@@ -48,9 +51,21 @@ def configs_for(plan: Plan) -> list[dict]:
     return _unique(out)
 
 
+# A segment-reduced scatter writes once per segment and tile: narrower tiles along the
+# scattered variable multiply the atomics that one long row (a graph's hub) serialises on.
+SEGMENT_TILE = 16
+
+
 def prune_configs(plan: Plan, configs: list[dict], extents: dict[str, int]) -> list[dict]:
-    """Clamp each tile to its extent (and to 16 for tl.dot), dropping duplicates."""
+    """Clamp each tile to its extent (and to 16 for tl.dot), dropping duplicates; segment
+    plans keep tiles of at least SEGMENT_TILE along the scattered variable."""
     floor = 16 if plan.kind == "dot" else 1
+    segment = segment_index(plan)
+    if segment is not None:
+        var = segment.indices[0].variable
+        axis = plan.var_axis(var)
+        tall = min(SEGMENT_TILE, next_power_of_2(extents[var]))
+        configs = [c for c in configs if c[f"BLOCK_{axis}"] >= tall] or configs
     pruned = []
     for config in configs:
         config = dict(config)

@@ -16,6 +16,7 @@ per bucket width for CELL), and converts back with `fmt.to_dense()`.
 The package imports nothing from the code generator or the runtime.
 """
 
+from .auto import auto
 from .base import FORMATS, SparseFormat, format_class
 from .blockgroupcoo import BlockGroupCOO
 from .cell import CELL
@@ -39,4 +40,5 @@ __all__ = [
     "load_mtx",
     "load_smtx",
     "power_law_matrix",
+    "auto",
 ]

@@ -95,6 +95,11 @@ class SparseFormat:
     name: ClassVar[str] = ""
     expression: ClassVar[str] = ""
     _value_names: ClassVar[tuple[str, ...]] = ()
+    #: Index tensors the packer keeps sorted (equal values adjacent): passed to `insum()`
+    #: as `sorted_indices`, so a scatter through them is reduced per segment in registers.
+    sorted_indices: ClassVar[frozenset[str]] = frozenset()
+    #: Why `formats.auto` chose this format and these parameters (None: not chosen by it).
+    chosen_because: str | None = None
 
     def __init__(
         self,
@@ -211,11 +216,18 @@ class SparseFormat:
         return dict(self.params)
 
     def describe(self) -> str:
-        """The chosen parameters as `name=value, ...` (what repr shows)."""
+        """The chosen parameters as `name=value, ...` (what repr shows), and why when
+        `formats.auto` chose them."""
+        params = self._params_text()
+        if self.chosen_because:
+            return f"{params}; {self.chosen_because}" if params else self.chosen_because
+        return params
+
+    def _params_text(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self._describe().items())
 
     def __repr__(self) -> str:
-        params = self.describe()
+        params = self._params_text()
         return (
             f"{type(self).__name__}(shape={self.shape}, nnz={self.nnz}"
             + (f", {params}" if params else "")
@@ -271,7 +283,8 @@ class SparseFormat:
         else:
             # Both factors and the output in the promoted dtype: the kernel sees one value
             # dtype and accumulates half precision in float32 itself.
-            C = self._spmm(B.to(out_dtype), out_dtype, backend, precision)  # any strides
+            B = B if B.dtype == out_dtype else B.to(out_dtype)  # (a no-op .to still costs a dispatch)
+            C = self._spmm(B, out_dtype, backend, precision)  # any strides
         return C.squeeze(1) if vector else C
 
     def __matmul__(self, B: torch.Tensor) -> torch.Tensor:
@@ -389,14 +402,17 @@ class SparseFormat:
         shape, operand = self.output_shape(B.shape[1]), self.operand(B)
         C = (torch.zeros if self.accumulates else torch.empty)(shape, dtype=acc, device=B.device)
         for expression, tensors in self.statements():
-            values = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+            values = {k: (v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v) for k, v in tensors.items()}
             statement = expression if self.accumulates else overwrite(expression)
             self._run(statement, backend, precision, C=C, B=operand, **values)
-        return self.result(C).to(dtype)
+        C = self.result(C)
+        return C if C.dtype == dtype else C.to(dtype)
 
-    @staticmethod
     def _run(
-        expression: str, backend: str, precision: str, **tensors: torch.Tensor
+        self, expression: str, backend: str, precision: str, **tensors: torch.Tensor
     ) -> torch.Tensor:
         # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
-        return insum(expression, backend=backend, precision=precision, check_indices=False, **tensors)
+        facts = self.sorted_indices & tensors.keys()
+        return insum(
+            expression, backend=backend, precision=precision, check_indices=False, sorted_indices=facts, **tensors
+        )

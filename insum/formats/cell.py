@@ -301,6 +301,12 @@ class CELL(SparseFormat):
         return name.startswith("V_")
 
     @property
+    def sorted_indices(self) -> frozenset[str]:
+        """RI is sorted within each width when there is one partition (rows in order, folds
+        adjacent); partitions interleave rows, so then it is not."""
+        return frozenset({"RI"}) if self.params["partitions"] == 1 else frozenset()
+
+    @property
     def widths(self) -> list[int]:
         """The bucket widths present, ascending: one statement (one launch) each."""
         return sorted(int(n[2:]) for n in self._tensors if n.startswith("V_"))

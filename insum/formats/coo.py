@@ -28,6 +28,7 @@ class COO(SparseFormat):
     name = "coo"
     expression = "C[AM[p],n] += AV[p]*B[AK[p],n]"
     _value_names = ("AV",)
+    sorted_indices = frozenset({"AM"})
 
     @classmethod
     def _pack(cls, coords: Coords, *, index_dtype: torch.dtype | None = None) -> COO:

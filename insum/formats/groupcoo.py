@@ -42,6 +42,7 @@ class GroupCOO(SparseFormat):
     name = "groupcoo"
     expression = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
     _value_names = ("AV",)
+    sorted_indices = frozenset({"AM"})
 
     @classmethod
     def _pack(

@@ -25,6 +25,7 @@ from torch import nn
 from ..arith import cdiv
 from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..errors import InsumError, InsumShapeError
+from ..formats.auto import auto
 from ..formats.base import SparseFormat, format_class
 from .sparse_autograd import apply_sparse_linear, format_meta, gradient_statements, rebuild_format
 
@@ -98,7 +99,7 @@ def pruned(weight: torch.Tensor, format: str, sparsity: float, format_params: di
     `pruning_block`: whole blocks for BlockGroupCOO; NM refuses, it prunes itself)."""
     if not sparsity:
         return weight
-    return magnitude_prune(weight, sparsity, format_class(format).pruning_block(format_params))
+    return magnitude_prune(weight, sparsity, _format_class(format).pruning_block(format_params))
 
 
 def pruned_linear(
@@ -124,10 +125,24 @@ def initial_bias(out_features: int, in_features: int, device, dtype) -> torch.Te
     return torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)
 
 
+def _format_class(format: str) -> type[SparseFormat]:
+    """The format class by name; "auto" prunes like the unstructured formats (single entries)."""
+    return format_class("GroupCOO" if format.lower() == "auto" else format)
+
+
+def _pack(format: str, weight: torch.Tensor, params: dict[str, Any]) -> SparseFormat:
+    """Pack `weight` in `format`; "auto" asks `formats.auto` (params: n_cols, measure, ...)."""
+    if format.lower() == "auto":
+        return auto(weight, **params)
+    return format_class(format).from_dense(weight, **params)
+
+
 class SparseLinear(nn.Module):
     """y = x @ W^T + b with W (out_features x in_features) held in a sparse format.
 
-    format: a format name ("GroupCOO", "BlockGroupCOO", "ELL", "COO", "NM", "CELL");
+    format: a format name ("GroupCOO", "BlockGroupCOO", "ELL", "COO", "NM", "CELL"), or
+    "auto" for the format `insum.formats.auto` expects fastest (format_params: n_cols, the
+    batch size it assumes, default 128; measure);
     format_params go to its packer (block=(32, 32), n=2, m=4, vector_len=16, ...).
     A new layer draws W as nn.Linear does, then prunes it by magnitude to `sparsity`
     (whole blocks for BlockGroupCOO; NM prunes to its own n:m pattern). Build one from a
@@ -162,7 +177,7 @@ class SparseLinear(nn.Module):
         self.backend, self.precision = backend, precision
         self.transposed_backward = transposed_backward
         weight = initial_weight(out_features, in_features, format, sparsity, format_params, device, dtype)
-        self._set_format(format_class(format).from_dense(weight, **format_params))
+        self._set_format(_pack(format, weight, format_params))
         if bias:
             self.bias = nn.Parameter(initial_bias(out_features, in_features, device, dtype))
         else:
@@ -185,7 +200,7 @@ class SparseLinear(nn.Module):
         """A layer holding `weight` (out x in; its zeros are the pattern, NM prunes) and `bias`."""
         if weight.dim() != 2:
             raise InsumShapeError(f"weight must be (out_features, in_features), got {tuple(weight.shape)}")
-        fmt = format_class(format).from_dense(weight.detach(), **format_params)
+        fmt = _pack(format, weight.detach(), format_params)
         return cls.from_format(
             fmt, bias, backend=backend, precision=precision, transposed_backward=transposed_backward
         )

@@ -106,7 +106,9 @@ def _value_gradients(
     for (_, tensors), (output_grad, _, statements) in zip(fmt.statements(), gradients):
         env = {**tensors, "B": B, output_grad: dC}
         for local, stmts in statements.items():
-            name = owner.get(id(tensors.get(local)))
+            if local not in tensors:  # B: the dense operand, no value tensor of the format
+                continue
+            name = owner.get(id(tensors[local]))  # id() of a tensor: traceable by dynamo
             if name not in wanted:
                 continue
             for stmt, reads in stmts:
