@@ -25,7 +25,7 @@ from torch import nn
 from ..arith import cdiv
 from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..errors import InsumError, InsumShapeError
-from ..formats.auto import auto
+from ..formats.auto import packer, pruning_block
 from ..formats.base import SparseFormat, format_class
 from .sparse_autograd import apply_sparse_linear, format_meta, gradient_statements, rebuild_format
 
@@ -99,7 +99,7 @@ def pruned(weight: torch.Tensor, format: str, sparsity: float, format_params: di
     `pruning_block`: whole blocks for BlockGroupCOO; NM refuses, it prunes itself)."""
     if not sparsity:
         return weight
-    return magnitude_prune(weight, sparsity, _format_class(format).pruning_block(format_params))
+    return magnitude_prune(weight, sparsity, pruning_block(format, format_params))
 
 
 def pruned_linear(
@@ -123,18 +123,6 @@ def initial_bias(out_features: int, in_features: int, device, dtype) -> torch.Te
     """A bias drawn as nn.Linear draws it: uniform in +-1/sqrt(in_features)."""
     bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
     return torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)
-
-
-def _format_class(format: str) -> type[SparseFormat]:
-    """The format class by name; "auto" prunes like the unstructured formats (single entries)."""
-    return format_class("GroupCOO" if format.lower() == "auto" else format)
-
-
-def _pack(format: str, weight: torch.Tensor, params: dict[str, Any]) -> SparseFormat:
-    """Pack `weight` in `format`; "auto" asks `formats.auto` (params: n_cols, measure, ...)."""
-    if format.lower() == "auto":
-        return auto(weight, **params)
-    return format_class(format).from_dense(weight, **params)
 
 
 class SparseLinear(nn.Module):
@@ -177,7 +165,7 @@ class SparseLinear(nn.Module):
         self.backend, self.precision = backend, precision
         self.transposed_backward = transposed_backward
         weight = initial_weight(out_features, in_features, format, sparsity, format_params, device, dtype)
-        self._set_format(_pack(format, weight, format_params))
+        self._set_format(packer(format)(weight, **format_params))
         if bias:
             self.bias = nn.Parameter(initial_bias(out_features, in_features, device, dtype))
         else:
@@ -200,7 +188,7 @@ class SparseLinear(nn.Module):
         """A layer holding `weight` (out x in; its zeros are the pattern, NM prunes) and `bias`."""
         if weight.dim() != 2:
             raise InsumShapeError(f"weight must be (out_features, in_features), got {tuple(weight.shape)}")
-        fmt = _pack(format, weight.detach(), format_params)
+        fmt = packer(format)(weight.detach(), **format_params)
         return cls.from_format(
             fmt, bias, backend=backend, precision=precision, transposed_backward=transposed_backward
         )
