@@ -30,21 +30,22 @@ import torch
 import insum
 from insum.formats import CELL, ELL, GroupCOO, auto, load_mtx, load_smtx, power_law_matrix
 
-from .common import bare_launcher, geomean, host_us_per_call, relative_error, shorten_autotune
-
-TOL = {torch.float32: 1e-3, torch.float16: 1e-2}
+from .common import (
+    bare_launcher,
+    geomean,
+    host_us_per_call,
+    median_ms,
+    padded_slots,
+    relative_error,
+    rotating,
+    shorten_autotune,
+)
+from .context import TOLERANCE
 
 
 def bench_ms(fn, Bs) -> float:
-    import triton.testing
-
-    state = {"i": 0}
-
-    def step():
-        state["i"] = (state["i"] + 1) % len(Bs)
-        fn(Bs[state["i"]])
-
-    return triton.testing.do_bench(step, warmup=5, rep=25, return_mode="median")
+    """do_bench median of fn(B), B rotating over Bs (short: 5 ms warm-up, 25 ms)."""
+    return median_ms(rotating(fn, [(B,) for B in Bs]), warmup=5, rep=25)
 
 
 def matrices(data: Path, device) -> list[tuple[str, str, object]]:
@@ -101,7 +102,7 @@ def measure_auto(run: Run, name, kind, csr, dtype, N, gen) -> None:
     t = bench_ms(lambda B: fmt @ B, Bs)
     row = dict(case=name, kind=kind, dtype=str(dtype)[6:], N=N, shape=list(csr.shape), nnz=csr._nnz(),
                cusparse_ms=t_csr, auto_ms=t, ratio=t_csr / t, err=err, cusparse_err=err_csr,
-               ok=bool(err <= TOL[dtype]), chosen=repr(fmt), why=fmt.chosen_because or "", choose_s=choose_s)
+               ok=bool(err <= TOLERANCE[dtype]), chosen=repr(fmt), why=fmt.chosen_because or "", choose_s=choose_s)
     run.rows.append(row)
     run.say(json.dumps(row))
 
@@ -131,17 +132,16 @@ def ab(run: Run, name, csr, gen) -> list[dict]:
             finally:
                 if strategy == "atomic":
                     cls.sorted_indices = saved
-        if isinstance(fmt, GroupCOO):
+        if fmt.single_statement and fmt.sorted_indices:  # GroupCOO
             # Segments written by atomics only (the `+=` statement into zeros) against the
             # `=` statement above, which stores the segments that lie inside one tile.
             def accumulate(B, f=fmt):
                 C = torch.zeros(f.shape[0], B.shape[1], device=B.device)
-                return insum.insum(f.expression, sorted_indices={"AM"}, C=C, B=B, **f.tensors)
+                return insum.insum(f.expression, sorted_indices=set(f.sorted_indices), C=C, B=B, **f.tensors)
 
             err = relative_error(accumulate(Bs[0]), expected)
             out[f"{label} segment atomics only"] = (bench_ms(accumulate, Bs), err)
-    longest = int(csr.crow_indices().diff().max())
-    if csr.shape[0] * longest <= 1 << 26:
+    if padded_slots(ELL, csr) <= 1 << 26:
         fmt = ELL.from_torch(csr)
         out["ELL"] = (bench_ms(lambda B: fmt @ B, Bs), relative_error(fmt @ Bs[0], expected))
     run.say("AB " + json.dumps(out))
