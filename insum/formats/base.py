@@ -9,14 +9,18 @@ its statements read B and write C through (`operand`, `output_shape`, `result`,
 `spmm` runs the statements through the public `insum()`.
 
 The packers' helpers live beside it: `coords` (coordinates and checks), `grouping` (group
-sizes, the accumulation rule, slot grouping), `tuning` (group_size="tune"), `registry`. Formats never import the code generator or the runtime, so
-packing, inspecting and converting need neither Triton nor a GPU.
+sizes, the accumulation rule, slot grouping), `tuning` (group_size="tune"), `registry`.
+Formats never import the code generator or the runtime, so packing, inspecting and
+converting need neither Triton nor a GPU.
 
 All packing is vectorised torch code on the input's device, never a Python loop over rows
 or nonzeros. On a GPU its time is host syncs (anything whose size or value the host reads)
 and kernel launches, so a packer works from the row pointer with `cumsum` / gathers, reads
 every size it needs in ONE sync (`Coords.read`), and counts are kept in check by tests
 (`opcount.count_ops`).
+
+A little over 400 lines, as one module: it is the one class every format subclasses, and
+its defaults (views, transposed pattern, SpMM) are written in terms of each other.
 """
 
 from __future__ import annotations
