@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from insum.dtypes import DTYPE_NAMES, VALUE_DTYPES
+from insum.formats import GroupCOO
+from insum.formats.base import SparseFormat
 from insum.formats.tuning import median_wall_time
 
 #: Short name ("fp16") -> value dtype: insum.dtypes' names, read back.
@@ -106,6 +108,16 @@ def block_sparse(size: int, block: int, s: float, dtype, gen, device) -> tuple[t
     mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
     A = torch.randn(size, size, device=device, generator=gen).to(dtype) * mask
     return A, keep
+
+
+def host_case(device) -> tuple[torch.Tensor, SparseFormat, dict[str, torch.Tensor]]:
+    """The host-overhead case: (A, fmt, tensors) for a 256 x 256, 5% dense A (seed 7), its
+    GroupCOO packing and the statement's tensors with B (256 x 32) and a zero C."""
+    gen = torch.Generator(device=device).manual_seed(7)
+    A = (torch.rand(256, 256, device=device, generator=gen) < 0.05) * torch.randn(256, 256, device=device, generator=gen)
+    fmt = GroupCOO.from_dense(A)
+    B = torch.randn(256, 32, device=device, generator=gen)
+    return A, fmt, dict(fmt.tensors, B=B, C=torch.zeros(256, 32, device=device))
 
 
 def rotating(fn, inputs: list):

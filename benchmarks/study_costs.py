@@ -27,7 +27,14 @@ import torch
 import insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, load_smtx, power_law_matrix
 
-from .common import bare_launcher, block_sparse, host_us_per_call, padded_slots, relative_error
+from .common import (
+    bare_launcher,
+    block_sparse,
+    host_case,
+    host_us_per_call,
+    padded_slots,
+    relative_error,
+)
 from .context import Context
 from .lowering import lowered_spmm
 
@@ -50,15 +57,8 @@ def run(ctx: Context) -> list[dict]:
 
 
 def host_overhead(ctx: Context) -> None:
-    dev = ctx.device
-    gen = torch.Generator(device=dev).manual_seed(7)
-    A = (torch.rand(256, 256, device=dev, generator=gen) < 0.05) * torch.randn(256, 256, device=dev, generator=gen)
-    fmt = GroupCOO.from_dense(A)
-    csr = A.to_sparse_csr()
-    B = torch.randn(256, 32, device=dev, generator=gen)
-    C = torch.zeros(256, 32, device=dev)
-    expr = fmt.expression
-    tensors = dict(fmt.tensors, B=B, C=C)
+    A, fmt, tensors = host_case(ctx.device)
+    csr, B, C, expr = A.to_sparse_csr(), tensors["B"], tensors["C"], fmt.expression
     expected = A.double() @ B.double()
     err = relative_error(insum.insum(expr, backend=ctx.backend, **tensors), expected)
     n = 2 if ctx.smoke else 2000

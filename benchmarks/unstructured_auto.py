@@ -33,6 +33,7 @@ from insum.formats import CELL, ELL, GroupCOO, auto, load_mtx, load_smtx, power_
 from .common import (
     bare_launcher,
     geomean,
+    host_case,
     host_us_per_call,
     median_ms,
     padded_slots,
@@ -149,15 +150,8 @@ def ab(run: Run, name, csr, gen) -> list[dict]:
 
 
 def host_overhead(run: Run) -> dict:
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(7)
-    A = (torch.rand(256, 256, device=dev, generator=gen) < 0.05) * torch.randn(256, 256, device=dev, generator=gen)
-    fmt = GroupCOO.from_dense(A)
-    csr = A.to_sparse_csr()
-    B = torch.randn(256, 32, device=dev, generator=gen)
-    C = torch.zeros(256, 32, device=dev)
-    expr = fmt.expression
-    tensors = dict(fmt.tensors, B=B, C=C)
+    A, fmt, tensors = host_case("cuda")
+    csr, B, expr = A.to_sparse_csr(), tensors["B"], fmt.expression
     insum.insum(expr, **tensors)
     out = {}
     fmt @ B
@@ -201,15 +195,20 @@ def main() -> None:
     jobs += [(dt, n, sweep) for n in (32, 64, 256) for dt in (torch.float32, torch.float16)]
     ab_rows = []
     ab_set = others + dlmc[::12]
-    for dtype, N, todo in jobs[:2]:
-        for name, kind, load in todo:
-            if run.left() < 110:
-                run.note(f"budget: skipped the rest of {dtype} N={N} from {name}")
-                break
-            try:
-                measure_auto(run, name, kind, get(name, load, dtype), dtype, N, gen)
-            except Exception as e:
-                run.note(f"{name} {dtype} N={N}: {type(e).__name__}: {str(e)[:200]}")
+
+    def measure_jobs(jobs, reserve_s: float) -> None:
+        """auto vs cuSPARSE for every (dtype, N, matrices) job, leaving reserve_s of the budget."""
+        for dtype, N, todo in jobs:
+            for name, kind, load in todo:
+                if run.left() < reserve_s:
+                    run.note(f"budget: skipped the rest of {dtype} N={N} from {name}")
+                    break
+                try:
+                    measure_auto(run, name, kind, get(name, load, dtype), dtype, N, gen)
+                except Exception as e:
+                    run.note(f"{name} {dtype} N={N}: {type(e).__name__}: {str(e)[:200]}")
+
+    measure_jobs(jobs[:2], 110)
     for name, _kind, load in ab_set:
         if run.left() < 60:
             run.note(f"budget: skipped the rest of the A/B from {name}")
@@ -218,15 +217,7 @@ def main() -> None:
             ab_rows.append(ab(run, name, get(name, load, torch.float32), gen))
         except Exception as e:
             run.note(f"A/B {name}: {type(e).__name__}: {str(e)[:200]}")
-    for dtype, N, todo in jobs[2:]:
-        for name, kind, load in todo:
-            if run.left() < 10:
-                run.note(f"budget: skipped the rest of {dtype} N={N} from {name}")
-                break
-            try:
-                measure_auto(run, name, kind, get(name, load, dtype), dtype, N, gen)
-            except Exception as e:
-                run.note(f"{name} {dtype} N={N}: {type(e).__name__}: {str(e)[:200]}")
+    measure_jobs(jobs[2:], 10)
     summary(run, host, ab_rows)
 
 
