@@ -416,7 +416,7 @@ class SparseFormat:
         self, expression: str, backend: str, precision: str, **tensors: torch.Tensor
     ) -> torch.Tensor:
         # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
-        facts = self.sorted_indices & tensors.keys()
+        facts = frozenset(name for name in self.sorted_indices if name in tensors)  # traceable by dynamo
         return insum(
             expression, backend=backend, precision=precision, check_indices=False, sorted_indices=facts, **tensors
         )
