@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from nbcells import new_notebook, parse_cells, write
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -206,14 +208,7 @@ else:
 
 def cells() -> list[tuple[str, str]]:
     """(kind, source) for every cell of CELLS, kind "markdown" or "code"."""
-    out: list[tuple[str, list[str]]] = []
-    for line in CELLS.strip("\n").splitlines():
-        if line.startswith("# %%"):
-            out.append(("markdown" if "[markdown]" in line else "code", []))
-        elif out:
-            kind, body = out[-1]
-            body.append((line[2:] if line.startswith("# ") else line.lstrip("#")) if kind == "markdown" else line)
-    return [(kind, "\n".join(body).strip("\n")) for kind, body in out]
+    return [(kind, source) for kind, _, source in parse_cells(CELLS)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,15 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         os.chdir(ROOT)
         exec(compile("\n\n".join(src for kind, src in cells() if kind == "code"), "applications_conv", "exec"), {})
     if args.out:
-        import nbformat
-
-        nb = nbformat.v4.new_notebook(cells=[
-            nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
-            for kind, src in cells()
-        ])
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        args.out.write_text(nbformat.writes(nb) + "\n")
-        print(f"wrote {args.out}")
+        write(new_notebook(cells()), args.out)
     return 0
 
 

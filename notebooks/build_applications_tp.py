@@ -13,10 +13,10 @@ the H200 measurements from benchmarks/results/h200/tensor_product/tensor_product
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
+
+from nbcells import execute, new_notebook, write
 
 HERE = Path(__file__).resolve().parent
 TARGET = HERE / "applications_tp.ipynb"
@@ -154,29 +154,14 @@ else:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import nbformat
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-execute", action="store_true", help="write the cells without outputs")
     parser.add_argument("--out", type=Path, default=TARGET, help="the notebook to write")
     args = parser.parse_args(argv)
-    cells = [nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
-             for kind, src in CELLS]
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb = new_notebook(CELLS)
     if not args.no_execute:
-        from nbclient import NotebookClient
-
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        start = time.perf_counter()
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
-        print(f"executed in {time.perf_counter() - start:.1f} s")
-        for cell in nb.cells:
-            cell.get("metadata", {}).pop("execution", None)
-    nbformat.validate(nb)
-    args.out.write_text(nbformat.writes(nb) + "\n")
-    print(f"wrote {args.out}")
+        execute(nb, HERE)
+    write(nb, args.out)
     return 0
 
 
