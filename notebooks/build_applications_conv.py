@@ -1,7 +1,6 @@
 """The point-cloud part of notebooks/applications.ipynb: sparse convolution with insum.
 
     python notebooks/build_applications_conv.py --run            # run the cells as a script
-    python notebooks/build_applications_conv.py --out NB.ipynb   # write them as a notebook
 
 `CELLS` holds the cells in the percent format (`# %%` a code cell, `# %% [markdown]` a
 markdown cell whose lines are comments); `cells()` returns them as (kind, source) pairs for
@@ -219,22 +218,11 @@ def cells() -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="store_true", help="run the code cells as one script (figures not shown)")
-    parser.add_argument("--out", type=Path, help="write the cells as a notebook (needs nbformat)")
     args = parser.parse_args(argv)
     if args.run:
         os.environ.setdefault("MPLBACKEND", "Agg")
         os.chdir(ROOT)
         exec(compile("\n\n".join(src for kind, src in cells() if kind == "code"), "applications_conv", "exec"), {})
-    if args.out:
-        import nbformat
-
-        nb = nbformat.v4.new_notebook(cells=[
-            nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
-            for kind, src in cells()
-        ])
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        args.out.write_text(nbformat.writes(nb) + "\n")
-        print(f"wrote {args.out}")
     return 0
 
 

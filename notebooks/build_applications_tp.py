@@ -1,25 +1,11 @@
-"""The tensor-product part of notebooks/applications.ipynb: cells, and a standalone build.
+"""The tensor-product part of notebooks/applications.ipynb (built by build_applications.py).
 
-    .venv/bin/python notebooks/build_applications_tp.py                # write + execute applications_tp.ipynb
-    .venv/bin/python notebooks/build_applications_tp.py --no-execute   # cells only
-
-`CELLS` is a list of (kind, source) pairs, kind "markdown" or "code", for the lead to splice
-into applications.ipynb beside the SparseConv3d part; `main` writes them as a notebook of
-their own (the same nbformat/nbclient path as build_formats.py). The cells run on the CPU
+`CELLS` is a list of (kind, source) pairs, kind "markdown" or "code". The cells run on the CPU
 (the layer's kernels in the Triton interpreter), with e3nn where it is installed, and read
 the H200 measurements from benchmarks/results/h200/tensor_product/tensor_product.json.
 """
 
 from __future__ import annotations
-
-import argparse
-import os
-import sys
-import time
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-TARGET = HERE / "applications_tp.ipynb"
 
 CELLS: list[tuple[str, str]] = [
     ("markdown", """\
@@ -152,33 +138,3 @@ else:
     print("statement fwd over e3nn eager: geomean", round(geo([r["e3nn_fwd_ms"] / r["statement_fwd_ms"] for r in rows]), 1), "x")"""),
 ]
 
-
-def main(argv: list[str] | None = None) -> int:
-    import nbformat
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-execute", action="store_true", help="write the cells without outputs")
-    parser.add_argument("--out", type=Path, default=TARGET, help="the notebook to write")
-    args = parser.parse_args(argv)
-    cells = [nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
-             for kind, src in CELLS]
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    if not args.no_execute:
-        from nbclient import NotebookClient
-
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        start = time.perf_counter()
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
-        print(f"executed in {time.perf_counter() - start:.1f} s")
-        for cell in nb.cells:
-            cell.get("metadata", {}).pop("execution", None)
-    nbformat.validate(nb)
-    args.out.write_text(nbformat.writes(nb) + "\n")
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
