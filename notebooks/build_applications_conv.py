@@ -1,7 +1,6 @@
 """The point-cloud part of notebooks/applications.ipynb: sparse convolution with insum.
 
     python notebooks/build_applications_conv.py --run            # run the cells as a script
-    python notebooks/build_applications_conv.py --out NB.ipynb   # write them as a notebook
 
 `CELLS` holds the cells in the percent format (`# %%` a code cell, `# %% [markdown]` a
 markdown cell whose lines are comments); `cells()` returns them as (kind, source) pairs for
@@ -18,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from nbcells import new_notebook, parse_cells, write
+from nbcells import parse_cells
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -214,14 +213,11 @@ def cells() -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="store_true", help="run the code cells as one script (figures not shown)")
-    parser.add_argument("--out", type=Path, help="write the cells as a notebook (needs nbformat)")
     args = parser.parse_args(argv)
     if args.run:
         os.environ.setdefault("MPLBACKEND", "Agg")
         os.chdir(ROOT)
         exec(compile("\n\n".join(src for kind, src in cells() if kind == "code"), "applications_conv", "exec"), {})
-    if args.out:
-        write(new_notebook(cells()), args.out)
     return 0
 
 

@@ -1,25 +1,11 @@
-"""The tensor-product part of notebooks/applications.ipynb: cells, and a standalone build.
+"""The tensor-product part of notebooks/applications.ipynb (built by build_applications.py).
 
-    .venv/bin/python notebooks/build_applications_tp.py                # write + execute applications_tp.ipynb
-    .venv/bin/python notebooks/build_applications_tp.py --no-execute   # cells only
-
-`CELLS` is a list of (kind, source) pairs, kind "markdown" or "code", for the lead to splice
-into applications.ipynb beside the SparseConv3d part; `main` writes them as a notebook of
-their own (the same nbformat/nbclient path as build_formats.py). The cells run on the CPU
+`CELLS` is a list of (kind, source) pairs, kind "markdown" or "code". The cells run on the CPU
 (the layer's kernels in the Triton interpreter), with e3nn where it is installed, and read
 the H200 measurements from benchmarks/results/h200/tensor_product/tensor_product.json.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-from nbcells import execute, new_notebook, write
-
-HERE = Path(__file__).resolve().parent
-TARGET = HERE / "applications_tp.ipynb"
 
 CELLS: list[tuple[str, str]] = [
     ("markdown", """\
@@ -152,18 +138,3 @@ else:
     print("statement fwd over e3nn eager: geomean", round(geo([r["e3nn_fwd_ms"] / r["statement_fwd_ms"] for r in rows]), 1), "x")"""),
 ]
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-execute", action="store_true", help="write the cells without outputs")
-    parser.add_argument("--out", type=Path, default=TARGET, help="the notebook to write")
-    args = parser.parse_args(argv)
-    nb = new_notebook(CELLS)
-    if not args.no_execute:
-        execute(nb, HERE)
-    write(nb, args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
