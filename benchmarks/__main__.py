@@ -68,15 +68,9 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the generated kernels are loaded
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*beta.*")
     warnings.filterwarnings("ignore", message=".*semi-structured.*")
-    from .common import (
-        Context,
-        allow_many_recompiles,
-        ceilings,
-        cpu_ceilings,
-        environment,
-        free_memory,
-        shorten_autotune,
-    )
+    from .common import ceilings, cpu_ceilings, environment, free_memory, shorten_autotune
+    from .context import Context
+    from .lowering import allow_many_recompiles
 
     start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -19,7 +19,15 @@ import torch
 import insum
 from insum.formats import BlockGroupCOO, GroupCOO, load_smtx
 
-from .common import bare_launcher, ceilings, host_us_per_call, median_ms, relative_error, rotating
+from .common import (
+    bare_launcher,
+    block_sparse,
+    ceilings,
+    host_us_per_call,
+    median_ms,
+    relative_error,
+    rotating,
+)
 
 N_COLS = 128
 
@@ -58,10 +66,7 @@ def blockgroupcoo_vs_dense(size: int, sparsities, roof: dict) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for s in sparsities:
-        nb = size // block
-        keep = torch.rand(nb, nb, device="cuda", generator=gen) >= s
-        mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
-        A = torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen) * mask
+        A, keep = block_sparse(size, block, s, torch.float16, gen, "cuda")
         Bs = [torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2)]
         bsr = A.to_sparse_bsr((block, block))
         expected = A.float() @ Bs[0].float()

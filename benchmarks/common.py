@@ -1,28 +1,28 @@
-"""Shared measuring helpers: median timings, rotated inputs, hardware ceilings, errors, the
-study context (device, time budget, result rows) and the torch lowering used as an anchor.
+"""Shared measuring helpers: median timings, rotated inputs, hardware ceilings, errors,
+dtype names, the environment header. The study context is in `context.py`, the torch
+lowering anchor in `lowering.py`.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import os
 import platform
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-# Relative-error thresholds against a float64 product, by the value dtype of the inputs.
-TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float64: 1e-9}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+from insum.dtypes import DTYPE_NAMES, VALUE_DTYPES
+from insum.formats import GroupCOO
+from insum.formats.base import SparseFormat
+from insum.formats.tuning import median_wall_time
+
+#: Short name ("fp16") -> value dtype: insum.dtypes' names, read back.
+DTYPES = {DTYPE_NAMES[d]: d for d in VALUE_DTYPES}
 
 _DO_BENCH = None  # triton.testing.do_bench as imported, before any patching
 
@@ -63,13 +63,7 @@ def median_ms(fn, rotations: int = 1, *, warmup: int = 25, rep: int = 100) -> fl
 
 def cpu_median_ms(fn, reps: int = 3) -> float:
     """Median wall time of `fn` on the host after one warm-up call (the CPU smoke path)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+    return median_wall_time(fn, reps) * 1e3
 
 
 def host_us_per_call(fn: Callable[[], object], calls: int = 2000, sync: Callable[[], None] | None = None) -> float:
@@ -88,20 +82,42 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 2000, sync: Callable
 
 def bare_launcher(expr: str, tensors: dict) -> Callable[[], None]:
     """Relaunch insum's cached kernel for `tensors` with the launch insum() prepared for them
-    (call insum() with these tensors first). Reads runtime internals: raises when those
-    have changed shape, and the caller notes it."""
-    # TODO(core hook): a public launcher on Kernel (e.g. `Kernel.launcher(tensors)`) instead of
-    # bind + runtime.kernel_for + Kernel._launchers.
+    (`Kernel.launcher`; call insum() with these tensors first, else KeyError)."""
     from insum.bind import bind
     from insum.parser import parse
     from insum.runtime import kernel_for
 
     bound = bind(parse(expr), tensors)
-    kernel = kernel_for(bound)
-    launcher = kernel._launchers[bound.signature]
-    args = launcher.args(bound.tensors, bound.tensors[bound.output_name])
-    fn, grid, config = kernel.fn, launcher.grid, launcher.config
-    return lambda: fn[grid](*args, **config)
+    return kernel_for(bound).launcher(bound)
+
+
+def padded_slots(fmt_cls, csr: torch.Tensor, params: dict | None = None) -> int:
+    """At most how many value slots packing the CSR matrix `csr` with `fmt_cls` (and
+    `params`) pads it to, by the format's `row_padding_slots` (0: no row padding)."""
+    longest = int(csr.crow_indices().diff().max()) if csr.shape[0] else 0
+    return fmt_cls.row_padding_slots(tuple(csr.shape), longest, params or {})
+
+
+def block_sparse(size: int, block: int, s: float, dtype, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, keep): a size x size matrix whose block x block tiles are zero with probability s
+    (one kept at least), and the (size/block)^2 mask of kept tiles."""
+    nb = size // block
+    keep = torch.rand(nb, nb, device=device, generator=gen) >= s
+    if not bool(keep.any()):
+        keep[0, 0] = True
+    mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    A = torch.randn(size, size, device=device, generator=gen).to(dtype) * mask
+    return A, keep
+
+
+def host_case(device) -> tuple[torch.Tensor, SparseFormat, dict[str, torch.Tensor]]:
+    """The host-overhead case: (A, fmt, tensors) for a 256 x 256, 5% dense A (seed 7), its
+    GroupCOO packing and the statement's tensors with B (256 x 32) and a zero C."""
+    gen = torch.Generator(device=device).manual_seed(7)
+    A = (torch.rand(256, 256, device=device, generator=gen) < 0.05) * torch.randn(256, 256, device=device, generator=gen)
+    fmt = GroupCOO.from_dense(A)
+    B = torch.randn(256, 32, device=device, generator=gen)
+    return A, fmt, dict(fmt.tensors, B=B, C=torch.zeros(256, 32, device=device))
 
 
 def rotating(fn, inputs: list):
@@ -221,169 +237,8 @@ def shorten_autotune(warmup: int = 5, rep: int = 20) -> Callable[[], None]:
     return undo
 
 
-# --------------------------------------------------------------------------- the context
-
-
-@dataclass
-class Context:
-    """What a study needs: device, sizes mode, timing settings, its time budget, its rows.
-
-    `add(row)` completes a row (ratio, tolerance, check, roofline) and rewrites the study's
-    JSON file at once, so that a run cut short still leaves every finished measurement.
-    """
-
-    study: str
-    device: torch.device
-    quick: bool
-    smoke: bool
-    data: Path
-    out: Path
-    roof: dict
-    env: dict
-    budget_s: float
-    backend: str = "auto"
-    copy_to: Path | None = None
-    warmup_ms: int = 10
-    rep_ms: int = 40
-    started: float = field(default_factory=time.perf_counter)
-    rows: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
-    skipped: dict = field(default_factory=dict)
-    status: str = "running"
-    finished: float | None = None
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def elapsed(self) -> float:
-        return (self.finished or time.perf_counter()) - self.started
-
-    def time_left(self) -> float:
-        return self.budget_s - self.elapsed()
-
-    def over_budget(self, what: str, slack: float = 0.0) -> bool:
-        """True (and the skip counted under `what`) once the budget (plus `slack` s) is spent."""
-        if self.time_left() + slack > 0:
-            return False
-        self.skipped[what] = self.skipped.get(what, 0) + 1
-        return True
-
-    def note(self, text: str) -> None:
-        print(f"  note: {text}", flush=True)
-        self.notes.append(text)
-
-    def bench(self, fn, inputs: list | None = None) -> float:
-        """Median ms of fn (called with each input set in turn when `inputs` is given)."""
-        step = rotating(fn, inputs) if inputs is not None else fn
-        if self.cuda:
-            return median_ms(step, warmup=self.warmup_ms, rep=self.rep_ms)
-        return cpu_median_ms(step, reps=1 if self.smoke else 5)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def roofline(self, ms: float, nbytes: float, flops: float, dtype: torch.dtype) -> tuple[float, str]:
-        """Fraction of the limit reached: max(bytes / bandwidth, flops / rate) over the time."""
-        rate = self.roof["tf32_tflops"] if dtype == torch.float32 else self.roof["fp16_tflops"]
-        t_mem = nbytes / (self.roof["bandwidth_GBs"] * 1e9)
-        t_flop = flops / (rate * 1e12)
-        floor = max(t_mem, t_flop)
-        return (floor / (ms * 1e-3) if ms and ms > 0 else float("nan")), ("memory" if t_mem >= t_flop else "compute")
-
-    def add(self, row: dict) -> dict:
-        """Complete a row and record it; prints one line and flags a failed check loudly."""
-        dtype = DTYPES.get(row.get("dtype", ""), torch.float32)
-        row.setdefault("tol", TOLERANCE[dtype])
-        anchor_ms, insum_ms = row.get("anchor_ms"), row.get("insum_ms")
-        if row.get("ratio") is None:
-            ok_times = anchor_ms and insum_ms and anchor_ms > 0 and insum_ms > 0
-            row["ratio"] = anchor_ms / insum_ms if ok_times else None
-        err = row.get("err")
-        row["ok"] = err is not None and math.isfinite(err) and err <= row["tol"]
-        anchor_err = row.get("anchor_err")
-        if anchor_err is not None:
-            row["anchor_ok"] = math.isfinite(anchor_err) and anchor_err <= row.get("anchor_tol", row["tol"])
-        if row.get("bytes") is not None and insum_ms:
-            row["roof_frac"], row["bound"] = self.roofline(insum_ms, row["bytes"], row.get("flops", 0), dtype)
-        row = {"study": self.study, **row}
-        self.rows.append(row)
-        ratio = row["ratio"]
-        flag = "" if row["ok"] else "   <<< CHECK FAILED"
-        if anchor_err is not None and not row["anchor_ok"]:
-            flag += "   (anchor check failed)"
-        line = (
-            f"  {row['set'][:46]:46s} {str(row.get('case', ''))[:36]:36s} insum {_fmt_ms(insum_ms)}"
-            f" | {row['anchor'][:16]:>16s} {_fmt_ms(anchor_ms)} "
-            + (f"x{ratio:5.2f}" if ratio else "  n/a ")
-            + (f"  err {err:.1e}" if err is not None else "  err n/a")
-        )
-        print(line + flag, flush=True)
-        self.save()
-        return row
-
-    def fail(self, row: dict, error: BaseException) -> None:
-        """Record a configuration whose insum run raised: a failed check, loudly."""
-        message = f"{type(error).__name__}: {str(error)[:300]}"
-        print(f"  <<< FAILED {row.get('set')} {row.get('case')}: {message}", flush=True)
-        self.rows.append({"study": self.study, "anchor": "-", "anchor_ms": None, "insum_ms": None, "ratio": None,
-                          "err": None, "ok": False, "error": message, **row})
-        self.save()
-
-    def result(self) -> dict:
-        return {
-            "study": self.study,
-            "status": self.status,
-            "env": self.env,
-            "ceilings": self.roof,
-            "mode": "smoke" if self.smoke else "quick" if self.quick else "full",
-            "budget_s": self.budget_s,
-            "elapsed_s": round(self.elapsed(), 1),
-            "notes": self.notes,
-            "skipped": self.skipped,
-            "rows": self.rows,
-        }
-
-    def save(self, status: str | None = None) -> None:
-        """Rewrite <out>/<study>.json (and the copy); `status` once the study ends."""
-        if status is not None:
-            self.status = status
-            self.finished = time.perf_counter()
-        text = json.dumps(_finite(self.result()), indent=1, default=_json_default)
-        for folder in filter(None, (self.out, self.copy_to)):
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".{self.study}.json.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, folder / f"{self.study}.json")
-
-
-def _fmt_ms(ms) -> str:
-    if ms is None:
-        return "     n/a"
-    return f"{ms * 1e3:7.1f}us" if ms < 1 else f"{ms:7.3f}ms"
-
-
-def _finite(value):
-    """NaN and infinities become None, so that the files are strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _json_default(value):
-    if isinstance(value, (torch.dtype, torch.device, Path)):
-        return str(value)
-    if isinstance(value, torch.Size):
-        return list(value)
-    raise TypeError(f"cannot serialise {type(value).__name__}")
-
-
 def dtype_name(dtype: torch.dtype) -> str:
+    """The short name ("fp16") the result rows carry."""
     return DTYPE_NAMES[dtype]
 
 
@@ -393,131 +248,3 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-# --------------------------------------------------------------------------- torch lowering
-
-
-def _walk(access):  # TODO(core hook): Statement.walk()
-    stack = [access]
-    while stack:
-        node = stack.pop(0)
-        yield node
-        for index in node.indices:
-            stack.extend(index.indirect_accesses())
-
-
-class Lowering:
-    """A statement's torch reference lowering (`insum.reference.run_reference`) as a plain
-    function of its tensors, eager or under `torch.compile`.
-
-    Parsing and binding happen once, outside the function; the extents are read from the
-    tensors' shapes inside it, so one compiled function serves every shape (dynamic after
-    the first recompile). The lowering's index bounds checks are switched off while it
-    runs: they are validation (and a host sync each), not part of the computation.
-    """
-
-    _compiled_cache: dict = {}
-
-    def __init__(self, expr: str, names: tuple[str, ...], dynamic: bool | None = None):
-        from insum.parser import parse
-
-        self.dynamic = dynamic  # torch.compile's: None recompiles dynamic on a second shape
-        self.expr = expr
-        self.stmt = parse(expr)
-        self.names = tuple(names)
-        dims: dict[str, tuple[str, int]] = {}
-        for top in (self.stmt.output, *self.stmt.accesses()):
-            for access in _walk(top):
-                for d, index in enumerate(access.indices):
-                    if index.variable is not None:
-                        dims.setdefault(index.variable, (access.name, d))
-        self.dims = dims
-        self.out_name = self.stmt.output.name
-
-    def _run(self, *values):
-        # TODO(core hook): run_reference on a statement and tensors without a Bound (this
-        # builds a stand-in, _BoundView, for what run_reference reads).
-        from insum import reference
-
-        tensors = dict(zip(self.names, values))
-        view = _BoundView(self.stmt, {v: tensors[n].shape[d] for v, (n, d) in self.dims.items()}, tensors)
-        return reference.run_reference(view, tensors[self.out_name])
-
-    def eager(self, **tensors):
-        return self._call(self._run, tensors)
-
-    def compiled(self, **tensors):
-        key = (self.expr, self.names, self.dynamic)
-        fn = Lowering._compiled_cache.get(key)
-        if fn is None:
-            fn = Lowering._compiled_cache[key] = torch.compile(self._run, dynamic=self.dynamic)
-        return self._call(fn, tensors)
-
-    def _call(self, fn, tensors):
-        # TODO(core hook): run_reference(..., check_bounds=False) instead of patching
-        # reference._check_bounds.
-        from insum import reference
-
-        checked = reference._check_bounds
-        reference._check_bounds = _no_check
-        try:
-            return fn(*(tensors[n] for n in self.names))
-        finally:
-            reference._check_bounds = checked
-
-
-def _no_check(*args) -> None:
-    return None
-
-
-class _BoundView:
-    """What run_reference reads from a Bound: the statement, extents, tensors, device."""
-
-    def __init__(self, stmt, extents, tensors):
-        self.stmt = stmt
-        self.extents = extents
-        self.tensors = tensors
-        self.device = next(iter(tensors.values())).device
-
-
-def allow_many_recompiles() -> None:
-    """One compiled lowering per statement serves many shapes: raise dynamo's limits."""
-    import torch._dynamo
-
-    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
-
-
-def lowered_spmm(fmt, B_dtype: torch.dtype, compiled: bool, dynamic: bool | None = None):
-    """`fmt @ B` through the torch lowering of the format's statement(s): a callable of B.
-
-    Asks the format for its statements and views (`operand`, `output_shape`, `result`), so
-    that the anchor computes what `fmt @ B` computes with the generated kernel swapped out;
-    it accumulates from zeros with `+=`, half precision in float32.
-    `dynamic` goes to torch.compile (True: one compilation for many matrices).
-    """
-    acc = torch.float32 if B_dtype in (torch.float16, torch.bfloat16) else B_dtype
-    run = "compiled" if compiled else "eager"
-    parts = [
-        (getattr(Lowering(expr, tuple(sorted(tensors)) + ("B", "C"), dynamic=dynamic), run), tensors)
-        for expr, tensors in fmt.statements()
-    ]
-
-    def spmm(B):
-        C = torch.zeros(fmt.output_shape(B.shape[1]), dtype=acc, device=B.device)
-        operand = fmt.operand(B)
-        for call, tensors in parts:
-            call(C=C, B=operand, **tensors)
-        return fmt.result(C).to(B_dtype)
-
-    return spmm
-
-
-def log(text: str) -> None:
-    print(text, flush=True)
-
-
-def python() -> str:
-    return sys.executable

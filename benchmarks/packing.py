@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from insum.formats import (
     CELL,
     COO,
@@ -26,31 +24,19 @@ from insum.formats import (
 )
 from insum.formats.opcount import count_ops
 
-from .common import median_ms
+from .common import median_ms, padded_slots
 
-
-def _no_padding_bound(M: int, K: int, longest: int) -> int:
-    return 0
-
-
-# (label, class, parameters, an upper bound on the padded value slots from M, K and the
-# longest row): a packer whose bound exceeds MAX_SLOTS is skipped.
+# (label, class, parameters): a packer whose row padding (the format's `row_padding_slots`)
+# exceeds MAX_SLOTS is skipped.
 PACKERS = [
-    ("COO", COO, {}, _no_padding_bound),
-    ("GroupCOO", GroupCOO, {}, _no_padding_bound),
-    ("ELL", ELL, {}, lambda M, K, longest: M * longest),
-    ("BlockGC", BlockGroupCOO, {}, _no_padding_bound),
-    # at most 16 rows' worth of blocks per 16-row block row
-    ("B-ELL", BlockGroupCOO, {"group_size": "row"}, lambda M, K, longest: -(-M // 16) * min(-(-K // 16), 16 * longest) * 256),
-    ("CELL", CELL, {}, _no_padding_bound),
+    ("COO", COO, {}),
+    ("GroupCOO", GroupCOO, {}),
+    ("ELL", ELL, {}),
+    ("BlockGC", BlockGroupCOO, {}),
+    ("B-ELL", BlockGroupCOO, {"group_size": "row"}),
+    ("CELL", CELL, {}),
 ]
 MAX_SLOTS = 2**28
-
-
-def _too_big(slots_bound, csr: torch.Tensor) -> bool:
-    M, K = csr.shape
-    longest = int(csr.crow_indices().diff().max()) if M else 0
-    return slots_bound(M, K, longest) > MAX_SLOTS
 
 
 def main() -> None:
@@ -77,8 +63,8 @@ def main() -> None:
         source = dense if dense is not None else csr.to_sparse_coo()
         t_csr = median_ms(lambda c=source: c.to_sparse_csr())
         cells, tallies = [], []
-        for _, cls, params, slots_bound in PACKERS:
-            if _too_big(slots_bound, csr):
+        for _, cls, params in PACKERS:
+            if padded_slots(cls, csr, params) > MAX_SLOTS:
                 cells.append(f"{'-':>15s}")
                 tallies.append("-")
                 continue

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from insum.arith import cdiv
+
 from .common import good
 
 __all__ = ["make_plots"]
@@ -115,7 +117,7 @@ def _plot_structured(results, plt):
         return None
     panels = sorted({(r["dtype"], r["size"]) for r in rows})
     cols = min(2, len(panels))
-    grid = -(-len(panels) // cols)
+    grid = cdiv(len(panels), cols)
     fig, axes = plt.subplots(grid, cols, figsize=(6 * cols, 4.2 * grid), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)

@@ -27,7 +27,16 @@ import torch
 import insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, load_smtx, power_law_matrix
 
-from .common import Context, bare_launcher, host_us_per_call, lowered_spmm, relative_error
+from .common import (
+    bare_launcher,
+    block_sparse,
+    host_case,
+    host_us_per_call,
+    padded_slots,
+    relative_error,
+)
+from .context import Context
+from .lowering import lowered_spmm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,15 +57,8 @@ def run(ctx: Context) -> list[dict]:
 
 
 def host_overhead(ctx: Context) -> None:
-    dev = ctx.device
-    gen = torch.Generator(device=dev).manual_seed(7)
-    A = (torch.rand(256, 256, device=dev, generator=gen) < 0.05) * torch.randn(256, 256, device=dev, generator=gen)
-    fmt = GroupCOO.from_dense(A)
-    csr = A.to_sparse_csr()
-    B = torch.randn(256, 32, device=dev, generator=gen)
-    C = torch.zeros(256, 32, device=dev)
-    expr = fmt.expression
-    tensors = dict(fmt.tensors, B=B, C=C)
+    A, fmt, tensors = host_case(ctx.device)
+    csr, B, C, expr = A.to_sparse_csr(), tensors["B"], tensors["C"], fmt.expression
     expected = A.double() @ B.double()
     err = relative_error(insum.insum(expr, backend=ctx.backend, **tensors), expected)
     n = 2 if ctx.smoke else 2000
@@ -128,7 +130,7 @@ def packing(ctx: Context) -> None:
         probe = torch.randn(csr.shape[1], 8, device=dev)
         expected = csr.to(torch.float64) @ probe.double()
         for fmt_cls in (COO, GroupCOO, ELL, CELL):
-            if fmt_cls is ELL and csr.shape[0] * int(csr.crow_indices().diff().max()) > (1 << 26):
+            if padded_slots(fmt_cls, csr) > (1 << 26):  # ELL on a power-law graph
                 continue
             t = wall_ms(ctx, lambda c=csr, f=fmt_cls: f.from_torch(c), reps)
             fmt = fmt_cls.from_torch(csr)
@@ -141,7 +143,6 @@ def packing(ctx: Context) -> None:
     size = 64 if ctx.smoke else 4096
     block = 16 if ctx.smoke else 32
     gen = torch.Generator(device=dev).manual_seed(8)
-    from .study_structured import block_sparse
 
     A, _ = block_sparse(size, block, 0.9, torch.float16, gen, dev)
     t_bsr = wall_ms(ctx, lambda: A.to_sparse_bsr((block, block)), reps)
@@ -216,7 +217,6 @@ def child_cases(smoke: bool, device) -> list[dict]:
     B = torch.randn(rows, 16 if smoke else 128, device=device, generator=gen)
     cases = [dict(name=f"GroupCOO SpMM fp32 ({rows}^2, {csr._nnz()} nnz, N={B.shape[1]})", dtype="fp32",
                   fmt=GroupCOO.from_torch(csr), B=B, expected=csr.to(torch.float64) @ B.double())]
-    from .study_structured import block_sparse
 
     size, block = (64, 16) if smoke else (4096, 32)
     A, _ = block_sparse(size, block, 0.9, torch.float16, gen, device)

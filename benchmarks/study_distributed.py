@@ -5,12 +5,7 @@
 
 Not part of `python -m benchmarks` (whose studies run in one process): it needs two.
 
-Graphs (n nodes, about n * avg nonzeros, out-degrees Zipf(alpha) as in power_law_matrix):
-- "community": a reordered graph's locality: `local` of the edges land within +-window
-  rows of their source (communities after a locality ordering, as RCM or METIS give), the
-  rest on power-law hubs (column rank drawn log-uniformly, so popular nodes are shared).
-- "uniform": `insum.formats.power_law_matrix` (columns uniform): no locality at all, so
-  every rank needs nearly every remote row and the halo is as large as an all-gather.
+Graphs: `benchmarks/graphs.py` ("community": locality as after a reordering; "uniform": none).
 
 For each step of --plan (graph:dtype): the one-GPU GroupCOO product (and cuSPARSE) on rank 0, then the
 2-GPU `spmm` (every iteration aligned by a barrier, timed by CUDA events, the slower
@@ -37,47 +32,12 @@ import torch
 import torch.distributed as dist
 
 from insum.distributed import partition_rows, spmm
-from insum.formats import GroupCOO, power_law_matrix
+from insum.formats import GroupCOO
+
+from .common import DTYPES, relative_error
+from .graphs import make_graph
 
 WORLD = 2
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-# --------------------------------------------------------------------------- graphs
-
-
-def community_power_law(
-    n: int, avg: float, *, alpha: float, local: float, window: int, seed: int, device
-) -> torch.Tensor:
-    """An n x n CSR graph with Zipf out-degrees, `local` of the edges within +-window of the
-    source row and the rest on log-uniformly popular hubs. Duplicates merged; vectorised."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    rank = torch.randperm(n, generator=gen, device=device).double() + 1
-    weight = rank.pow(-alpha)
-    expected = weight / weight.mean() * avg
-    lengths = torch.floor(expected + torch.rand(n, generator=gen, device=device, dtype=torch.float64))
-    lengths = lengths.long().clamp_(0, n)
-    total = int(lengths.sum())
-    row = torch.repeat_interleave(torch.arange(n, device=device), lengths, output_size=total)
-    near = torch.randint(-window, window + 1, (total,), generator=gen, device=device)
-    popularity = torch.pow(float(n), torch.rand(total, generator=gen, device=device, dtype=torch.float64))
-    hubs = torch.randperm(n, generator=gen, device=device)[(popularity.long() - 1).clamp_(0, n - 1)]
-    is_local = torch.rand(total, generator=gen, device=device) < local
-    col = torch.where(is_local, (row + near).remainder(n), hubs)
-    del near, popularity, hubs, is_local
-    key = torch.unique(row * n + col)
-    del row, col
-    row, col = key // n, key % n
-    crow = torch.zeros(n + 1, dtype=torch.int64, device=device)
-    crow[1:] = torch.cumsum(torch.bincount(row, minlength=n), 0)
-    values = torch.randn(key.numel(), generator=gen, device=device)
-    return torch.sparse_csr_tensor(crow, col, values, (n, n), check_invariants=False)
-
-
-def make_graph(kind: str, n: int, avg: float, device) -> torch.Tensor:
-    if kind == "community":
-        return community_power_law(n, avg, alpha=0.7, local=0.7, window=max(n // 400, 8), seed=1, device=device)
-    return power_law_matrix(n, n, avg, alpha=0.7, seed=1, device=device)
 
 
 # --------------------------------------------------------------------------- timing
@@ -93,9 +53,8 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _once(self, fn) -> float:
-        self.sync()
-        dist.barrier()
+    def _time(self, fn) -> float:
+        """Milliseconds of one call: CUDA events on a GPU, wall time on the host."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -107,11 +66,26 @@ class Timer:
         fn()
         return (time.perf_counter() - start) * 1e3
 
+    def _once(self, fn) -> float:
+        self.sync()
+        dist.barrier()
+        return self._time(fn)
+
     def times(self, fn) -> list[float]:
         """This rank's milliseconds per iteration (same iteration count on every rank)."""
         for _ in range(self.warmup):
             fn()
         return [self._once(fn) for _ in range(self.reps)]
+
+    def local_times(self, fn) -> list[float]:
+        """Times of a step on this rank alone (no barrier: the other rank is waiting)."""
+        for _ in range(self.warmup):
+            fn()
+        out = []
+        for _ in range(self.reps):
+            self.sync()
+            out.append(self._time(fn))
+        return out
 
     def slowest(self, fn) -> tuple[float, list[float]]:
         """(median over iterations of the slowest rank's time, each rank's own median)."""
@@ -126,13 +100,6 @@ def gather_objects(obj) -> list:
     out = [None] * WORLD
     dist.all_gather_object(out, obj)
     return out
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double(), expected.double()
-    if not bool(torch.isfinite(actual).all()):
-        return float("nan")
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
 # --------------------------------------------------------------------------- one configuration
@@ -172,10 +139,10 @@ def study(graph: str, dtype_name: str, args, device: torch.device, timer: Timer,
     if rank == 0:
         full = GroupCOO.from_torch(A)
         C_full = full @ B  # compiles and tunes
-        one["groupcoo_ms"] = statistics.median(_local_times(timer, lambda: full @ B))
+        one["groupcoo_ms"] = statistics.median(timer.local_times(lambda: full @ B))
         try:
             A @ B
-            one["cusparse_ms"] = statistics.median(_local_times(timer, lambda: A @ B))
+            one["cusparse_ms"] = statistics.median(timer.local_times(lambda: A @ B))
         except RuntimeError as error:  # cuSPARSE lacks some half-precision products
             one["cusparse_ms"] = f"n/a ({str(error)[:60]})"
         C64 = A.double() @ B.double()
@@ -264,7 +231,7 @@ def study_backward(graph: str, dtype_name: str, args, device: torch.device, time
             B_one.grad = None
             full.spmm(B_one).backward(G)
 
-        result["one_gpu_ms"] = statistics.median(_local_times(timer, one_step))
+        result["one_gpu_ms"] = statistics.median(timer.local_times(one_step))
         AT = A.to_sparse_coo().t().coalesce().to_sparse_csr()
         want = AT.double() @ G.double()
         del AT
@@ -290,27 +257,6 @@ def study_backward(graph: str, dtype_name: str, args, device: torch.device, time
             f"{result['two_gpu_ms']:.2f} ms ({result['speedup']:.2f}x), gradient error vs 1 GPU "
             f"{result['grad_error_vs_one_gpu']:.1e}, vs fp64 {result['grad_error_vs_fp64']:.1e}"
         )
-
-
-def _local_times(timer: Timer, fn) -> list[float]:
-    """Times of a step on this rank alone (no barrier: the other rank is waiting)."""
-    for _ in range(timer.warmup):
-        fn()
-    out = []
-    for _ in range(timer.reps):
-        timer.sync()
-        if timer.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-    return out
 
 
 def _ranges(part) -> list[range]:

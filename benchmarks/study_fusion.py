@@ -15,8 +15,9 @@ import torch
 from insum import insum
 from insum.formats import BlockGroupCOO, GroupCOO, power_law_matrix
 
-from .common import Context, Lowering, dtype_name, lowered_spmm, relative_error
-from .study_structured import block_sparse
+from .common import block_sparse, dtype_name, relative_error
+from .context import Context
+from .lowering import Lowering, lowered_spmm
 from .study_unstructured import traffic
 
 ANCHORS = ("torch.compile", "torch eager")

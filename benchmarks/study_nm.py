@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from insum.dtypes import HALF_DTYPES
 from insum.formats import NM
 
-from .common import Context, dtype_name, relative_error, rotations_for
+from .common import dtype_name, relative_error, rotations_for
+from .context import Context
 
 SIZES = (512, 1024, 2048, 4096)
 
@@ -40,14 +42,7 @@ def vector_lengths(ctx: Context, size: int) -> tuple[int, ...]:
 
 def run(ctx: Context) -> list[dict]:
     gen = torch.Generator(device=ctx.device).manual_seed(3)
-    try:
-        from torch.sparse import to_sparse_semi_structured
-    except ImportError as e:
-        to_sparse_semi_structured = None
-        ctx.note(f"cuSPARSELt anchor unavailable: {e}")
-    if not ctx.cuda:
-        to_sparse_semi_structured = None
-        ctx.note("cuSPARSELt needs CUDA: only the dense anchor on this device")
+    to_sparse_semi_structured = ctx.cuda_anchor("cuSPARSELt", "torch.sparse", "to_sparse_semi_structured")
     dense_cache: dict = {}
     for dtype, (n, m), sizes in plan(ctx):
         for size in sizes:
@@ -98,7 +93,7 @@ def config(ctx, dtype, n, m, size, gen, dense_cache, to_sparse_semi_structured) 
     ctx.add(dict(base, set=f"{dtype_name(dtype)} {n}:{m} vs cuBLAS", anchor="cuBLAS",
                  anchor_ms=t_dense, anchor_err=dense_err))
     if (n, m) == (2, 4) and to_sparse_semi_structured is not None:
-        if dtype not in (torch.float16, torch.bfloat16):
+        if dtype not in HALF_DTYPES:
             note = f"cuSPARSELt: no {dtype_name(dtype)} support in torch's semi-structured sparsity"
             if note not in ctx.notes:
                 ctx.note(note)

@@ -15,7 +15,8 @@ import torch
 
 from insum.formats import BlockGroupCOO
 
-from .common import Context, dtype_name, relative_error, rotations_for
+from .common import block_sparse, dtype_name, relative_error, rotations_for
+from .context import Context
 
 S_SMALL = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.95, 0.99)
 S_LARGE = (0.25, 0.5, 0.75, 0.9, 0.99)
@@ -47,31 +48,13 @@ def row_groups_supported(device) -> bool:
         return False
 
 
-def block_sparse(size: int, block: int, s: float, dtype, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A size x size matrix whose block x block tiles are zero with probability s (one kept at least)."""
-    nb = size // block
-    keep = torch.rand(nb, nb, device=device, generator=gen) >= s
-    if not bool(keep.any()):
-        keep[0, 0] = True
-    mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    A = torch.randn(size, size, device=device, generator=gen).to(dtype) * mask
-    return A, keep
-
-
 def run(ctx: Context) -> list[dict]:
     gen = torch.Generator(device=ctx.device).manual_seed(2)
     by_row = row_groups_supported(ctx.device)
     ctx.note("group-size candidates: the paper's rule and " + (
         'group_size="row" (one group per block row)' if by_row else
         "the longest block row's block count (group_size=\"row\" is not available in this checkout)"))
-    try:
-        from torch.sparse._triton_ops import bsr_dense_mm
-    except ImportError as e:
-        bsr_dense_mm = None
-        ctx.note(f"TorchBSR unavailable: {e}")
-    if not ctx.cuda:
-        bsr_dense_mm = None
-        ctx.note("TorchBSR needs CUDA: only the dense anchor on this device")
+    bsr_dense_mm = ctx.cuda_anchor("TorchBSR", "torch.sparse._triton_ops", "bsr_dense_mm")
     for dtype, size, block, sparsities in plan(ctx):
         for s in sparsities:
             if ctx.over_budget(f"points ({dtype_name(dtype)} {size}^3)"):

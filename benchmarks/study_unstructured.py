@@ -21,11 +21,12 @@ import torch
 
 from insum.formats import CELL, ELL, GroupCOO, load_mtx, load_smtx, power_law_matrix
 
-from .common import Context, dtype_name, lowered_spmm, relative_error, rotations_for
+from .common import dtype_name, padded_slots, relative_error, rotations_for
+from .context import Context
+from .lowering import lowered_spmm
 
 FORMATS = {"GroupCOO": GroupCOO, "ELL": ELL, "CELL": CELL}
-#: Formats that pad every row to the longest: skipped above MAX_SLOTS padded slots.
-PADS_TO_LONGEST_ROW = {ELL}
+#: A format that pads rows toward the longest (ELL) is skipped above this many slots.
 MAX_SLOTS = 1 << 26
 
 
@@ -112,11 +113,10 @@ class Matrices:
         key = (name, dtype, fmt)
         if key not in self.packed:
             csr = self.get(name, dtype)
-            if FORMATS[fmt] in PADS_TO_LONGEST_ROW:
-                longest = int(csr.crow_indices().diff().max()) if csr.shape[0] else 0
-                if csr.shape[0] * max(longest, 1) > MAX_SLOTS:
-                    self.packed[key] = f"{fmt} skipped: {csr.shape[0]} rows x longest row {longest} > {MAX_SLOTS} slots"
-                    return self.packed[key]
+            slots = padded_slots(FORMATS[fmt], csr)
+            if slots > MAX_SLOTS:
+                self.packed[key] = f"{fmt} skipped: rows padded to {slots} slots > {MAX_SLOTS}"
+                return self.packed[key]
             self.packed[key] = FORMATS[fmt].from_torch(csr)
         return self.packed[key]
 

@@ -30,21 +30,23 @@ import torch
 import insum
 from insum.formats import CELL, ELL, GroupCOO, auto, load_mtx, load_smtx, power_law_matrix
 
-from .common import bare_launcher, geomean, host_us_per_call, relative_error, shorten_autotune
-
-TOL = {torch.float32: 1e-3, torch.float16: 1e-2}
+from .common import (
+    bare_launcher,
+    geomean,
+    host_case,
+    host_us_per_call,
+    median_ms,
+    padded_slots,
+    relative_error,
+    rotating,
+    shorten_autotune,
+)
+from .context import TOLERANCE
 
 
 def bench_ms(fn, Bs) -> float:
-    import triton.testing
-
-    state = {"i": 0}
-
-    def step():
-        state["i"] = (state["i"] + 1) % len(Bs)
-        fn(Bs[state["i"]])
-
-    return triton.testing.do_bench(step, warmup=5, rep=25, return_mode="median")
+    """do_bench median of fn(B), B rotating over Bs (short: 5 ms warm-up, 25 ms)."""
+    return median_ms(rotating(fn, [(B,) for B in Bs]), warmup=5, rep=25)
 
 
 def matrices(data: Path, device) -> list[tuple[str, str, object]]:
@@ -101,7 +103,7 @@ def measure_auto(run: Run, name, kind, csr, dtype, N, gen) -> None:
     t = bench_ms(lambda B: fmt @ B, Bs)
     row = dict(case=name, kind=kind, dtype=str(dtype)[6:], N=N, shape=list(csr.shape), nnz=csr._nnz(),
                cusparse_ms=t_csr, auto_ms=t, ratio=t_csr / t, err=err, cusparse_err=err_csr,
-               ok=bool(err <= TOL[dtype]), chosen=repr(fmt), why=fmt.chosen_because or "", choose_s=choose_s)
+               ok=bool(err <= TOLERANCE[dtype]), chosen=repr(fmt), why=fmt.chosen_because or "", choose_s=choose_s)
     run.rows.append(row)
     run.say(json.dumps(row))
 
@@ -131,17 +133,16 @@ def ab(run: Run, name, csr, gen) -> list[dict]:
             finally:
                 if strategy == "atomic":
                     cls.sorted_indices = saved
-        if isinstance(fmt, GroupCOO):
+        if fmt.single_statement and fmt.sorted_indices:  # GroupCOO
             # Segments written by atomics only (the `+=` statement into zeros) against the
             # `=` statement above, which stores the segments that lie inside one tile.
             def accumulate(B, f=fmt):
                 C = torch.zeros(f.shape[0], B.shape[1], device=B.device)
-                return insum.insum(f.expression, sorted_indices={"AM"}, C=C, B=B, **f.tensors)
+                return insum.insum(f.expression, sorted_indices=set(f.sorted_indices), C=C, B=B, **f.tensors)
 
             err = relative_error(accumulate(Bs[0]), expected)
             out[f"{label} segment atomics only"] = (bench_ms(accumulate, Bs), err)
-    longest = int(csr.crow_indices().diff().max())
-    if csr.shape[0] * longest <= 1 << 26:
+    if padded_slots(ELL, csr) <= 1 << 26:
         fmt = ELL.from_torch(csr)
         out["ELL"] = (bench_ms(lambda B: fmt @ B, Bs), relative_error(fmt @ Bs[0], expected))
     run.say("AB " + json.dumps(out))
@@ -149,15 +150,8 @@ def ab(run: Run, name, csr, gen) -> list[dict]:
 
 
 def host_overhead(run: Run) -> dict:
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(7)
-    A = (torch.rand(256, 256, device=dev, generator=gen) < 0.05) * torch.randn(256, 256, device=dev, generator=gen)
-    fmt = GroupCOO.from_dense(A)
-    csr = A.to_sparse_csr()
-    B = torch.randn(256, 32, device=dev, generator=gen)
-    C = torch.zeros(256, 32, device=dev)
-    expr = fmt.expression
-    tensors = dict(fmt.tensors, B=B, C=C)
+    A, fmt, tensors = host_case("cuda")
+    csr, B, expr = A.to_sparse_csr(), tensors["B"], fmt.expression
     insum.insum(expr, **tensors)
     out = {}
     fmt @ B
@@ -201,15 +195,20 @@ def main() -> None:
     jobs += [(dt, n, sweep) for n in (32, 64, 256) for dt in (torch.float32, torch.float16)]
     ab_rows = []
     ab_set = others + dlmc[::12]
-    for dtype, N, todo in jobs[:2]:
-        for name, kind, load in todo:
-            if run.left() < 110:
-                run.note(f"budget: skipped the rest of {dtype} N={N} from {name}")
-                break
-            try:
-                measure_auto(run, name, kind, get(name, load, dtype), dtype, N, gen)
-            except Exception as e:
-                run.note(f"{name} {dtype} N={N}: {type(e).__name__}: {str(e)[:200]}")
+
+    def measure_jobs(jobs, reserve_s: float) -> None:
+        """auto vs cuSPARSE for every (dtype, N, matrices) job, leaving reserve_s of the budget."""
+        for dtype, N, todo in jobs:
+            for name, kind, load in todo:
+                if run.left() < reserve_s:
+                    run.note(f"budget: skipped the rest of {dtype} N={N} from {name}")
+                    break
+                try:
+                    measure_auto(run, name, kind, get(name, load, dtype), dtype, N, gen)
+                except Exception as e:
+                    run.note(f"{name} {dtype} N={N}: {type(e).__name__}: {str(e)[:200]}")
+
+    measure_jobs(jobs[:2], 110)
     for name, _kind, load in ab_set:
         if run.left() < 60:
             run.note(f"budget: skipped the rest of the A/B from {name}")
@@ -218,15 +217,7 @@ def main() -> None:
             ab_rows.append(ab(run, name, get(name, load, torch.float32), gen))
         except Exception as e:
             run.note(f"A/B {name}: {type(e).__name__}: {str(e)[:200]}")
-    for dtype, N, todo in jobs[2:]:
-        for name, kind, load in todo:
-            if run.left() < 10:
-                run.note(f"budget: skipped the rest of {dtype} N={N} from {name}")
-                break
-            try:
-                measure_auto(run, name, kind, get(name, load, dtype), dtype, N, gen)
-            except Exception as e:
-                run.note(f"{name} {dtype} N={N}: {type(e).__name__}: {str(e)[:200]}")
+    measure_jobs(jobs[2:], 10)
     summary(run, host, ab_rows)
 
 

@@ -21,17 +21,14 @@ __all__ = ["main", "demo", "auto_demo"]
 
 
 def _time_ms(fn, device: torch.device, repeats: int) -> float:
-    fn()
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    from insum.formats.tuning import median_wall_time
+
+    return median_wall_time(fn, repeats) * 1e3
 
 
 def _packers(A: torch.Tensor, csr: torch.Tensor):

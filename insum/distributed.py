@@ -31,17 +31,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import formats
 from .api import insum
+from .arith import cdiv
 from .autograd import derive
 from .dtypes import VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
+from .formats.auto import packer
 from .formats.base import (
     Coords,
     SparseFormat,
     accumulation_dtype,
     coords_of,
-    format_class,
     overwrite,
 )
 
@@ -126,25 +126,6 @@ class RowPart:
 # --------------------------------------------------------------------------- partitioning
 
 
-def _packer(format: str | None) -> Callable[..., SparseFormat]:
-    """How to pack a block: `formats.auto` for "auto" (the default when it exists), else
-    the named format's `from_torch`."""
-    auto = getattr(formats, "auto", None)
-    if format is None:
-        format = "auto" if auto is not None else "GroupCOO"
-    if format == "auto":
-        if auto is None:
-            raise InsumError("format='auto' needs insum.formats.auto, which this version lacks")
-        return auto
-    return format_class(format).from_torch
-
-
-def _one_statement(fmt: SparseFormat) -> bool:
-    """Whether fmt's SpMM is its one statement into C (M, N), so that the halo block can
-    run it with `+=` into the local block's output (COO, GroupCOO, ELL)."""
-    return fmt.single_statement
-
-
 def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) -> torch.Tensor:
     """First row of every rank plus n (world_size + 1), on row_ptr's device.
 
@@ -154,7 +135,7 @@ def _row_starts(row_ptr: torch.Tensor, n: int, world_size: int, balance: str) ->
     ranks = torch.arange(world_size + 1, device=row_ptr.device)
     nnz = row_ptr[-1]
     if balance == "rows":
-        return -((-ranks * n) // world_size)  # ceil: the first ranks take the extra rows
+        return cdiv(ranks * n, world_size)  # the first ranks take the extra rows
     targets = (ranks * nnz) // world_size
     starts = torch.searchsorted(row_ptr, targets).clamp_(max=n)
     starts[-1] = n
@@ -178,9 +159,9 @@ def partition_rows(
     rank: pack only this rank's part (what each process of a run does) and return it
     as a one-element list; None packs every part.
     format, format_params: the packed format of both blocks and its packer's parameters
-    (e.g. `index_dtype=torch.int64`, `group_size=4`). None: `formats.auto` where this
-    version has it, else GroupCOO. COO, GroupCOO and ELL add the halo block's product
-    into the local block's output in place; other formats add it in an extra pass.
+    (e.g. `index_dtype=torch.int64`, `group_size=4`). None: `formats.auto`. COO, GroupCOO
+    and ELL add the halo block's product into the local block's output in place; other
+    formats add it in an extra pass.
 
     Everything runs vectorised on A's device.
 
@@ -196,7 +177,7 @@ def partition_rows(
         raise InsumError(f"unknown balance {balance!r}; choose one of {', '.join(BALANCES)}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise InsumError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-    pack = _packer(format)
+    pack = packer("auto" if format is None else format)
     if isinstance(A, torch.Tensor) and A.dim() == 2 and A.shape[0] != A.shape[1]:
         raise InsumShapeError(
             f"distributed spmm partitions B like A's rows, so A must be square; A has shape "
@@ -356,7 +337,7 @@ def _accumulate(fmt: SparseFormat, C: torch.Tensor, B: torch.Tensor, backend: st
         if first:
             C.zero_()
         return
-    if not _one_statement(fmt):
+    if not fmt.single_statement:
         product = fmt.spmm(B, backend=backend, precision=precision)
         C.copy_(product) if first else C.add_(product)
         return
@@ -373,7 +354,7 @@ def _transposed(fmt: SparseFormat, dC: torch.Tensor, dB: torch.Tensor, backend: 
     autograd through `fmt.spmm` for formats of several statements."""
     if fmt.nnz == 0 or dC.shape[1] == 0:
         return
-    if not _one_statement(fmt):
+    if not fmt.single_statement:
         with torch.enable_grad():  # the product is linear in B: any B gives its gradient
             B = dC.new_zeros(fmt.shape[1], dC.shape[1], dtype=fmt.dtype, requires_grad=True)
             product = fmt.spmm(B, backend=backend, precision=precision)

@@ -14,18 +14,15 @@ nbclient, ipykernel and matplotlib (the `notebooks` extra) and e3nn (the `e3nn` 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
-
-import nbformat
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from build_applications_conv import cells as conv_cells  # noqa: E402
 from build_applications_tp import CELLS as TP_CELLS  # noqa: E402
+from nbcells import execute, new_notebook, write  # noqa: E402
 
 TARGET = HERE / "applications.ipynb"
 INTRO = """\
@@ -38,14 +35,9 @@ here runs on the CPU (kernels in the Triton interpreter); the speed tables read 
 benchmarks measured on the H200 (`benchmarks/results/h200/`)."""
 
 
-def build() -> nbformat.NotebookNode:
-    parts = [("markdown", INTRO), *conv_cells(), *TP_CELLS]
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell(src) if kind == "markdown" else nbformat.v4.new_code_cell(src)
-        for kind, src in parts
-    ])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    return nb
+def build():
+    """The notebook's cells, without outputs."""
+    return new_notebook([("markdown", INTRO), *conv_cells(), *TP_CELLS])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,18 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     nb = build()
     if not args.no_execute:
-        from nbclient import NotebookClient
-
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        start = time.perf_counter()
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
-        print(f"executed in {time.perf_counter() - start:.1f} s")
-        for cell in nb.cells:
-            cell.get("metadata", {}).pop("execution", None)
-    nbformat.validate(nb)
-    args.out.write_text(nbformat.writes(nb) + "\n")
-    print(f"wrote {args.out}")
+        execute(nb, HERE)
+    write(nb, args.out)
     return 0
 
 

@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from nbcells import parse_cells
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -205,14 +207,7 @@ else:
 
 def cells() -> list[tuple[str, str]]:
     """(kind, source) for every cell of CELLS, kind "markdown" or "code"."""
-    out: list[tuple[str, list[str]]] = []
-    for line in CELLS.strip("\n").splitlines():
-        if line.startswith("# %%"):
-            out.append(("markdown" if "[markdown]" in line else "code", []))
-        elif out:
-            kind, body = out[-1]
-            body.append((line[2:] if line.startswith("# ") else line.lstrip("#")) if kind == "markdown" else line)
-    return [(kind, "\n".join(body).strip("\n")) for kind, body in out]
+    return [(kind, source) for kind, _, source in parse_cells(CELLS)]
 
 
 def main(argv: list[str] | None = None) -> int:

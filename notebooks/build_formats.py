@@ -20,34 +20,15 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
-import nbformat
+from nbcells import execute, new_notebook, parse_cells, write
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SOURCE = HERE / "formats.py"
 TARGET = HERE / "formats.ipynb"
 STUDIES = ("unstructured", "structured", "nm", "fusion", "costs")
-
-
-def parse_cells(text: str) -> list[tuple[str, str, str]]:
-    """(kind, tag, source) for every cell of a percent-format file."""
-    cells: list[tuple[str, str, list[str]]] = []
-    for line in text.splitlines():
-        if line.startswith("# %%"):
-            marker = line[4:].strip()
-            kind = "markdown" if marker.startswith("[markdown]") else "code"
-            tag = marker[len("[markdown]") :].strip() if kind == "markdown" else marker
-            cells.append((kind, tag, []))
-        elif cells:
-            kind, _, body = cells[-1]
-            if kind == "markdown":
-                body.append(line[2:] if line.startswith("# ") else line.lstrip("#"))
-            else:
-                body.append(line)
-    return [(kind, tag, "\n".join(body).strip("\n")) for kind, tag, body in cells]
 
 
 def results_status(folder: Path) -> str:
@@ -75,18 +56,15 @@ def results_status(folder: Path) -> str:
     return f"When this notebook was built, `{shown}` held:\n\n" + "\n".join(found)
 
 
-def build(results: Path) -> nbformat.NotebookNode:
+def build(results: Path):
     """The notebook's cells, without outputs."""
     cells = []
     for kind, tag, source in parse_cells(SOURCE.read_text()):
         if kind == "markdown":
-            if tag == "results-status":
-                source = results_status(results)
-            cells.append(nbformat.v4.new_markdown_cell(source))
+            cells.append((kind, results_status(results) if tag == "results-status" else source))
         elif source.strip():
-            cells.append(nbformat.v4.new_code_cell(source))
-    nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+            cells.append((kind, source))
+    nb = new_notebook(cells)
     nb.metadata["language_info"] = {"name": "python"}
     return nb
 
@@ -102,25 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     results = args.results.resolve()
     nb = build(results)
     if not args.no_execute:
-        from nbclient import NotebookClient
-
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ["INSUM_RESULTS"] = str(results)
-        os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-        start = time.perf_counter()
-        NotebookClient(
-            nb,
-            timeout=args.timeout,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(HERE)}},
-        ).execute()
-        print(f"executed in {time.perf_counter() - start:.1f} s")
-        # The folder the results came from is an execution detail, not notebook content.
-        for cell in nb.cells:
-            cell.get("metadata", {}).pop("execution", None)
-    nbformat.validate(nb)
-    args.out.write_text(nbformat.writes(nb) + "\n")
-    print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)")
+        execute(nb, HERE, args.timeout)
+    write(nb, args.out)
     return 0
 
 

@@ -3,6 +3,9 @@
 
 `python notebooks/build_formats.py` turns it into the notebook and executes it; the code
 also runs as a plain script (`python notebooks/formats.py`), with figures left unshown.
+
+Over 400 lines, as one file: it is one notebook's cells in reading order (a notebook is one
+file), and every section draws with the helpers of the cells before it.
 """
 
 # %% [markdown]
@@ -57,6 +60,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: 
 from PIL import Image as PILImage  # noqa: E402
 
 import insum  # noqa: E402
+from insum.arith import cdiv  # noqa: E402
 from insum.formats import (  # noqa: E402
     CELL,
     COO,
@@ -373,7 +377,7 @@ def draw_cell(A, partitions, title):
         real = (V != 0).numpy()
         rows = RI.numpy()[:, None].repeat(w, 1)
         ax.scatter(CI.numpy()[real], rows[real], s=0.6, color=colour, label=f"W={w}")
-    part_width = -(-A.shape[1] // partitions)
+    part_width = cdiv(A.shape[1], partitions)
     for p in range(1, partitions):
         ax.axvline(p * part_width - 0.5, color="k", ls="--", lw=0.8)
     ax.set_xlim(-0.5, A.shape[1] - 0.5)

@@ -26,27 +26,16 @@ from insum.formats import BlockGroupCOO
 from insum.parser import parse
 from insum.runtime import Kernel, spec_for
 
-from ..common import ceilings, median_ms, relative_error, rotating
+from ..common import block_sparse, ceilings, median_ms, relative_error, rotating
+from .tensorcore import block_ell
 
 GROUPED = "C[AM[p], m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]"
 ROW = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 
 
-def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
-    """One group per block row, padded to the longest row with zero blocks at column 0."""
-    nb = keep.shape[0]
-    width = max(1, int(keep.sum(1).max()))
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]  # kept first
-    valid = torch.gather(keep, 1, order)
-    AK = torch.where(valid, order, 0).to(torch.int32)
-    blocks = A.reshape(nb, block, nb, block).permute(0, 2, 1, 3)  # [row, col, m, k]
-    AV = blocks[torch.arange(nb, device=A.device)[:, None], order] * valid[:, :, None, None]
-    return {"AV": AV.contiguous(), "AK": AK.contiguous()}
-
-
 def swapped(kernel_expr: str, tensors: dict) -> Kernel:
     """The generated kernel with its dot's M and N variables exchanged."""
-    # TODO(core hook): an orientation override on compile(); reads runtime.spec_for.
+    # No public hook overrides the dot's orientation: this rebuilds the plan from spec_for's spec.
     bound = bind(parse(kernel_expr), tensors)
     spec = spec_for(bound)
     plan = Kernel(spec).plan
@@ -60,9 +49,7 @@ def one_sparsity(s: float, size: int, block: int, gen: torch.Generator, roof: di
     from torch.sparse._triton_ops import bsr_dense_mm
 
     nb = size // block
-    keep = torch.rand(nb, nb, device="cuda", generator=gen) >= s
-    mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    A = torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen) * mask
+    A, keep = block_sparse(size, block, s, torch.float16, gen, "cuda")
     Bs = [torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2)]
     expected = A.float() @ Bs[0].float()
     flops = 2 * size**3 * keep.float().mean().item()

@@ -20,12 +20,15 @@ from ..common import median_ms, relative_error, rotating
 
 
 def chosen_config(expr: str, tensors: dict) -> str:
-    # TODO(core hook): the chosen tile configuration from a public Kernel launcher.
+    """The dot's M and N variables and the tile configuration insum() chose for `tensors`."""
     bound = bind(parse(expr), tensors)
     kernel = kernel_for(bound)
-    launcher = kernel._launchers.get(bound.signature)
     plan = f"M={kernel.plan.axis_var('M')} N={kernel.plan.axis_var('N')}"
-    return f"{plan} {launcher.config if launcher else '?'}"
+    try:
+        config = kernel.launcher(bound).config
+    except KeyError:  # no insum() call has run with these tensors
+        config = "?"
+    return f"{plan} {config}"
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ from insum.formats import NM
 from insum.parser import parse
 from insum.runtime import Kernel, spec_for
 
-from ..common import median_ms, relative_error, rotating
+from ..common import DTYPES, block_sparse, median_ms, relative_error, rotating
 
 try:  # main's generator, for the A/B
     import insum_main
@@ -60,7 +60,6 @@ CONFIGS = [
     (128, 64, 256, 8, 3), (128, 64, 256, 8, 4), (256, 64, 128, 8, 3), (128, 64, 128, 8, 4),
     (64, 64, 256, 4, 4), (64, 32, 128, 4, 4), (128, 128, 64, 4, 4), (256, 128, 32, 8, 3),
 ]
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ROWS: list[dict] = []
 LOG: list[str] = []
 
@@ -92,6 +91,7 @@ def record(section: str, label: str, point: str, dtype: str, fn, check, expected
 
 def generated(expr: str, tensors: dict, out_name: str, swap: str, variant: str):
     """(run(B) -> out, describe) for one variant of the generated kernel of `expr`."""
+    # No public hook picks a plan variant: this builds Kernel(spec, plan) from spec_for and schedule.
     if variant == "main":
         stmt = parse_main(expr)
         kernel = KernelMain(spec_for_main(bind_main(stmt, tensors)))
@@ -125,6 +125,22 @@ def chosen(names: tuple[str, ...]) -> list[str]:
     return [v for v in names if v != "main" or insum_main is not None]
 
 
+def time_variant(section: str, variant: str, expr: str, tensors: dict, Bs: list, point: str, dtype_name: str,
+                 expected, anchor_ms, flops, plan: str | None = None):
+    """Compile one variant of `expr` (plan: the variant whose plan it runs, default its own)
+    for `tensors`, check it with Bs[0] and time it over `Bs` swapped in as B: (ms, kernel),
+    or None when it does not compile. The output "C" is poisoned first."""
+    try:
+        run, kernel = generated(expr, tensors, "C", "B", plan or variant)
+    except Exception as e:
+        say(f"  {section} {variant}: no kernel: {e}")
+        return None
+    tensors["C"].fill_(float("nan"))
+    ms = record(section, f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bs]),
+                lambda: run(Bs[0]).clone(), expected, anchor_ms, flops)
+    return ms, kernel
+
+
 def dense_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device="cuda").manual_seed(size)
@@ -143,16 +159,9 @@ def dense_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None
     ]:
         for variant in chosen(ab):
             tensors = {"A": A, "B": Bs[0], "C": C, **extra}
-            try:
-                run, kernel = generated(expr, tensors, "C", "B", variant)
-            except Exception as e:
-                say(f"  {name} {variant}: no kernel: {e}")
-                continue
-            C.fill_(float("nan"))
-            ms = record(name, f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bs]),
-                        lambda run=run: run(Bs[0]).clone(), expected, t_cublas, flops)
-            if ms:
-                say(f"      {plan_line(kernel)}")
+            timed = time_variant(name, variant, expr, tensors, Bs, point, dtype_name, expected, t_cublas, flops)
+            if timed and timed[0]:
+                say(f"      {plan_line(timed[1])}")
 
 
 def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int, rows: int = 1) -> dict[str, torch.Tensor]:
@@ -188,9 +197,7 @@ def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: 
         say(f"  block    {size}^3 {dtype_name} cuBLAS {t_cublas[key] * 1e3:.1f} us")
     expr = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
     for s in sparsities:
-        keep = torch.rand(nb, nb, device="cuda", generator=gen) >= s
-        mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
-        A = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) * mask
+        A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
         expected = A.double() @ Bs[0].double()
         flops = 2 * size**3 * keep.float().mean().item()
         point = f"{size}^3 b{block} s={s}"
@@ -207,14 +214,11 @@ def block_section(args, size: int, dtype_name: str, block: int, sparsities, ab: 
             packed = block_ell(keep, A, block, rows)
             C = torch.empty(nb // rows, block * rows, size, device="cuda", dtype=dtype)
             tensors = {**packed, "B": Bv[0], "C": C}
-            try:
-                run, kernel = generated(expr, tensors, "C", "B", "tma" if rows > 1 else variant)
-            except Exception as e:
-                say(f"  block {variant}: no kernel: {e}")
+            timed = time_variant("block", variant, expr, tensors, Bv, point, dtype_name, expected, anchor, flops,
+                                 plan="tma" if rows > 1 else variant)
+            if timed is None:
                 continue
-            C.fill_(float("nan"))
-            ms = record("block", f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bv]),
-                        lambda run=run, Bv=Bv: run(Bv[0]).clone(), expected, anchor, flops)
+            ms, kernel = timed
             if rows > 1:
                 say(f"      coarsened: {packed['AK'].shape[1]} of {keep.shape[1]} block columns per {rows}-row group")
             if ms and (s == sparsities[0] or rows > 1):
@@ -247,16 +251,9 @@ def nm_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None:
         expr = fmt.expression.replace("+=", "=")
         for variant in chosen(ab):
             tensors = {**fmt.tensors, "B": Bs[0], "C": Cn}
-            try:
-                run, kernel = generated(expr, tensors, "C", "B", variant)
-            except Exception as e:
-                say(f"  nm {variant}: no kernel: {e}")
-                continue
-            Cn.fill_(float("nan"))
-            ms = record("nm", f"insum {variant}", point, dtype_name, rotating(run, [(B,) for B in Bs]),
-                        lambda run=run: run(Bs[0]).clone(), expected, t_cublas, flops)
-            if ms:
-                say(f"      {plan_line(kernel)}")
+            timed = time_variant("nm", variant, expr, tensors, Bs, point, dtype_name, expected, t_cublas, flops)
+            if timed and timed[0]:
+                say(f"      {plan_line(timed[1])}")
 
 
 def main() -> None:

@@ -15,25 +15,28 @@ LiteForm's approach (Peng et al., HPDC'25, §5) in two steps:
    call packs the winner without timing again.
 
 The chosen format's `describe()` says what was chosen and why (the ranking, and the
-measured times when there were any).
+measured times when there were any). `packer(name)` packs by a format's name, "auto"
+included, so that layers and the distributed product take either.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..arith import cdiv, next_power_of_2
+from ..dtypes import HALF_DTYPES
 from ..errors import InsumError
 from .base import SparseFormat
-from .cell import CELL
 from .coords import check_positive_int, check_values, coords_of
 from .ell import ELL
-from .groupcoo import GroupCOO
-from .grouping import HALF_FAN_IN, next_pow2
+from .grouping import HALF_FAN_IN
+from .registry import format_class
 
-__all__ = ["auto", "Candidate", "RowStats", "rank", "row_stats"]
+__all__ = ["auto", "packer", "pruning_block", "Candidate", "RowStats", "rank", "row_stats"]
 
 # Cost model constants, fitted to the H200 (fp32, N=128, power-law graphs; only ratios
 # decide between candidates). Time is counted in gathered rows of B: each stored slot
@@ -61,8 +64,8 @@ class RowStats:
     nonempty: int  # rows with at least one entry
     longest: int  # entries in the longest row
     groups: dict[int, int]  # group size g -> groups (sum over rows of ceil(len / g))
-    pow2_slots: int  # sum over rows of next_pow2(len): CELL's slots without folding
-    widths: int  # distinct next_pow2(len) over non-empty rows: CELL's launches
+    pow2_slots: int  # sum over rows of next_power_of_2(len): CELL's slots without folding
+    widths: int  # distinct next_power_of_2(len) over non-empty rows: CELL's launches
     checksum: int  # of the sparsity pattern, for the fingerprint
 
 
@@ -85,7 +88,7 @@ def row_stats(A: torch.Tensor) -> RowStats:
     coords = coords_of(A).checked()
     counts = coords.counts
     M, K = coords.shape
-    groups = [(-(-counts // g)).sum() for g in GROUP_SIZES]
+    groups = [cdiv(counts, g).sum() for g in GROUP_SIZES]
     nonzero = counts[counts > 0] if M else counts
     pow2 = torch.where(counts > 0, 1 << torch.ceil(torch.log2(counts.clamp(min=1).double())).long(), 0)
     present = torch.zeros(64, dtype=torch.int64, device=counts.device)
@@ -123,7 +126,7 @@ def rank(stats: RowStats, n_cols: int, dtype: torch.dtype = torch.float32) -> li
     row_bytes = n_cols * torch.empty((), dtype=dtype).element_size()
     # A half-precision scatter into many-group rows accumulates in a float32 buffer: one
     # more launch and a pass over C to round it.
-    half = dtype in (torch.float16, torch.bfloat16)
+    half = dtype in HALF_DTYPES
 
     def gathers(slots: int, groups: int) -> float:
         return (slots + GROUP_ROWS * groups) * row_bytes / GATHER_BYTES_PER_US
@@ -136,15 +139,15 @@ def rank(stats: RowStats, n_cols: int, dtype: torch.dtype = torch.float32) -> li
         return fill + convert + (launches + 1) * LAUNCH_US
 
     out = []
-    ell_slots = M * max(stats.longest, 1)
+    ell_slots = ELL.row_padding_slots(stats.shape, stats.longest, {})
     if ell_slots <= ELL_MAX_SLOTS:
         cost = gathers(ell_slots, M) + M * row_bytes / WRITE_BYTES_PER_US + LAUNCH_US
         out.append(Candidate("ELL", {}, cost, f"{ell_slots / max(stats.nnz, 1):.2f} slots per nonzero, no atomics"))
     for g in GROUP_SIZES:
-        if g > 1 and g > next_pow2(stats.longest):
+        if g > 1 and g > next_power_of_2(stats.longest):
             break
         G = stats.groups[g]
-        cost = gathers(G * g, G) + scatter(1, -(-stats.longest // g))
+        cost = gathers(G * g, G) + scatter(1, cdiv(stats.longest, g))
         out.append(
             Candidate(
                 "GroupCOO",
@@ -170,9 +173,31 @@ def _pack(
     candidate: Candidate | tuple[str, dict], A: torch.Tensor, dtype: torch.dtype, index_dtype: torch.dtype | None
 ) -> SparseFormat:
     name, params = (candidate.format, candidate.params) if isinstance(candidate, Candidate) else candidate
-    cls = {"ELL": ELL, "GroupCOO": GroupCOO, "CELL": CELL}[name]
-    packer = cls.from_dense if A.layout == torch.strided else cls.from_torch
-    return packer(A.to(dtype), **params, index_dtype=index_dtype)
+    return packer(name)(A.to(dtype), **params, index_dtype=index_dtype)
+
+
+def packer(format: str) -> Callable[..., SparseFormat]:
+    """How to pack a matrix (dense or torch sparse) in the named format: `auto` for "auto",
+    else the format's `from_dense` or `from_torch` by the matrix's layout. An unknown name
+    raises here, before any packing.
+
+    >>> packer("ell")(torch.tensor([[1.0, 0.0], [0.0, 2.0]])).AK.tolist()
+    [[0], [1]]
+    """
+    if format.lower() == "auto":
+        return auto
+    cls = format_class(format)
+
+    def pack(A: torch.Tensor, **params: Any) -> SparseFormat:
+        return (cls.from_dense if A.layout == torch.strided else cls.from_torch)(A, **params)
+
+    return pack
+
+
+def pruning_block(format: str, params: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The blocks magnitude pruning keeps or drops for a layer packed as `format` with
+    `params` (None: single entries, as for "auto", which picks an unstructured format)."""
+    return None if format.lower() == "auto" else format_class(format).pruning_block(params)
 
 
 def _time_spmm(fmt: SparseFormat, B: torch.Tensor, reps: int = 10) -> float:

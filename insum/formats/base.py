@@ -4,19 +4,23 @@ A format turns a sparse matrix into plain dense index and value tensors plus the
 Einsum(s) that multiply it with a dense matrix, and owns everything around them: the views
 its statements read B and write C through (`operand`, `output_shape`, `result`,
 `output_view`), the transposed pattern its input gradient runs on (`transposed_pattern`,
-`input_gradient`) and its pruning granularity (`pruning_block`). Nothing outside
-`insum.formats` needs to know which format it holds. `spmm` runs the statements through the
-public `insum()`.
+`input_gradient`), its pruning granularity (`pruning_block`) and how far it pads rows
+(`row_padding_slots`). Nothing outside `insum.formats` needs to know which format it holds.
+`spmm` runs the statements through the public `insum()`.
 
 The packers' helpers live beside it: `coords` (coordinates and checks), `grouping` (group
-sizes, the accumulation rule, slot grouping), `tuning` (group_size="tune"), `registry`. Formats never import the code generator or the runtime, so
-packing, inspecting and converting need neither Triton nor a GPU.
+sizes, the accumulation rule, slot grouping), `tuning` (group_size="tune"), `registry`.
+Formats never import the code generator or the runtime, so packing, inspecting and
+converting need neither Triton nor a GPU.
 
 All packing is vectorised torch code on the input's device, never a Python loop over rows
 or nonzeros. On a GPU its time is host syncs (anything whose size or value the host reads)
 and kernel launches, so a packer works from the row pointer with `cumsum` / gathers, reads
 every size it needs in ONE sync (`Coords.read`), and counts are kept in check by tests
 (`opcount.count_ops`).
+
+A little over 400 lines, as one module: it is the one class every format subclasses, and
+its defaults (views, transposed pattern, SpMM) are written in terms of each other.
 """
 
 from __future__ import annotations
@@ -364,6 +368,14 @@ class SparseFormat:
         """The blocks magnitude pruning keeps or drops for a layer packed with `params`
         (None: single entries)."""
         return None
+
+    @classmethod
+    def row_padding_slots(cls, shape: tuple[int, int], longest: int, params: Mapping[str, Any]) -> int:
+        """At most how many value slots packing a matrix of `shape` whose longest row holds
+        `longest` entries stores, for a format that pads rows toward the longest (0: it does
+        not, its slots stay within a small multiple of the nonzeros). Read before packing,
+        to skip a matrix whose padding would not fit."""
+        return 0
 
     def _slot_rows(self) -> tuple[torch.Tensor, bool] | None:
         """For a format of scalar slots (values AV, columns AK): the output row of every slot,

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..arith import cdiv, next_power_of_2
 from ..errors import InsumError
 from .base import SparseFormat, pad_rows
 from .coords import Coords, check_positive_int, index_dtype_for
-from .grouping import GroupCounts, next_pow2
+from .grouping import GroupCounts
 from .transposed import block_gradient, transpose_slots
 from .tuning import tune, tuning_operand
 
@@ -127,7 +128,7 @@ class BlockGroupCOO(SparseFormat):
             return cls._tuned(coords, (bm, bk), index_dtype, tune_cols, backend)
         if group_size is not None and group_size != "row":
             check_positive_int("group_size", group_size)
-        MB, KB = -(-M // bm), -(-K // bk)
+        MB, KB = cdiv(M, bm), cdiv(K, bk)
         itype = index_dtype_for(MB, KB, requested=index_dtype)
         device = coords.device
         params = dict(block=(bm, bk), group_size=group_size, pad=pad, index_dtype=index_dtype)
@@ -151,7 +152,7 @@ class BlockGroupCOO(SparseFormat):
                 per_row = rule.per_row(g)
         else:
             g = group_size
-            per_row = torch.div(counts + (g - 1), g, rounding_mode="floor")
+            per_row = cdiv(counts, g)
             host = coords.read(counts.sum(), per_row.sum(), F.pad(per_row, (0, 1)).max())
             if host is not None:
                 blocks, G, fan_in = host
@@ -204,7 +205,7 @@ class BlockGroupCOO(SparseFormat):
         per_row = torch.zeros(rule.padded_shape[0] // bm, dtype=torch.int64, device=coords.device)
         per_row.index_add_(0, rule.AM.long(), per_group)
         widest = int(per_row.max()) if per_row.numel() else 0
-        candidates = sorted({max(1, g0 // 2), g0, min(next_pow2(widest), 2 * g0)})
+        candidates = sorted({max(1, g0 // 2), g0, min(next_power_of_2(widest), 2 * g0)})
         if per_row.numel() * max(widest, 1) <= 4 * max(rule.AK.numel(), 1):
             candidates.append("row")  # unless Block-ELL would store 4x the rule's blocks
         B = tuning_operand(coords, tune_cols)
@@ -224,7 +225,7 @@ class BlockGroupCOO(SparseFormat):
     def padded_shape(self) -> tuple[int, int]:
         """The shape rounded up to whole blocks, which the kernel works on."""
         (bm, bk), (M, K) = self.block, self.shape
-        return (-(-M // bm) * bm, -(-K // bk) * bk)
+        return (cdiv(M, bm) * bm, cdiv(K, bk) * bk)
 
     def to_dense(self) -> torch.Tensor:
         (bm, bk), (Mp, Kp) = self.block, self.padded_shape
@@ -262,6 +263,15 @@ class BlockGroupCOO(SparseFormat):
     def pruning_block(cls, params: Mapping[str, Any]) -> tuple[int, int]:
         """Whole blocks of the packer's block size."""
         return _block_of(params.get("block", (16, 16)))
+
+    @classmethod
+    def row_padding_slots(cls, shape: tuple[int, int], longest: int, params: Mapping[str, Any]) -> int:
+        """group_size="row" (Block-ELL) pads every block row to the longest: at most bm rows'
+        worth of blocks per block row. Groups pad little (0)."""
+        if params.get("group_size") != "row":
+            return 0
+        (M, K), (bm, bk) = shape, cls.pruning_block(params)
+        return cdiv(M, bm) * min(cdiv(K, bk), bm * longest) * bm * bk
 
     def transposed_pattern(self) -> dict[str, torch.Tensor]:
         AM = self._tensors.get("AM")  # absent when each block row is one group ("row")

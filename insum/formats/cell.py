@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..arith import cdiv
 from ..errors import InsumError
 from .base import SparseFormat
 from .coords import Coords, check_positive_int, coords_of, index_dtype_for
@@ -45,7 +46,7 @@ class _Segments:
     def __init__(self, coords: Coords, partitions: int):
         M, K = coords.shape
         P = self.partitions = partitions
-        pw = self.part_width = max(-(-K // P), 1)
+        pw = self.part_width = max(cdiv(K, P), 1)
         device = coords.device
         if P == 1:
             crow = coords.row_ptr

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import INT32_MAX, VALUE_DTYPES
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 
 __all__ = [
@@ -25,9 +26,6 @@ __all__ = [
     "normalise_device",
     "value_dtype_of",
 ]
-
-VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)

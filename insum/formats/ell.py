@@ -6,6 +6,7 @@ no atomics; the price is padding, which grows with the skew of the row lengths.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -51,6 +52,11 @@ class ELL(SparseFormat):
         AV = torch.zeros(M, width, dtype=coords.dtype, device=coords.device)
         AV[rows, slot] = coords.vals
         return cls._packed(coords, {"AK": AK.to(itype), "AV": AV}, itype)
+
+    @classmethod
+    def row_padding_slots(cls, shape: tuple[int, int], longest: int, params: Mapping[str, Any]) -> int:
+        """M x W: every row padded to the longest."""
+        return shape[0] * max(longest, 1)
 
     @property
     def width(self) -> int:

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..arith import cdiv, next_power_of_2
 from ..errors import InsumError
 from .base import SparseFormat
 from .coords import Coords, check_positive_int, index_dtype_for
-from .grouping import GroupCounts, default_group_size, next_pow2, pack_row_groups
+from .grouping import GroupCounts, default_group_size, pack_row_groups
 from .tuning import tune, tuning_operand
 
 __all__ = ["GroupCOO"]
@@ -75,7 +76,7 @@ class GroupCOO(SparseFormat):
             per_row = rule.per_row(g)
         else:
             g = group_size
-            per_row = torch.div(counts + (g - 1), g, rounding_mode="floor")
+            per_row = cdiv(counts, g)
             host = coords.read(per_row.sum(), F.pad(per_row, (0, 1)).max())
             if host is None:
                 return cls._pack(coords.canonical(), group_size=g, index_dtype=index_dtype)
@@ -93,7 +94,7 @@ class GroupCOO(SparseFormat):
         coords = coords.checked()
         counts = coords.row_counts()
         g0 = default_group_size(counts)
-        cap = next_pow2(int(counts.max())) if coords.nnz else 1
+        cap = next_power_of_2(int(counts.max())) if coords.nnz else 1
         candidates = sorted({max(1, g0 // 2), g0, min(cap, 2 * g0)})
         B = tuning_operand(coords, tune_cols)
 

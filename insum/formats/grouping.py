@@ -11,21 +11,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..arith import next_power_of_2
+from ..dtypes import HALF_DTYPES, compute_dtype
+
 __all__ = [
     "HALF_FAN_IN",
     "GroupCounts",
     "accumulation_dtype",
     "default_group_size",
     "grouped_slots",
-    "next_pow2",
     "pack_row_groups",
     "round_pow2",
 ]
-
-
-def next_pow2(x: int) -> int:
-    """Smallest power of two >= x (1 for x <= 1)."""
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def round_pow2(x: float) -> int:
@@ -50,7 +47,7 @@ def default_group_size(counts: torch.Tensor) -> int:
     nnz, nonempty, longest = torch.stack(
         [counts.sum(), (counts > 0).sum(), counts.max() if counts.numel() else counts.sum()]
     ).tolist()
-    return _group_size_rule(nnz, nonempty, next_pow2(longest))
+    return _group_size_rule(nnz, nonempty, next_power_of_2(int(longest)))
 
 
 class GroupCounts:
@@ -62,7 +59,7 @@ class GroupCounts:
 
     def __init__(self, counts: torch.Tensor, width: int):
         # Exponents 0 .. bit_length(width): the last exceeds any row (at most `width`
-        # entries), so it counts the non-empty rows, and the rule's g <= next_pow2(width).
+        # entries), so it counts the non-empty rows, and the rule's g <= next_power_of_2(width).
         shifts = torch.arange(max(width, 1).bit_length() + 1, device=counts.device)
         # ceil(c / 2^e) = -((-c) >> e): kept negated, the host flips the sums.
         self.neg_groups = (-counts).unsqueeze(0) >> shifts.unsqueeze(1)
@@ -96,9 +93,9 @@ HALF_FAN_IN = 8
 
 def accumulation_dtype(dtype: torch.dtype, fan_in: int | None) -> torch.dtype:
     """The output dtype a scattering SpMM accumulates in (fan_in None: unknown, so float32)."""
-    if dtype in (torch.float16, torch.bfloat16) and (fan_in is None or fan_in > HALF_FAN_IN):
-        return torch.float32
-    return dtype
+    if dtype in HALF_DTYPES and fan_in is not None and fan_in <= HALF_FAN_IN:
+        return dtype
+    return compute_dtype(dtype)
 
 
 def grouped_slots(

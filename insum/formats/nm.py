@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..api import insum
+from ..arith import cdiv
 from ..errors import InsumError, InsumShapeError
 from .base import SparseFormat, pad_rows
 from .coords import Coords, check_positive_int, check_values, index_dtype_for
@@ -105,7 +106,7 @@ class NM(SparseFormat):
         A = _dense_matrix(A)
         _check_nm(n, m, vector_len)
         R, K = A.shape
-        RB = -(-R // vector_len)
+        RB = cdiv(R, vector_len)
         mask = torch.as_tensor(mask, device=A.device)
         mask = mask.to_dense() if mask.layout != torch.strided else mask
         mask = mask != 0
@@ -152,7 +153,7 @@ class NM(SparseFormat):
     def _padded(A: torch.Tensor, m: int, L: int) -> torch.Tensor:
         """A zero-padded to whole vectors and windows, viewed (R'/L, L, K'/m, m)."""
         R, K = A.shape
-        Rp, Kp = -(-R // L) * L, -(-K // m) * m
+        Rp, Kp = cdiv(R, L) * L, cdiv(K, m) * m
         if A.dtype == torch.bool:
             A = A.to(torch.uint8)
         padded = F.pad(A, (0, Kp - K, 0, Rp - R))
@@ -160,7 +161,7 @@ class NM(SparseFormat):
 
     @staticmethod
     def _padded_columns(K: int, m: int, device: torch.device) -> torch.Tensor:
-        Kp = -(-K // m) * m
+        Kp = cdiv(K, m) * m
         return (torch.arange(Kp, device=device) >= K).view(1, Kp // m, m)
 
     @classmethod

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..api import insum
+from ..arith import cdiv
+from ..dtypes import compute_dtype
 from .grouping import default_group_size
 
 __all__ = [
@@ -53,7 +55,7 @@ def transpose_slots(
         g = max(int(counts.max()) if S else 1, 1)
     else:
         g = default_group_size(counts) if S else 1
-    groups_per_col = (counts + g - 1) // g if not by_column else torch.ones_like(counts)
+    groups_per_col = cdiv(counts, g) if not by_column else torch.ones_like(counts)
     group_start = torch.cumsum(groups_per_col, 0) - groups_per_col
     col_start = torch.cumsum(counts, 0) - counts
     within = torch.arange(S, device=device) - col_start[sorted_cols]
@@ -75,10 +77,6 @@ def with_zero_slot(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, values.new_zeros(1, *values.shape[1:])])
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def scalar_gradient(
     AV: torch.Tensor, pattern: dict[str, torch.Tensor], DY: torch.Tensor, K: int, backend: str, precision: str
 ) -> torch.Tensor:
@@ -86,7 +84,7 @@ def scalar_gradient(
     WT = with_zero_slot(AV.reshape(-1))
     if "TM" not in pattern:  # one owner per output row: allocated by insum, no atomics
         return insum(SCALAR_ROW, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
-    DX = torch.zeros(K, DY.shape[1], dtype=_accumulator(DY.dtype), device=DY.device)
+    DX = torch.zeros(K, DY.shape[1], dtype=compute_dtype(DY.dtype), device=DY.device)
     return insum(SCALAR, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
 
 
@@ -98,5 +96,5 @@ def block_gradient(
     WT = with_zero_slot(AV.reshape(-1, bm, bk))
     if "TM" not in pattern:
         return insum(BLOCK_ROW, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
-    DX = torch.zeros(KB, bk, DY.shape[2], dtype=_accumulator(DY.dtype), device=DY.device)
+    DX = torch.zeros(KB, bk, DY.shape[2], dtype=compute_dtype(DY.dtype), device=DY.device)
     return insum(BLOCK, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)

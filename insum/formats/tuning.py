@@ -14,25 +14,31 @@ from .coords import Coords, check_positive_int
 if TYPE_CHECKING:
     from .base import SparseFormat
 
-__all__ = ["time_spmm", "tune", "tuning_operand"]
+__all__ = ["median_wall_time", "time_spmm", "tune", "tuning_operand"]
 
 
-def time_spmm(fmt: SparseFormat, B: torch.Tensor, backend: str, reps: int = 5) -> float:
-    """Median seconds of `fmt.spmm(B)` on the current device, after one warm-up run."""
+def median_wall_time(fn: Callable[[], object], reps: int, device: torch.device | None = None) -> float:
+    """Median seconds of `fn()` over `reps` calls after one warm-up call (which compiles and
+    tunes what a first call does); on a CUDA `device`, synchronised around each call."""
 
     def sync() -> None:
-        if B.device.type == "cuda":
-            torch.cuda.synchronize(B.device)
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
 
-    fmt.spmm(B, backend=backend)  # compiles and autotunes on the first call
+    fn()
     times = []
     for _ in range(reps):
         sync()
         start = time.perf_counter()
-        fmt.spmm(B, backend=backend)
+        fn()
         sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def time_spmm(fmt: SparseFormat, B: torch.Tensor, backend: str, reps: int = 5) -> float:
+    """Median seconds of `fmt.spmm(B)` on B's device, after one warm-up run."""
+    return median_wall_time(lambda: fmt.spmm(B, backend=backend), reps, B.device)
 
 
 def tuning_operand(coords: Coords, tune_cols: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..api import insum
+from ..dtypes import compute_dtype
 from ..errors import InsumError, InsumShapeError
 from .kernel_map import KernelMap, KernelMapCache, default_cache
 
@@ -89,7 +90,7 @@ class _SparseConv(torch.autograd.Function):
             out = _run_tiled(km, x0, weight, tile, opts)
         else:
             groups = km.pair_groups(tile)
-            acc = torch.zeros(max(km.n_out, 1), cout, dtype=torch.promote_types(feats.dtype, torch.float32), device=feats.device)
+            acc = torch.zeros(max(km.n_out, 1), cout, dtype=compute_dtype(feats.dtype), device=feats.device)
             insum(PAIRS, O=acc, X=x0, PI=groups.PI, PO=groups.PO, PW=groups.PW, W=weight, **opts)
             out = acc[: km.n_out].to(feats.dtype)
         ctx.save_for_backward(x0, weight)
@@ -108,7 +109,7 @@ class _SparseConv(torch.autograd.Function):
             grad_feats = _run_tiled(km.transpose(), grad0, weight.transpose(1, 2).contiguous(), ctx.tile, opts)
         if ctx.needs_input_grad[1]:
             groups = km.pair_groups()
-            acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+            acc_dtype = compute_dtype(weight.dtype)
             partial = torch.empty(groups.PI.shape[0], cin, cout, dtype=acc_dtype, device=grad.device)
             insum(WEIGHT_GRAD, dWp=partial, X=x0, PI=groups.PI, dO=grad, PO=groups.PO, **opts)
             total = torch.zeros(volume, cin, cout, dtype=acc_dtype, device=grad.device)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..arith import cdiv
 from ..errors import InsumError, InsumShapeError
 from .linear import SparseLinear, initial_bias, initial_weight, pruned_linear
 
@@ -43,7 +44,7 @@ def feature_ranges(features: int, world_size: int) -> list[range]:
             f"DistributedSparseLinear splits out_features={features} over {world_size} ranks: "
             "each rank needs at least one output feature"
         )
-    bounds = [-(-k * features // world_size) for k in range(world_size + 1)]
+    bounds = [cdiv(k * features, world_size) for k in range(world_size + 1)]
     return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 

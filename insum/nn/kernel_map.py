@@ -21,12 +21,12 @@ that share coordinates share one map.
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from ..arith import cdiv, next_power_of_2
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 
 __all__ = [
@@ -292,7 +292,7 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
     bits = min(volume, 62)
     mask = (found[:, :bits].long() << torch.arange(bits, device=device)).sum(1)
     order = torch.argsort(mask, stable=True)
-    n_tiles = max(1, math.ceil(n_out / tile))
+    n_tiles = max(1, cdiv(n_out, tile))
     rows = torch.full((n_tiles * tile,), -1, dtype=torch.long, device=device)
     rows[:n_out] = order
     rows = rows.view(n_tiles, tile)
@@ -329,9 +329,9 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None) -> PairG
     volume = nbr.shape[1]
     n_pairs = int(w.numel())
     if group is None:
-        group = min(16384, max(256, 1 << max(0, math.ceil(math.log2(max(1, n_pairs) / 384)))))
+        group = min(16384, max(256, next_power_of_2(cdiv(max(1, n_pairs), 384))))
     per_offset = torch.bincount(w, minlength=volume)
-    groups = (per_offset + group - 1) // group
+    groups = cdiv(per_offset, group)
     first_group = torch.cumsum(groups, 0) - groups
     first_pair = torch.cumsum(per_offset, 0) - per_offset
     n_groups = max(1, int(groups.sum()))

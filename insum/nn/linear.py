@@ -22,14 +22,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..arith import cdiv
+from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..errors import InsumError, InsumShapeError
-from ..formats.auto import auto
+from ..formats.auto import packer, pruning_block
 from ..formats.base import SparseFormat, format_class
 from .sparse_autograd import apply_sparse_linear, format_meta, gradient_statements, rebuild_format
 
 __all__ = ["SparseLinear", "sparse_linear", "magnitude_prune"]
 
-_DTYPES = {str(d): d for d in (torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+#: A saved state's dtype (written as str(dtype)) back to the dtype.
+_DTYPES = {str(d): d for d in (*INDEX_DTYPES, *VALUE_DTYPES)}
 
 
 def sparse_linear(
@@ -79,7 +82,7 @@ def magnitude_prune(
         bm = bk = 1
     else:
         bm, bk = (block, block) if isinstance(block, int) else block
-    MB, KB = -(-M // bm), -(-K // bk)
+    MB, KB = cdiv(M, bm), cdiv(K, bk)
     padded = torch.nn.functional.pad(weight.double(), (0, KB * bk - K, 0, MB * bm - M))
     norms = padded.view(MB, bm, KB, bk).square().sum(dim=(1, 3)).flatten()
     keep = norms.numel() - int(round(sparsity * norms.numel()))
@@ -96,7 +99,7 @@ def pruned(weight: torch.Tensor, format: str, sparsity: float, format_params: di
     `pruning_block`: whole blocks for BlockGroupCOO; NM refuses, it prunes itself)."""
     if not sparsity:
         return weight
-    return magnitude_prune(weight, sparsity, _format_class(format).pruning_block(format_params))
+    return magnitude_prune(weight, sparsity, pruning_block(format, format_params))
 
 
 def pruned_linear(
@@ -120,18 +123,6 @@ def initial_bias(out_features: int, in_features: int, device, dtype) -> torch.Te
     """A bias drawn as nn.Linear draws it: uniform in +-1/sqrt(in_features)."""
     bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
     return torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)
-
-
-def _format_class(format: str) -> type[SparseFormat]:
-    """The format class by name; "auto" prunes like the unstructured formats (single entries)."""
-    return format_class("GroupCOO" if format.lower() == "auto" else format)
-
-
-def _pack(format: str, weight: torch.Tensor, params: dict[str, Any]) -> SparseFormat:
-    """Pack `weight` in `format`; "auto" asks `formats.auto` (params: n_cols, measure, ...)."""
-    if format.lower() == "auto":
-        return auto(weight, **params)
-    return format_class(format).from_dense(weight, **params)
 
 
 class SparseLinear(nn.Module):
@@ -174,7 +165,7 @@ class SparseLinear(nn.Module):
         self.backend, self.precision = backend, precision
         self.transposed_backward = transposed_backward
         weight = initial_weight(out_features, in_features, format, sparsity, format_params, device, dtype)
-        self._set_format(_pack(format, weight, format_params))
+        self._set_format(packer(format)(weight, **format_params))
         if bias:
             self.bias = nn.Parameter(initial_bias(out_features, in_features, device, dtype))
         else:
@@ -197,7 +188,7 @@ class SparseLinear(nn.Module):
         """A layer holding `weight` (out x in; its zeros are the pattern, NM prunes) and `bias`."""
         if weight.dim() != 2:
             raise InsumShapeError(f"weight must be (out_features, in_features), got {tuple(weight.shape)}")
-        fmt = _pack(format, weight.detach(), format_params)
+        fmt = packer(format)(weight.detach(), **format_params)
         return cls.from_format(
             fmt, bias, backend=backend, precision=precision, transposed_backward=transposed_backward
         )

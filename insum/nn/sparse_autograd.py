@@ -17,6 +17,7 @@ import torch
 
 from ..api import insum
 from ..autograd import derive
+from ..dtypes import compute_dtype
 from ..formats.base import FORMATS, SparseFormat
 
 __all__ = ["Gradients", "apply_sparse_linear", "format_meta", "gradient_statements", "rebuild_format"]
@@ -54,10 +55,6 @@ for _format_cls in FORMATS.values():  # every format's statements, before any tr
         _derived(_expression)
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 class _SparseLinearFunction(torch.autograd.Function):
     """y = x W^T through the format's statements, with the gradients described above."""
 
@@ -92,7 +89,7 @@ class _SparseLinearFunction(torch.autograd.Function):
 
 def _derived_input_gradient(fmt: SparseFormat, gradients: Gradients, B, dC, backend: str, precision: str) -> torch.Tensor:
     """B's gradient by the derived scatter statements (half precision into float32)."""
-    dB = torch.zeros(B.shape, dtype=_accumulator(B.dtype), device=B.device)
+    dB = torch.zeros(B.shape, dtype=compute_dtype(B.dtype), device=B.device)
     for (_, tensors), (output_grad, grad_name, statements) in zip(fmt.statements(), gradients):
         env = {**tensors, "B": B, output_grad: dC}
         for stmt, reads in statements["B"]:
