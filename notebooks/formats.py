@@ -674,7 +674,7 @@ for path in sorted(RESULTS.glob("*.json")):
     except ValueError as e:
         print(f"skipping {path.name}: {e}")
         continue
-    if isinstance(data, dict) and isinstance(data.get("rows"), list):
+    if isinstance(data, dict) and "study" in data and isinstance(data.get("rows"), list):  # the runner's study files
         studies[data.get("study", path.stem)] = data
 studies = dict(sorted(studies.items(), key=lambda kv: (STUDY_ORDER + [kv[0]]).index(kv[0])))
 if not studies:
