@@ -12,7 +12,6 @@ Options are validated here once for every entry point (`check_options`).
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Literal
 
@@ -24,6 +23,7 @@ from .cache import BoundedCache, memoize
 from .errors import InsumError, InsumTypeError, UnsupportedStatement
 from .ir import Statement
 from .reference import run_reference
+from .settings import flag
 
 __all__ = ["run", "check_options", "check_names", "sorted_facts", "Backend", "Precision", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
@@ -89,7 +89,7 @@ def sorted_facts(bound: Bound, names) -> frozenset[str]:
 def _checking(check_indices: bool | None) -> bool:
     if check_indices is not None:
         return check_indices
-    return os.environ.get("INSUM_CHECK_INDICES", "0") not in ("", "0")
+    return flag("INSUM_CHECK_INDICES", default=False)
 
 
 def run(

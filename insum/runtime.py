@@ -35,6 +35,7 @@ from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_con
 from .codegen.schedule import NARROW, box_layout
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
+from .settings import flag
 
 __all__ = ["Kernel", "BareLaunch", "UnsupportedStatement", "kernel_for", "cached_kernel", "spec_for", "cache_dir"]
 
@@ -51,7 +52,7 @@ def cache_dir() -> Path:
 
 def _interpreting() -> bool:
     """TRITON_INTERPRET, read at call time."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return flag("TRITON_INTERPRET", default=False)
 
 
 def _tuning_enabled(autotune: bool | None = None) -> bool:
@@ -59,7 +60,7 @@ def _tuning_enabled(autotune: bool | None = None) -> bool:
     configuration instead of measuring."""
     if autotune is not None:
         return bool(autotune)
-    return os.environ.get("INSUM_AUTOTUNE", "1") not in ("", "0")
+    return flag("INSUM_AUTOTUNE", default=True)
 
 
 def _max_offset(shape, strides) -> int:
@@ -69,7 +70,7 @@ def _max_offset(shape, strides) -> int:
 def descriptors_supported(device: torch.device) -> bool:
     """Whether kernels on `device` may load through tensor descriptors (TMA): Hopper or later,
     compiled (the interpreter has no TMA), and not switched off with INSUM_TMA=0."""
-    if device.type != "cuda" or _interpreting() or os.environ.get("INSUM_TMA", "1") in ("", "0"):
+    if device.type != "cuda" or _interpreting() or not flag("INSUM_TMA", default=True):
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 

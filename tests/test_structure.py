@@ -270,7 +270,27 @@ def test_kernel_launcher_relaunches_the_prepared_launch():
 # ------------------------------------------------------------------ examples in docstrings
 
 
-@pytest.mark.parametrize("module", ["dtypes", "arith", "ir"])
+@pytest.mark.parametrize("module", ["dtypes", "arith", "ir", "settings"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(f"insum.{module}"))
     assert result.failed == 0 and result.attempted > 0
+
+
+# ------------------------------------------------------------------ environment switches
+
+
+@pytest.mark.parametrize("text, default, expected", [
+    (None, True, True), (None, False, False), ("", True, False), ("0", True, False),
+    ("1", False, True), ("yes", False, True),
+])
+def test_flags_follow_the_environment_at_each_read(monkeypatch, text, default, expected):
+    """settings.flag reads what os.environ holds now (set or deleted through it)."""
+    from insum.settings import flag
+
+    monkeypatch.setenv("INSUM_TEST_SWITCH", "1" if not default else "0")
+    assert flag("INSUM_TEST_SWITCH", default) is (not default)
+    if text is None:
+        monkeypatch.delenv("INSUM_TEST_SWITCH")
+    else:
+        monkeypatch.setenv("INSUM_TEST_SWITCH", text)
+    assert flag("INSUM_TEST_SWITCH", default) is expected
