@@ -92,7 +92,10 @@ class _SparseConv(torch.autograd.Function):
             groups = km.pair_groups(tile)
             acc = torch.zeros(max(km.n_out, 1), cout, dtype=compute_dtype(feats.dtype), device=feats.device)
             insum(PAIRS, O=acc, X=x0, PI=groups.PI, PO=groups.PO, PW=groups.PW, W=weight, **opts)
-            out = acc[: km.n_out].to(feats.dtype)
+            # Return the buffer itself, not a view of it: under torch 2.11's torch.compile a
+            # Function output that views a buffer mutated by the insum op got no gradient.
+            whole = (acc.shape[0], acc.dtype) == (km.n_out, feats.dtype)
+            out = acc if whole else acc[: km.n_out].to(feats.dtype)
         ctx.save_for_backward(x0, weight)
         ctx.km, ctx.tile, ctx.opts = km, tile, opts
         return out
