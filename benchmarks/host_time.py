@@ -1,0 +1,203 @@
+"""Host time per cached call: what `insum()` and `fmt @ B` cost the host around a launch.
+
+    python -m benchmarks.host_time [--calls 2000] [--repeats 5] [--label TEXT] [--log FILE]
+
+On the CPU (run it with TRITON_INTERPRET=1) the kernel launch itself is stubbed: every
+cached kernel's JIT function is replaced by a no-op (and so is the compiled kernel that a
+direct launch calls), so what is measured is insum's own work per call, the part that a
+GPU host pays on top of Triton's launch. "stub launch" is the stubbed launch alone, as
+insum prepared it. The formats run through `fmt.spmm(B, backend="triton")` there, since
+`fmt @ B` takes the torch lowering on the CPU.
+
+On CUDA nothing is stubbed: beside the same rows it times the bare JIT launch of the
+cached kernel (`Kernel.launcher(bound)`, no insum around it) and cuSPARSE (`torch` CSR @ B),
+all in one process. The target (issue 10): `insum()` and `fmt @ B` within 10 µs of the bare
+launch.
+
+Each row: the median and the minimum over `repeats` runs of `calls` calls (after a warm-up),
+in µs per call; the rows take turns, so that a loaded host slows them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+import insum
+from insum import runtime
+from insum.bind import bind
+from insum.formats import CELL, COO, ELL, GroupCOO
+from insum.parser import parse
+
+__all__ = ["cases", "measure", "main"]
+
+M, K, N = 128, 96, 16  # small: the interpreter runs each case once to warm up
+GROUPCOO = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
+DENSE = "C[m,n] = A[m,k]*B[k,n]"
+
+
+def skewed_matrix(device) -> torch.Tensor:
+    """An M x K matrix with power-law row lengths (one row of K entries, many of 1-4, a few
+    empty), so that CELL packs several bucket widths."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = (K / (torch.arange(M) + 1.0) ** 0.9).long().clamp(max=K)
+    lengths[M // 3 : M // 3 + 4] = 0
+    A = torch.zeros(M, K)
+    for row, n in enumerate(lengths.tolist()):
+        cols = torch.randperm(K, generator=gen)[:n]
+        A[row, cols] = torch.randn(n, generator=gen)
+    return A.to(device)
+
+
+def cases(device: torch.device) -> dict[str, Callable[[], object]]:
+    """name -> a no-argument call, for the tensors of one small problem on `device`."""
+    cuda = device.type == "cuda"
+    backend = "auto" if cuda else "triton"
+    gen = torch.Generator().manual_seed(3)
+    A = skewed_matrix(device)
+    B = torch.randn(K, N, generator=gen).to(device)
+    group = GroupCOO.from_dense(A)
+    tensors = dict(group.tensors, B=B, C=torch.zeros(M, N, device=device))
+    dense_A = torch.randn(M, K, generator=gen).to(device)
+    formats = {"GroupCOO": group, "ELL": ELL.from_dense(A), "CELL": CELL.from_dense(A), "COO": COO.from_dense(A)}
+    rows: dict[str, Callable[[], object]] = {
+        "insum() GroupCOO +=, C given": lambda: insum.insum(GROUPCOO, backend=backend, **tensors),
+        "insum() dense =, C allocated": lambda: insum.insum(DENSE, backend=backend, A=dense_A, B=B),
+    }
+    for name, fmt in formats.items():
+        if cuda:
+            rows[f"{name} @ B"] = lambda f=fmt: f @ B
+        else:
+            rows[f"{name}.spmm(B)"] = lambda f=fmt: f.spmm(B, backend="triton")
+    # The launch insum() prepared for the first row, alone (built when first called, so
+    # that on the CPU it picks up the stub).
+    rows["bare JIT launch" if cuda else "stub launch"] = _bare_launch(GROUPCOO, tensors)
+    if cuda:
+        csr = A.to_sparse_csr()
+        rows["torch CSR @ B"] = lambda: csr @ B
+    return rows
+
+
+def _bare_launch(expr: str, tensors: dict) -> Callable[[], None]:
+    launch = None
+
+    def call() -> None:
+        nonlocal launch
+        if launch is None:
+            bound = bind(parse(expr), tensors)
+            launch = runtime.kernel_for(bound).launcher(bound)
+        launch()
+
+    return call
+
+
+def _kernels() -> Iterator[runtime.Kernel]:
+    """Every kernel insum has cached (and their re-planned siblings)."""
+    seen: set[int] = set()
+    stack = list(runtime._KERNELS.values()) + list(runtime._BY_SIGNATURE.values())
+    while stack:
+        kernel = stack.pop()
+        if id(kernel) not in seen:
+            seen.add(id(kernel))
+            stack.extend(kernel._siblings.values())
+            yield kernel
+
+
+class _NoLaunch:
+    """Stands in for a JIT function: `fn[grid](*args, **config)` does nothing."""
+
+    def __getitem__(self, grid):
+        return _no_op
+
+
+def _no_op(*args, **kwargs) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Replace the final launch of every cached kernel by a no-op (restored on exit)."""
+    saved = [(kernel, kernel.fn) for kernel in _kernels()]
+    for kernel, _ in saved:
+        kernel.fn = _NoLaunch()
+    try:
+        yield
+    finally:
+        for kernel, fn in saved:
+            kernel.fn = fn
+
+
+def measure(rows: dict[str, Callable[[], object]], calls: int, repeats: int, sync: Callable[[], None]) -> dict:
+    """name -> (median, min) µs per call over `repeats` runs of `calls` calls each,
+    synchronising at each end. The rows take turns within each repeat, so that load from
+    other processes on the host falls on all of them alike; the minimum is the least
+    disturbed run."""
+    for fn in rows.values():
+        for _ in range(min(calls, 50)):
+            fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--label", default="", help="a line printed above the table (and logged)")
+    parser.add_argument("--log", default=None, help="append the table to this file")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    if not cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 (the launch is then stubbed)")
+    device = torch.device("cuda" if cuda else "cpu")
+    rows = cases(device)
+    anchor = "bare JIT launch" if cuda else "stub launch"
+    for name, fn in rows.items():  # compile (interpret) and tune every case once, for real
+        if name != anchor or cuda:
+            fn()
+    sync = torch.cuda.synchronize if cuda else _no_op
+    stub = contextlib.nullcontext() if cuda else stubbed_launches()
+    with stub:
+        results = measure(rows, args.calls, args.repeats, sync)
+    lines = []
+    if args.label:
+        lines.append(args.label)
+    lines.append(
+        f"host us per cached call on {torch.cuda.get_device_name() if cuda else 'CPU (launch stubbed)'}, "
+        f"{args.repeats} x {args.calls} calls; torch {torch.__version__}, triton {_triton_version()}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    lines.append(f"  {'':32s} {'median':>8s} {'min':>8s}  median over {anchor}")
+    for name, (median, least) in results.items():
+        over = "" if name == anchor else f"  +{median - results[anchor][0]:.1f}"
+        lines.append(f"  {name:32s} {median:8.2f} {least:8.2f}{over}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.log:
+        with open(args.log, "a") as log:
+            log.write(text + "\n\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
