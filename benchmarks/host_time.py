@@ -15,7 +15,9 @@ all in one process. The target (issue 10): `insum()` and `fmt @ B` within 10 µs
 launch.
 
 Each row: the median and the minimum over `repeats` runs of `calls` calls (after a warm-up),
-in µs per call; the rows take turns, so that a loaded host slows them alike.
+in µs per call; the rows take turns, so that a loaded host slows them alike. On CUDA the
+clock is the wall clock; stubbed on the CPU it is the thread's CPU time (a shared host's
+other processes then count less).
 """
 
 from __future__ import annotations
@@ -133,7 +135,9 @@ def stubbed_launches() -> Iterator[None]:
             kernel.fn = fn
 
 
-def measure(rows: dict[str, Callable[[], object]], calls: int, repeats: int, sync: Callable[[], None]) -> dict:
+def measure(
+    rows: dict[str, Callable[[], object]], calls: int, repeats: int, sync: Callable[[], None], clock=time.perf_counter
+) -> dict:
     """name -> (median, min) µs per call over `repeats` runs of `calls` calls each,
     synchronising at each end. The rows take turns within each repeat, so that load from
     other processes on the host falls on all of them alike; the minimum is the least
@@ -145,11 +149,11 @@ def measure(rows: dict[str, Callable[[], object]], calls: int, repeats: int, syn
     times: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(repeats):
         for name, fn in rows.items():
-            start = time.perf_counter()
+            start = clock()
             for _ in range(calls):
                 fn()
             sync()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
+            times[name].append((clock() - start) / calls * 1e6)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
@@ -178,12 +182,14 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     sync = torch.cuda.synchronize if cuda else _no_op
     stub = contextlib.nullcontext() if cuda else stubbed_launches()
     with stub:
-        results = measure(rows, args.calls, args.repeats, sync)
+        # Stubbed, the host's own CPU time is what counts: this thread's, not the wall clock
+        # (which on a shared host also counts the time other processes hold the core).
+        results = measure(rows, args.calls, args.repeats, sync, time.perf_counter if cuda else time.thread_time)
     lines = []
     if args.label:
         lines.append(args.label)
     lines.append(
-        f"host us per cached call on {torch.cuda.get_device_name() if cuda else 'CPU (launch stubbed)'}, "
+        f"host us per cached call on {torch.cuda.get_device_name() + ', wall' if cuda else 'CPU (launch stubbed), thread CPU time'}, "
         f"{args.repeats} x {args.calls} calls; torch {torch.__version__}, triton {_triton_version()}, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )

@@ -21,7 +21,7 @@ from .dtypes import INDEX_DTYPES, VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .ir import Access, Role, Statement
 
-__all__ = ["Bound", "bind"]
+__all__ = ["Bound", "bind", "check_aliasing"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
     if signature is not None:
         known = _BOUND.get((stmt, signature))
         if known is not None:
-            _check_aliasing(stmt, known.value_names + known.index_names, tensors)
+            check_aliasing(stmt, known.value_names + known.index_names, tensors)
             return known.with_tensors(tensors)
     bound = _bind(stmt, tensors, signature)
     if signature is not None:
@@ -152,7 +152,9 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
     return bound
 
 
-def _check_aliasing(stmt: Statement, inputs: tuple[str, ...], tensors: Mapping[str, torch.Tensor]) -> None:
+def check_aliasing(stmt: Statement, inputs: tuple[str, ...], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise when the given output shares memory with one of the `inputs` (checked on every
+    call: it depends on the tensors' memory, not on their signature)."""
     output = tensors.get(stmt.output.name)
     if output is None or output.numel() == 0:
         return
@@ -238,7 +240,7 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
             )
 
     if output is not None:
-        _check_aliasing(stmt, tuple(uses), tensors)
+        check_aliasing(stmt, tuple(uses), tensors)
         _check_distinct_elements(out_name, output)
         out_shape, out_dtype = tuple(output.shape), output.dtype
     else:

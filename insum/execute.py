@@ -8,6 +8,12 @@ kernel cannot run, checks indices, and launches:
     parse(text) -> bind(stmt, tensors) -> run(bound, out, backend=..., ...) -> out
 
 Options are validated here once for every entry point (`check_options`).
+
+A repeated eager call skips all of that: `prepare` keeps what a call decided (the backend,
+the kernel's launch for the signature, the output to allocate), keyed by the statement text,
+the options and the tensors' signature, and `prepared` finds it again after the checks whose
+outcome can change between two calls of one signature (torch.compile tracing, gradients,
+the environment switches, aliasing of output and input, descriptor alignment).
 """
 
 from __future__ import annotations
@@ -17,15 +23,29 @@ from typing import Literal
 
 import torch
 
-from .bind import Bound
+from .bind import Bound, check_aliasing
 from .bounds import check_indices as _check_indices
 from .cache import BoundedCache, memoize
 from .errors import InsumError, InsumTypeError, UnsupportedStatement
 from .ir import Statement
 from .reference import run_reference
-from .settings import flag
+from .settings import flag, snapshot
 
-__all__ = ["run", "check_options", "check_names", "sorted_facts", "Backend", "Precision", "BACKENDS", "PRECISIONS", "OPTIONS"]
+__all__ = [
+    "run",
+    "prepare",
+    "prepared",
+    "Prepared",
+    "call_signature",
+    "check_options",
+    "check_names",
+    "sorted_facts",
+    "Backend",
+    "Precision",
+    "BACKENDS",
+    "PRECISIONS",
+    "OPTIONS",
+]
 
 #: "torch": the reference lowering; "triton": the generated kernel; "auto": the generated
 #: kernel on CUDA tensors (falling back to the lowering with a warning), the lowering elsewhere.
@@ -129,3 +149,115 @@ def run(
         return run_reference(bound, out)
     _check_indices(bound, out, device_check=_checking(check_indices))
     return kernel.launch(bound, out, autotune=autotune)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def call_signature(tensors: dict) -> tuple | None:
+    """What a repeated call must share with the prepared one: per tensor its name, dtype,
+    shape, strides, device and requires_grad (None for anything but plain tensors: fake and
+    functional tensors while tracing, non-tensors, which the full path reports)."""
+    signature = []
+    for name, t in tensors.items():
+        if type(t) not in _PLAIN:
+            return None
+        signature.append((name, t.dtype, t.shape, t.stride(), t.device, t.requires_grad))
+    return tuple(signature)
+
+
+class Prepared:
+    """An eager call that ran once, ready to repeat on tensors of its signature.
+
+    It holds the binding without tensors and, for the generated kernel, the launch the
+    kernel prepared for the signature; a repeated call allocates the output if it was not
+    given, checks indices if asked, and launches.
+    """
+
+    __slots__ = ("bound", "out_name", "launcher", "device_check", "autotune", "env", "aligned", "requires_grad", "inputs")
+
+    def __init__(self, bound: Bound, launcher, device_check: bool, autotune: bool | None, aligned: tuple | None):
+        self.bound = bound.with_tensors({})
+        self.out_name = bound.output_name
+        self.inputs = bound.value_names + bound.index_names
+        self.launcher = launcher  # None: the torch lowering
+        self.device_check = device_check
+        self.autotune = autotune
+        self.env = snapshot()
+        self.aligned = aligned  # value tensors' 16-byte alignment when the kernel depends on it
+        self.requires_grad = any(t.requires_grad for t in bound.tensors.values())
+
+    def __call__(self, tensors: dict) -> torch.Tensor:
+        out = tensors.get(self.out_name)
+        bound = self.bound
+        if out is None:
+            out = torch.zeros(bound.out_shape, dtype=bound.out_dtype, device=bound.device)
+        if self.launcher is None:
+            return run_reference(bound.with_tensors(tensors), out)
+        if self.device_check:
+            _check_indices(bound.with_tensors(tensors), out, device_check=True)
+        return self.launcher.run(tensors, out, self.autotune)
+
+
+_PREPARED: BoundedCache[tuple, Prepared] = BoundedCache()  # (text, options, call signature) -> call
+
+
+def prepared(expr: str, options: tuple, tensors: dict) -> Prepared | None:
+    """The prepared call for `expr` with these options and tensors, or None when the full
+    path must run (nothing prepared, or something it depends on changed). Raises the full
+    path's error for an output that shares memory with an input."""
+    signature = call_signature(tensors)
+    if signature is None:
+        return None
+    try:
+        call = _PREPARED.get((expr, options, signature))
+    except TypeError:  # an unhashable option value: the full path reports it
+        return None
+    if call is None or call.env != snapshot():
+        return None
+    if call.requires_grad and torch.is_grad_enabled():
+        return None
+    if call.aligned is not None and call.aligned != _alignment(call.bound, tensors):
+        return None
+    check_aliasing(call.bound.stmt, call.inputs, tensors)
+    return call
+
+
+def _alignment(bound: Bound, tensors) -> tuple[bool, ...]:
+    return tuple(tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
+
+
+def prepare(
+    expr: str,
+    options: tuple,
+    bound: Bound,
+    *,
+    backend: Backend = "auto",
+    precision: Precision = "tf32",
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
+) -> None:
+    """Keep what the call that just ran on `bound` decided, for `prepared` to find (only for
+    plain tensors, and only after the call succeeded: its checks have passed)."""
+    signature = call_signature(bound.tensors)
+    if signature is None or bound.signature is None:
+        return
+    launcher, aligned = None, None
+    if not (backend == "torch" or (backend == "auto" and bound.device.type != "cuda")):
+        from .runtime import descriptors_supported, kernel_for
+
+        try:
+            kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
+        except UnsupportedStatement:
+            pass  # it fell back to the torch lowering (backend "auto"), as it will again
+        else:
+            launcher = kernel.prepared(bound)
+            if launcher.config is None and launcher.launched:
+                return  # not run yet (nothing to repeat)
+            if descriptors_supported(bound.device):
+                aligned = _alignment(bound, bound.tensors)
+    try:
+        _PREPARED[(expr, options, signature)] = Prepared(bound, launcher, _checking(check_indices), autotune, aligned)
+    except TypeError:
+        return

@@ -185,32 +185,17 @@ class Kernel:
 
         autotune: measure the candidate tiles on a signature's first call (None: the kernel's
         own setting, then INSUM_AUTOTUNE)."""
+        return self.prepared(bound).run(bound.tensors, out, autotune)
+
+    def prepared(self, bound: Bound) -> _Launcher:
+        """The launch prepared for bound's signature (made on first use; kept per signature
+        unless the binding has none, as fake tensors while tracing)."""
         launcher = self._launchers.get(bound.signature) if bound.signature is not None else None
         if launcher is None:
             launcher = _Launcher(self, bound)
             if bound.signature is not None:
                 self._launchers[bound.signature] = launcher
-        target = out
-        if self.plan.output in ("atomic", "segment"):
-            if out.dtype in HALF_DTYPES and not _half_atomics(out):
-                # No half-precision atomics here: scatter into float32, then add once.
-                target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-            elif not self.plan.stmt.accumulate:
-                out.zero_()
-        if self.plan.boxes:
-            _ensure_descriptor_allocator()
-        if launcher.launched:
-            args = launcher.args(bound.tensors, target)
-            if launcher.config is None:
-                self._first_run(launcher, args, bound.device, self.autotune if autotune is None else autotune)
-            else:
-                self.fn[launcher.grid](*args, **launcher.config)
-        if target is not out:
-            if self.plan.stmt.accumulate:
-                out.add_(target)
-            else:
-                out.copy_(target)
-        return out
+        return launcher
 
     def launcher(self, bound: Bound, out: torch.Tensor | None = None) -> BareLaunch:
         """The bare launch an earlier call prepared for `bound`'s signature, on bound's tensors
@@ -353,10 +338,45 @@ class _Launcher:
         self.grid_fn = grid_fn
         self.config: dict | None = None
         self.grid: tuple[int, ...] | None = None
+        self.kernel = kernel
+        self.device = bound.device
+        # What a call does around the launch, fixed by the signature: a scatter into an fp16/
+        # bf16 output without native atomics goes through a float32 buffer; an overwriting
+        # scatter starts from zeros.
+        scatters = plan.output in ("atomic", "segment")
+        self.half_scratch = scatters and bound.out_dtype in HALF_DTYPES and not _half_atomics(bound.out_dtype, bound.device)
+        self.zero_fill = scatters and not self.half_scratch and not plan.stmt.accumulate
+        self.accumulate = plan.stmt.accumulate
+        self.descriptors = bool(plan.boxes)
 
     def set_config(self, config: dict) -> None:
         self.config = config
         self.grid = self.grid_fn(config)
+
+    def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
+        """Launch on `tensors` (of this launch's signature) into `out`; returns `out`.
+
+        The first call finds the configuration (autotune: as for `Kernel.launch`)."""
+        target = out
+        if self.half_scratch:
+            target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+        elif self.zero_fill:
+            out.zero_()
+        if self.descriptors:
+            _ensure_descriptor_allocator()
+        if self.launched:
+            args = self.args(tensors, target)
+            kernel = self.kernel
+            if self.config is None:
+                kernel._first_run(self, args, self.device, kernel.autotune if autotune is None else autotune)
+            else:
+                kernel.fn[self.grid](*args, **self.config)
+        if target is not out:
+            if self.accumulate:
+                out.add_(target)
+            else:
+                out.copy_(target)
+        return out
 
     def args(self, tensors, target: torch.Tensor) -> list:
         args = list(self.template)
@@ -367,7 +387,7 @@ class _Launcher:
         return args
 
 
-def _half_atomics(out: torch.Tensor) -> bool:
+def _half_atomics(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether fp16/bf16 scatters add in the output's dtype with native atomics.
 
     They do wherever the GPU has them (sm_70 for fp16, sm_90 for bf16), like torch's
@@ -376,10 +396,10 @@ def _half_atomics(out: torch.Tensor) -> bool:
     meet in one row). Elsewhere (the interpreter has none) a float32 buffer is scattered
     into and added to the output once.
     """
-    if out.device.type != "cuda" or _interpreting():
+    if device.type != "cuda" or _interpreting():
         return False
-    major, _ = torch.cuda.get_device_capability(out.device)
-    return major >= (9 if out.dtype == torch.bfloat16 else 7)
+    major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return major >= (9 if dtype == torch.bfloat16 else 7)
 
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

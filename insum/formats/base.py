@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..api import insum
+from ..cache import BoundedCache
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from .coords import (
     VALUE_DTYPES,
@@ -245,6 +246,7 @@ class SparseFormat:
         moved._tensors = {k: v.to(device) for k, v in self._tensors.items()}
         moved.device = normalise_device(device)
         moved.params = dict(self.params)
+        moved.__dict__.pop("_spmm_plans", None)  # made for the original's tensors
         return moved
 
     def to_dense(self) -> torch.Tensor:
@@ -265,9 +267,18 @@ class SparseFormat:
         B is (K, N) or a vector (K,). The result has the promoted dtype of A and B;
         half-precision results are accumulated in float32 and rounded once.
         """
+        key = None
+        if type(B) in _PLAIN and B.layout == torch.strided and not torch.compiler.is_compiling():
+            # A repeated product (same format, same kind of B) skips the checks and decisions.
+            key = (B.dtype, B.shape, B.stride(), B.device, backend, precision)
+            plans = self.__dict__.get("_spmm_plans")
+            plan = plans.get(key) if plans is not None else None
+            if plan is not None:
+                return plan(self, B)
         if not isinstance(B, torch.Tensor) or B.layout != torch.strided:
             raise InsumTypeError("spmm expects a dense torch.Tensor operand")
         vector = B.dim() == 1
+        original = B
         if vector:
             B = B.unsqueeze(1)
         if B.dim() != 2 or B.shape[0] != self.shape[1]:
@@ -280,16 +291,11 @@ class SparseFormat:
             raise InsumTypeError(
                 f"B is on {B.device} but the {type(self).__name__} tensors are on {self.device}; use .to()"
             )
-        out_dtype = value_dtype_of(self.dtype, B.dtype)
-        M, N = self.shape[0], B.shape[1]
-        if self.nnz == 0 or M == 0 or N == 0:
-            C = torch.zeros(M, N, dtype=out_dtype, device=B.device)
-        else:
-            # Both factors and the output in the promoted dtype: the kernel sees one value
-            # dtype and accumulates half precision in float32 itself.
-            B = B if B.dtype == out_dtype else B.to(out_dtype)  # (a no-op .to still costs a dispatch)
-            C = self._spmm(B, out_dtype, backend, precision)  # any strides
-        return C.squeeze(1) if vector else C
+        plan = _SpmmPlan(self, B, vector, backend, precision)
+        C = plan(self, original)
+        if key is not None:  # kept once it has run (its options are then valid)
+            self.__dict__.setdefault("_spmm_plans", BoundedCache(_PLANS_PER_FORMAT))[key] = plan
+        return C
 
     def __matmul__(self, B: torch.Tensor) -> torch.Tensor:
         return self.spmm(B)
@@ -399,24 +405,58 @@ class SparseFormat:
         scatter per stored slot."""
         return scalar_gradient(self.AV.to(dC.dtype), pattern, dC, self.shape[1], backend, precision)
 
-    def _spmm(self, B: torch.Tensor, dtype: torch.dtype, backend: str, precision: str) -> torch.Tensor:
-        """A @ B through the statements; half precision accumulates in float32 where many
-        groups meet in one row (`accumulation_dtype`)."""
-        acc = accumulation_dtype(dtype, self.fan_in)
-        shape, operand = self.output_shape(B.shape[1]), self.operand(B)
-        C = (torch.zeros if self.accumulates else torch.empty)(shape, dtype=acc, device=B.device)
-        for expression, tensors in self.statements():
-            values = {k: (v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v) for k, v in tensors.items()}
-            statement = expression if self.accumulates else overwrite(expression)
-            self._run(statement, backend, precision, C=C, B=operand, **values)
-        C = self.result(C)
-        return C if C.dtype == dtype else C.to(dtype)
 
-    def _run(
-        self, expression: str, backend: str, precision: str, **tensors: torch.Tensor
-    ) -> torch.Tensor:
-        # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
-        facts = frozenset(name for name in self.sorted_indices if name in tensors)  # traceable by dynamo
-        return insum(
-            expression, backend=backend, precision=precision, check_indices=False, sorted_indices=facts, **tensors
-        )
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLANS_PER_FORMAT = 16  # B signatures remembered per format object
+
+
+class _SpmmPlan:
+    """A format's SpMM decided for one kind of B (dtype, shape, strides, device, options):
+    the output dtype and buffer, the statements with their tensors and facts. Checks passed
+    when it was made; it is kept on the format object (not holding it) and run again for
+    every B of that kind. Values are cast on each call (never cached: they may be updated in
+    place, as a layer's weights are).
+    """
+
+    __slots__ = ("vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "options", "M", "N")
+
+    def __init__(self, fmt: SparseFormat, B: torch.Tensor, vector: bool, backend: str, precision: str):
+        self.vector = vector
+        self.dtype = dtype = value_dtype_of(fmt.dtype, B.dtype)
+        self.M, self.N = fmt.shape[0], B.shape[1]
+        self.empty = fmt.nnz == 0 or self.M == 0 or self.N == 0
+        # Both factors and the output in the promoted dtype: the kernel sees one value dtype
+        # and accumulates half precision in float32 itself.
+        self.cast = B.dtype != dtype  # (a no-op .to still costs a dispatch)
+        # Half precision accumulates in float32 where many groups meet in one row.
+        self.acc = accumulation_dtype(dtype, fmt.fan_in)
+        self.shape = fmt.output_shape(self.N)
+        self.zeros = fmt.accumulates  # else the one statement runs with `=` into torch.empty
+        self.options = {"backend": backend, "precision": precision}
+        self.statements = []
+        for expression, tensors in ([] if self.empty else fmt.statements()):
+            cast = tuple(k for k, v in tensors.items() if v.is_floating_point() and v.dtype != dtype)
+            statement = expression if fmt.accumulates else overwrite(expression)
+            # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
+            facts = frozenset(name for name in fmt.sorted_indices if name in tensors)  # traceable by dynamo
+            self.statements.append((statement, dict(tensors), cast, facts))
+
+    def __call__(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
+        if self.vector:
+            B = B.unsqueeze(1)
+        dtype = self.dtype
+        if self.empty:
+            C = torch.zeros(self.M, self.N, dtype=dtype, device=B.device)
+        else:
+            if self.cast:
+                B = B.to(dtype)
+            C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
+            operand = fmt.operand(B)
+            for statement, tensors, cast, facts in self.statements:
+                if cast:
+                    tensors = {k: (v.to(dtype) if k in cast else v) for k, v in tensors.items()}
+                insum(statement, check_indices=False, sorted_indices=facts, **self.options, C=C, B=operand, **tensors)
+            C = fmt.result(C)  # any strides
+            if C.dtype != dtype:
+                C = C.to(dtype)
+        return C.squeeze(1) if self.vector else C

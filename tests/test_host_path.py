@@ -1,0 +1,173 @@
+"""The repeated call's fast path (issue 10, launch path): a call like an earlier one goes
+straight to its prepared launch, and still behaves exactly as the full path.
+
+Each test prepares a call, then changes one thing the full path checks (an environment
+switch, aliasing, gradients, a dtype, values updated in place) and checks that the repeat
+notices. The kernel path runs in the interpreter at small sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import insum
+from insum import api
+from insum.errors import InsumError, InsumIndexError, InsumTypeError
+from insum.formats import CELL, COO, ELL, GroupCOO
+
+pytestmark = pytest.mark.interpreter
+
+GROUP = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
+DENSE = "C[m,n] = A[m,k]*B[k,n]"
+
+
+def _group_tensors(seed: int, G: int = 5, g: int = 3, M: int = 7, K: int = 6, N: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(
+        AM=torch.randint(0, M, (G,), generator=gen),
+        AK=torch.randint(0, K, (G, g), generator=gen),
+        AV=torch.randn(G, g, generator=gen),
+        B=torch.randn(K, N, generator=gen),
+        C=torch.randn(M, N, generator=gen),
+    )
+
+
+def _reference(t: dict) -> torch.Tensor:
+    C = t["C"].double().clone()
+    C.index_add_(0, t["AM"], (t["AV"].double().unsqueeze(2) * t["B"].double()[t["AK"]]).sum(1))
+    return C
+
+
+def _no_full_path(monkeypatch) -> None:
+    """Make the full path fail: a call that reaches it now is not a repeat."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the full path ran")
+
+    monkeypatch.setattr(api, "bind", fail)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_repeat_skips_the_full_path_and_computes_on_new_values(backend, monkeypatch):
+    insum.insum(GROUP, backend=backend, **_group_tensors(0))
+    _no_full_path(monkeypatch)
+    for seed in (1, 2):  # same signature, new values
+        t = _group_tensors(seed)
+        expected = _reference(t)
+        out = insum.insum(GROUP, backend=backend, **t)
+        assert out is t["C"]
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_repeat_allocates_a_fresh_output(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    A, B = torch.randn(5, 4, generator=gen), torch.randn(4, 3, generator=gen)
+    first = insum.insum(DENSE, backend="triton", A=A, B=B)
+    _no_full_path(monkeypatch)
+    second = insum.insum(DENSE, backend="triton", A=A * 2, B=B)
+    assert second.data_ptr() != first.data_ptr()
+    torch.testing.assert_close(second.double(), (A * 2).double() @ B.double())
+
+
+def test_other_options_or_signature_take_the_full_path(monkeypatch):
+    t = _group_tensors(0, N=11)  # a signature no other test uses
+    insum.insum(GROUP, backend="triton", **t)
+    calls = []
+    real = api.bind
+    monkeypatch.setattr(api, "bind", lambda *a: calls.append(1) or real(*a))
+    insum.insum(GROUP, backend="torch", **_group_tensors(1, N=11))  # another backend
+    insum.insum(GROUP, backend="triton", **_group_tensors(1, G=6, N=11))  # another shape
+    t32 = {k: (v.int() if k in ("AM", "AK") else v) for k, v in _group_tensors(1, N=11).items()}
+    insum.insum(GROUP, backend="triton", **t32)  # another index dtype
+    assert len(calls) == 3
+
+
+def test_wrong_inputs_after_a_repeat_raise_the_same_errors():
+    t = _group_tensors(0)
+    insum.insum(GROUP, backend="triton", **t)
+    with pytest.raises(InsumTypeError, match="index tensor AK has dtype torch.float32"):
+        insum.insum(GROUP, backend="triton", **dict(t, AK=t["AK"].float()))
+    with pytest.raises(InsumError, match="unknown backend"):
+        insum.insum(GROUP, backend="cuda", **t)
+    with pytest.raises(InsumError, match="missing tensor"):
+        insum.insum(GROUP, backend="triton", **{k: v for k, v in t.items() if k != "AV"})
+
+
+def test_aliasing_is_detected_on_a_repeat():
+    gen = torch.Generator().manual_seed(4)
+    A, B, C = (torch.randn(4, 4, generator=gen) for _ in range(3))
+    insum.insum(DENSE, backend="triton", A=A, B=B, C=C)
+    with pytest.raises(InsumError, match="shares memory with the input B"):
+        insum.insum(DENSE, backend="triton", A=A, B=B, C=B)
+
+
+def test_an_environment_switch_changed_between_calls_takes_effect(monkeypatch):
+    t = _group_tensors(0)
+    monkeypatch.delenv("INSUM_CHECK_INDICES", raising=False)
+    insum.insum(GROUP, backend="triton", **t)
+    bad = dict(t, AK=t["AK"].clone())
+    bad["AK"][0, 0] = 99
+    monkeypatch.setenv("INSUM_CHECK_INDICES", "1")
+    with pytest.raises(InsumIndexError, match="AK"):
+        insum.insum(GROUP, backend="triton", **bad)
+    insum.insum(GROUP, backend="triton", **t)  # prepared with the check on: checks again
+    with pytest.raises(InsumIndexError, match="AK"):
+        insum.insum(GROUP, backend="triton", **bad)
+
+
+def test_gradients_switched_on_after_a_repeat_are_derived():
+    t = _group_tensors(0)
+    t["AV"].requires_grad_(True)
+    with torch.no_grad():  # prepared without gradients
+        insum.insum(GROUP, backend="torch", **dict(t, C=t["C"].clone()))
+        insum.insum(GROUP, backend="torch", **dict(t, C=t["C"].clone()))
+    y = insum.insum(GROUP, backend="torch", **dict(t, C=torch.zeros(7, 5)))
+    assert y.requires_grad
+    y.sum().backward()
+    torch.testing.assert_close(t["AV"].grad, t["B"][t["AK"]].sum(2))
+
+
+FORMATS = [GroupCOO, ELL, CELL, COO]
+
+
+def _matrix(seed: int, M: int = 9, K: int = 7) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    A = torch.randn(M, K, generator=gen) * (torch.rand(M, K, generator=gen) < 0.4)
+    A[2] = 0  # an empty row
+    A[5] = torch.randn(K, generator=gen)  # a full one
+    return A
+
+
+@pytest.mark.parametrize("cls", FORMATS, ids=lambda c: c.__name__)
+def test_format_repeat_computes_on_new_operands(cls):
+    A = _matrix(0)
+    fmt = cls.from_dense(A)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        B = torch.randn(7, 3, generator=gen)
+        torch.testing.assert_close(fmt.spmm(B, backend="triton").double(), A.double() @ B.double())
+    v = torch.randn(7, generator=gen)  # a vector: another plan
+    torch.testing.assert_close(fmt.spmm(v, backend="triton").double(), A.double() @ v.double())
+    Bt = torch.randn(3, 7, generator=gen).t()  # other strides
+    torch.testing.assert_close(fmt.spmm(Bt, backend="triton").double(), A.double() @ Bt.double())
+
+
+def test_format_repeat_sees_values_updated_in_place():
+    A = _matrix(1).half()
+    fmt = GroupCOO.from_dense(A)
+    B = torch.randn(7, 4)
+    first = fmt.spmm(B, backend="triton")  # fp16 values cast to float32 on every call
+    fmt.AV.mul_(2)
+    second = fmt.spmm(B, backend="triton")
+    torch.testing.assert_close(second, 2 * first)
+
+
+def test_format_repeat_keeps_the_checks():
+    fmt = ELL.from_dense(_matrix(2))
+    fmt.spmm(torch.randn(7, 3), backend="triton")
+    with pytest.raises(InsumError, match="B dimension 0 has 6"):
+        fmt.spmm(torch.randn(6, 3), backend="triton")
+    with pytest.raises(InsumTypeError):
+        fmt.spmm(torch.randint(0, 3, (7, 3)), backend="triton")
+    moved = fmt.to("cpu")
+    assert "_spmm_plans" not in moved.__dict__
