@@ -111,28 +111,72 @@ def _kernels() -> Iterator[runtime.Kernel]:
             yield kernel
 
 
-class _NoLaunch:
-    """Stands in for a JIT function: `fn[grid](*args, **config)` does nothing."""
-
-    def __getitem__(self, grid):
-        return _no_op
-
-
 def _no_op(*args, **kwargs) -> None:
     return None
 
 
+class _NoKernel:
+    """Stands in for a CompiledKernel: its launcher does nothing."""
+
+    run = staticmethod(_no_op)
+    function = 0
+    packed_metadata = None
+
+
+class _NoLaunch:
+    """Stands in for a JIT function: `fn[grid](*args, **config)` does nothing and returns
+    the stand-in compiled kernel (which the direct launch then keeps and calls)."""
+
+    def __getitem__(self, grid):
+        return _launch_nothing
+
+
+def _launch_nothing(*args, **kwargs) -> _NoKernel:
+    return _NoKernel()
+
+
+class _NoDriver:
+    """Stands in for triton's active driver: device 0, stream 0 (what a CUDA driver reads
+    costs more: the direct launch's device and stream queries are under-counted here)."""
+
+    @staticmethod
+    def get_current_device() -> int:
+        return 0
+
+    @staticmethod
+    def get_current_stream(device: int) -> int:
+        return 0
+
+
+class _NoHooks:
+    launch_enter_hook = None
+    launch_exit_hook = None
+
+
 @contextlib.contextmanager
 def stubbed_launches() -> Iterator[None]:
-    """Replace the final launch of every cached kernel by a no-op (restored on exit)."""
+    """Replace the final launch of every cached kernel by a no-op, on both paths: the JIT
+    function, and the compiled kernel the direct launch calls (switched on here although
+    the interpreter never takes it, so that its own host work is measured). Restored on exit."""
+    from insum import direct
+
     saved = [(kernel, kernel.fn) for kernel in _kernels()]
+    launches = [launcher for kernel, _ in saved for launcher in kernel._launchers.values() if launcher.config]
+    runtime_of = direct._triton_runtime
+    direct._triton_runtime = lambda: (_NoDriver, _NoHooks)
     for kernel, _ in saved:
         kernel.fn = _NoLaunch()
+    for launcher in launches:
+        launcher.direct.enabled = True
     try:
         yield
     finally:
+        direct._triton_runtime = runtime_of
         for kernel, fn in saved:
             kernel.fn = fn
+        for launcher in launches:
+            launcher.direct.enabled = False
+            launcher.direct.compiled.clear()
 
 
 def measure(

@@ -33,6 +33,7 @@ from .bind import Bound, bind
 from .cache import BoundedCache
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
 from .codegen.schedule import NARROW, box_layout
+from .direct import DirectLaunch
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
 from .settings import flag
@@ -218,7 +219,7 @@ class Kernel:
             config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device, autotune)
         launcher.set_config(config if config is not None else self.tuned[bucket])
         if config is not None:  # else the autotuner's final run already produced the result
-            self.fn[launcher.grid](*args, **launcher.config)
+            launcher.direct(self.fn, args)
 
     def _first_config(self, bucket, args, grid, extents, device, autotune) -> dict | None:
         """Configuration for a new bucket: interpreter, untuned, disk cache, or autotune."""
@@ -352,6 +353,9 @@ class _Launcher:
     def set_config(self, config: dict) -> None:
         self.config = config
         self.grid = self.grid_fn(config)
+        allowed = self.device.type == "cuda" and not _interpreting()
+        self.direct = DirectLaunch(_python_fn(self.kernel.fn), self.grid, config, len(self.template),
+                                   tuple(position for position, _ in self.pointers), allowed)
 
     def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
         """Launch on `tensors` (of this launch's signature) into `out`; returns `out`.
@@ -370,7 +374,7 @@ class _Launcher:
             if self.config is None:
                 kernel._first_run(self, args, self.device, kernel.autotune if autotune is None else autotune)
             else:
-                kernel.fn[self.grid](*args, **self.config)
+                self.direct(kernel.fn, args)
         if target is not out:
             if self.accumulate:
                 out.add_(target)
@@ -385,6 +389,12 @@ class _Launcher:
         for position, dim in self.out_strides:
             args[position] = target.stride(dim)
         return args
+
+
+def _python_fn(fn):
+    """The Python function behind a JIT (or interpreted) kernel: its signature orders the
+    compiled kernel's parameters."""
+    return getattr(fn, "fn", fn)
 
 
 def _half_atomics(dtype: torch.dtype, device: torch.device) -> bool:

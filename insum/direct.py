@@ -1,0 +1,98 @@
+"""Launch a compiled kernel directly, without the JIT's per-call binding.
+
+`fn[grid](*args, **config)` goes through Triton's `JITFunction.run`, which binds the
+arguments, specialises every one of them, hashes the result and looks the compiled kernel
+up again on every call (about 15 µs of host time). A prepared insum launch already knows
+all of that: the sizes and strides are fixed by the tensor signature, the constexprs by the
+tile configuration. So after the JIT has run once for a (device, pointer alignments) key,
+`DirectLaunch` keeps the `CompiledKernel` it returned and calls its launcher itself:
+
+    kernel.run(grid0, grid1, grid2, stream, kernel.function, kernel.packed_metadata,
+               launch_metadata, launch_enter_hook, launch_exit_hook, *every_parameter)
+
+where every_parameter is the kernel's Python signature in order, constexprs included
+(Triton 3.6 to 3.9 launch so). What the JIT would specialise on beyond the signature is
+each pointer's 16-byte alignment, so that is the key, with the current device; the stream
+is read the way the JIT reads it. A launch-enter hook (a profiler) takes the JIT path, as
+do the interpreter and INSUM_DIRECT_LAUNCH=0. Any exception on the direct path switches it
+off for good for that launch and falls back to the JIT.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from .settings import flag
+
+__all__ = ["DirectLaunch", "LAUNCH_OPTIONS"]
+
+#: Configuration keys that are launch options of the JIT, not parameters of the kernel.
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+
+
+def _triton_runtime():
+    """(driver.active, knobs.runtime): what the JIT reads the device, stream and hooks from."""
+    import triton
+
+    return triton.runtime.driver.active, triton.knobs.runtime
+
+
+class DirectLaunch:
+    """The launch of one prepared kernel call (grid and configuration fixed), direct after
+    the JIT's first launch for each (device, alignment) key.
+
+    python_fn: the kernel's Python function (its signature orders the parameters);
+    nargs: how many leading parameters `args` give; the rest come from `config`.
+    pointers: the positions in `args` of the tensors (the JIT specialises on their alignment).
+    allowed: False where a direct launch never applies (the interpreter, no CUDA).
+    """
+
+    def __init__(
+        self, python_fn: Callable, grid: tuple[int, ...], config: dict, nargs: int, pointers: tuple[int, ...], allowed: bool
+    ):
+        names = list(inspect.signature(python_fn).parameters)
+        rest = names[nargs:]
+        self.config = config
+        self.grid = grid
+        self.grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        # Every parameter after the arguments must come from the configuration, and every
+        # configuration key must be a parameter or a launch option: else take the JIT path.
+        self.fits = all(n in config for n in rest) and all(k in LAUNCH_OPTIONS or k in rest for k in config)
+        self.enabled = allowed and self.fits
+        self.constexprs = tuple(config[n] for n in rest) if self.fits else ()
+        self.pointers = pointers
+        self.compiled: dict[tuple, tuple] = {}  # (device, alignments) -> (run, function, metadata)
+
+    def parameters(self, args: list) -> tuple:
+        """Every parameter of the kernel in signature order, as the compiled launcher takes them."""
+        return (*args, *self.constexprs)
+
+    def __call__(self, jit_fn, args: list) -> None:
+        if not self.enabled or not flag("INSUM_DIRECT_LAUNCH", default=True):
+            jit_fn[self.grid](*args, **self.config)
+            return
+        driver, knobs = _triton_runtime()
+        device = driver.get_current_device()
+        key = (device, *[args[i].data_ptr() & 15 for i in self.pointers])  # (finer than aligned or not)
+        compiled = self.compiled.get(key)
+        enter = knobs.launch_enter_hook
+        hooked = enter is not None and getattr(enter, "calls", True)  # (3.9: an empty HookChain)
+        if compiled is None or hooked:
+            kernel = jit_fn[self.grid](*args, **self.config)
+            if compiled is None and kernel is not None:
+                try:
+                    if hasattr(kernel, "result"):  # a future while compiling asynchronously
+                        kernel = kernel.result()
+                    run = kernel.run  # (initialises the handles first)
+                    self.compiled[key] = (run, kernel.function, kernel.packed_metadata)
+                except Exception:  # not a compiled kernel this module knows: the JIT path
+                    self.enabled = False
+            return
+        run, function, metadata = compiled
+        try:
+            run(*self.grid3, driver.get_current_stream(device), function, metadata, None, enter,
+                knobs.launch_exit_hook, *args, *self.constexprs)
+        except Exception:
+            self.enabled = False  # for good: no retry cost on later calls
+            jit_fn[self.grid](*args, **self.config)

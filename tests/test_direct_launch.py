@@ -1,0 +1,236 @@
+"""The direct launch of a compiled kernel (`insum.direct`), which skips the JIT's binding.
+
+On the CPU: the argument list the direct path passes equals, element for element, what
+Python's own binding of the kernel's signature gives for the same call (so the compiled
+launcher gets every parameter, constexprs included, in order), for several generated
+kernels; and a mock compiled kernel shows the call's shape, the alignment key, the
+fallback on an exception and the switches. On CUDA (`gpu`): real repeated calls go through
+the direct path and match a float64 product.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import insum
+from insum import direct
+from insum.bind import bind
+from insum.codegen import configs_for
+from insum.direct import LAUNCH_OPTIONS, DirectLaunch
+from insum.parser import parse
+from insum.runtime import Kernel, _Launcher, kernel_for, spec_for
+
+CUDA = torch.cuda.is_available()
+DENSE = "C[m, n] = A[m, k] * B[k, n]"
+GROUP = "C[AM[p],n] = AV[p,q]*B[AK[p,q],n]"
+BLOCK_ROW = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
+
+
+def _dense(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    return {"A": torch.randn(64, 32, generator=gen).to(dtype), "B": torch.randn(32, 48, generator=gen).to(dtype),
+            "C": torch.zeros(64, 48, dtype=dtype)}
+
+
+def _group(index_dtype=torch.int64):
+    gen = torch.Generator().manual_seed(2)
+    AM = torch.sort(torch.randint(0, 9, (11,), generator=gen)).values.to(index_dtype)
+    return {"AM": AM, "AK": torch.randint(0, 7, (11, 4), generator=gen).to(index_dtype),
+            "AV": torch.randn(11, 4, generator=gen), "B": torch.randn(7, 5, generator=gen), "C": torch.zeros(9, 5)}
+
+
+def _block_row():
+    gen = torch.Generator().manual_seed(3)
+    return {"AV": torch.randn(3, 2, 64, 64, generator=gen).half(), "AK": torch.randint(0, 4, (3, 2), generator=gen).int(),
+            "B": torch.randn(4, 64, 48, generator=gen).half(), "C": torch.zeros(3, 64, 48).half()}
+
+
+CASES = {
+    "dense": lambda: (DENSE, _dense(), {}),
+    "groupcoo segment": lambda: (GROUP, _group(), {"sorted_indices": frozenset({"AM"})}),
+    "groupcoo int32 atomic": lambda: (GROUP, _group(torch.int32), {}),
+    "dense descriptors, persistent": lambda: (DENSE, _dense(torch.float16), {"descriptors": True}),
+    "block row descriptors": lambda: (BLOCK_ROW, _block_row(), {"descriptors": True}),
+}
+
+
+def _prepared(name):
+    expr, tensors, options = CASES[name]()
+    bound = bind(parse(expr), tensors)
+    kernel = Kernel(spec_for(bound, **options))
+    launcher = _Launcher(kernel, bound)
+    config = configs_for(kernel.plan)[-1]
+    launcher.set_config(config)
+    return kernel, launcher, launcher.args(bound.tensors, tensors["C"]), config
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_direct_arguments_are_the_bound_signature(name):
+    kernel, launcher, args, config = _prepared(name)
+    if name.startswith(("dense desc", "block row")):
+        assert kernel.plan.boxes, "the case should build a descriptor plan"
+    if name == "dense descriptors, persistent":
+        assert kernel.plan.persistent
+    if name == "groupcoo segment":
+        assert kernel.plan.output == "segment"
+    python_fn = kernel.fn.fn
+    params = {k: v for k, v in config.items() if k not in LAUNCH_OPTIONS}
+    expected = list(inspect.signature(python_fn).bind(*args, **params).arguments.values())
+    got = list(launcher.direct.parameters(args))
+    assert launcher.direct.fits and len(got) == len(expected) == len(inspect.signature(python_fn).parameters)
+    for position, (a, b) in enumerate(zip(got, expected)):
+        assert a is b or (not isinstance(a, torch.Tensor) and a == b and type(a) is type(b)), position
+
+
+class _MockKernel:
+    """A compiled kernel whose launcher records its calls (or raises)."""
+
+    def __init__(self, fail=False):
+        self.calls = []
+        self.fail = fail
+        self.function = "function-handle"
+        self.packed_metadata = "packed"
+
+    def run(self, *call):
+        if self.fail:
+            raise TypeError("refused")
+        self.calls.append(call)
+
+
+class _MockJIT:
+    """`fn[grid](*args, **config)` records the call and returns the compiled kernel (or a
+    future of it)."""
+
+    def __init__(self, kernel, future=False):
+        self.kernel, self.future, self.calls = kernel, future, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **config):
+            self.calls.append((grid, args, config))
+            if self.future:
+                return type("Future", (), {"result": lambda _: self.kernel})()
+            return self.kernel
+
+        return launch
+
+
+class _Driver:
+    device = 0
+
+    @classmethod
+    def get_current_device(cls):
+        return cls.device
+
+    @staticmethod
+    def get_current_stream(device):
+        return 1000 + device
+
+
+class _Knobs:
+    launch_enter_hook = None
+    launch_exit_hook = None
+
+
+@pytest.fixture
+def mock_triton(monkeypatch):
+    monkeypatch.setattr(direct, "_triton_runtime", lambda: (_Driver, _Knobs))
+    monkeypatch.delenv("INSUM_DIRECT_LAUNCH", raising=False)
+    monkeypatch.setattr(_Driver, "device", 0)
+    monkeypatch.setattr(_Knobs, "launch_enter_hook", None)
+
+
+def _direct(name="groupcoo segment"):
+    kernel, launcher, args, config = _prepared(name)
+    launch = DirectLaunch(kernel.fn.fn, launcher.grid, config, len(args),
+                          tuple(p for p, _ in launcher.pointers), allowed=True)
+    return launch, args, config
+
+
+@pytest.mark.parametrize("future", [False, True])
+def test_first_call_goes_through_the_jit_then_direct(mock_triton, future):
+    launch, args, config = _direct()
+    compiled = _MockKernel()
+    jit = _MockJIT(compiled, future)
+    launch(jit, args)
+    assert len(jit.calls) == 1 and jit.calls[0][2] == config and not compiled.calls
+    launch(jit, args)
+    launch(jit, args)
+    assert len(jit.calls) == 1 and len(compiled.calls) == 2
+    call = compiled.calls[0]
+    g = launch.grid
+    assert call[:9] == (g[0], 1, 1, 1000, "function-handle", "packed", None, None, None)
+    assert call[9:] == launch.parameters(args)
+
+
+def test_alignment_and_device_are_the_key(mock_triton):
+    launch, args, _ = _direct()
+    compiled = _MockKernel()
+    jit = _MockJIT(compiled)
+    launch(jit, args)
+    launch(jit, args)
+    shifted = list(args)
+    i = next(p for p in launch.pointers if args[p].dtype == torch.float32)
+    shifted[i] = torch.cat([torch.zeros(1), args[i].reshape(-1)])[1:].view_as(args[i])  # 4 bytes off
+    assert shifted[i].data_ptr() % 16 != 0
+    launch(jit, shifted)  # a new alignment: the JIT specialises anew
+    assert len(jit.calls) == 2
+    launch(jit, shifted)
+    _Driver.device = 1
+    launch(jit, args)  # another device: the JIT again
+    assert len(jit.calls) == 3 and len(compiled.calls) == 2
+
+
+def test_an_exception_switches_the_direct_path_off_for_good(mock_triton):
+    launch, args, _ = _direct()
+    compiled = _MockKernel(fail=True)
+    jit = _MockJIT(compiled)
+    launch(jit, args)
+    launch(jit, args)  # the launcher refuses: the JIT launches instead
+    assert len(jit.calls) == 2 and not launch.enabled
+    compiled.fail = False
+    launch(jit, args)
+    assert len(jit.calls) == 3 and not compiled.calls  # no retry
+
+
+def test_switch_and_hook_take_the_jit_path(mock_triton, monkeypatch):
+    launch, args, _ = _direct()
+    compiled = _MockKernel()
+    jit = _MockJIT(compiled)
+    launch(jit, args)
+    monkeypatch.setenv("INSUM_DIRECT_LAUNCH", "0")
+    launch(jit, args)
+    monkeypatch.setenv("INSUM_DIRECT_LAUNCH", "1")
+    monkeypatch.setattr(_Knobs, "launch_enter_hook", lambda metadata: None)
+    launch(jit, args)
+    assert len(jit.calls) == 3 and not compiled.calls
+    monkeypatch.setattr(_Knobs, "launch_enter_hook", None)
+    launch(jit, args)
+    assert len(compiled.calls) == 1
+
+
+def test_never_direct_in_the_interpreter():
+    _, launcher, _, _ = _prepared("dense")
+    assert not launcher.direct.enabled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the compiled kernel's own launcher")
+@pytest.mark.parametrize("name", ["dense", "groupcoo segment", "groupcoo int32 atomic", "block row descriptors"])
+def test_cuda_repeats_go_direct_and_match(name):
+    expr, make, options = CASES[name]()
+    sorted_indices = options.get("sorted_indices", frozenset())
+    for seed in range(3):  # the first call goes through the JIT, the others direct
+        tensors = {k: v.cuda() for k, v in make.items()} if seed == 0 else {
+            k: (v.cuda() if not v.is_floating_point() else (torch.randn_like(v.float()) * (seed + 1)).to(v.dtype).cuda())
+            for k, v in make.items()}
+        tensors["C"] = torch.full_like(tensors["C"], float("nan"))
+        out = insum.insum(expr, sorted_indices=sorted_indices, **tensors)
+        ref = insum.insum(expr, backend="torch", **{k: (v.double() if v.is_floating_point() else v).clone()
+                                                     for k, v in tensors.items()} | {"C": torch.zeros_like(tensors["C"], dtype=torch.float64)})
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    bound = bind(parse(expr), tensors)
+    launcher = kernel_for(bound, sorted_indices=sorted_indices).prepared(bound)
+    assert launcher.direct.enabled and launcher.direct.compiled, "the direct path was not taken"
