@@ -155,13 +155,14 @@ class _NoHooks:
 
 @contextlib.contextmanager
 def stubbed_launches() -> Iterator[None]:
-    """Replace the final launch of every cached kernel by a no-op, on both paths: the JIT
-    function, and the compiled kernel the direct launch calls (switched on here although
+    """Replace the final launch of every cached kernel (and batch of kernels) by a no-op, on
+    both paths: the JIT function, and the compiled kernel the direct launch calls (switched on here although
     the interpreter never takes it, so that its own host work is measured). Restored on exit."""
     from insum import direct
 
-    saved = [(kernel, kernel.fn) for kernel in _kernels()]
-    launches = [launcher for kernel, _ in saved for launcher in kernel._launchers.values() if launcher.config]
+    saved = [(kernel, kernel.fn) for kernel in _kernels()] + [(batch, batch.fn) for batch in runtime._BATCHES.values()]
+    launches = [launcher for kernel, _ in saved for launcher in getattr(kernel, "_launchers", {}).values() if launcher.config]
+    launches += list(runtime._BATCHES.values())
     runtime_of = direct._triton_runtime
     direct._triton_runtime = lambda: (_NoDriver, _NoHooks)
     for kernel, _ in saved:

@@ -8,7 +8,7 @@ Differentiable (`insum.autograd`), traceable by torch.compile (`insum.library`),
 """
 
 from . import autograd, errors, library  # noqa: F401  (registers the torch.library operators)
-from .api import compile, explain, insum
+from .api import compile, explain, insum, insum_many
 from .errors import (  # noqa: F401  (exported by errors.__all__ below)
     InsumError,
     InsumIndexError,
@@ -19,7 +19,7 @@ from .errors import (  # noqa: F401  (exported by errors.__all__ below)
 )
 from .parser import parse
 
-__all__ = ["insum", "explain", "compile", "parse", *errors.__all__]  # every error class by name
+__all__ = ["insum", "insum_many", "explain", "compile", "parse", *errors.__all__]  # every error class by name
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,8 @@ while torch.compile traces or when a tensor requires grad; `compile()` to the ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from .bind import bind
@@ -20,14 +22,16 @@ from .execute import (
     check_names,
     check_options,
     prepare,
+    prepare_batch,
     prepared,
+    prepared_batch,
     run,
     sorted_facts,
 )
 from .library import call
 from .parser import parse
 
-__all__ = ["insum", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
+__all__ = ["insum", "insum_many", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
 
 def insum(
@@ -84,6 +88,42 @@ def insum(
     out = run(bound, bound.output(), sorted_indices=facts, **options)
     prepare(expr, key, bound, sorted_indices=facts, **options)
     return out
+
+
+def insum_many(
+    calls: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
+    /,
+    *,
+    backend: Backend = "auto",
+    precision: Precision = "tf32",
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
+) -> list[torch.Tensor]:
+    """Run several statements in order, each as `insum(expr, **options, **tensors)` would, and
+    return their outputs.
+
+    A repeated call runs them as ONE kernel launch where that gives the same sums: every
+    statement ran the generated kernel, adds into its given output atomically (a `+=`
+    scatter, as a format's buckets into one C), checks no indices on the device, and no
+    statement reads memory another one writes. The first call runs them one by one (each
+    finds its tile sizes); so do calls under torch.compile or with gradients.
+
+    >>> C = torch.zeros(4, 2)  # doctest: +SKIP
+    >>> insum_many([("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I1, A=A1, B=B1)),
+    ...             ("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I2, A=A2, B=B2))])  # doctest: +SKIP
+    """
+    options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
+    if torch.compiler.is_compiling():
+        return [insum(expr, sorted_indices=sorted_indices, **options, **tensors) for expr, tensors in calls]
+    key = (backend, precision, autotune, check_indices, sorted_indices)
+    batch = prepared_batch(calls, key)
+    if batch is not None:
+        return batch(calls)
+    outs = [insum(expr, sorted_indices=sorted_indices, **options, **tensors) for expr, tensors in calls]
+    if not (torch.is_grad_enabled() and any(_any_requires_grad(t) for _, t in calls)):
+        prepare_batch(calls, key)
+    return outs
 
 
 def _any_requires_grad(tensors: dict) -> bool:

@@ -37,6 +37,8 @@ __all__ = [
     "prepared",
     "Prepared",
     "call_signature",
+    "prepared_batch",
+    "prepare_batch",
     "check_options",
     "check_names",
     "sorted_facts",
@@ -259,5 +261,107 @@ def prepare(
                 aligned = _alignment(bound, bound.tensors)
     try:
         _PREPARED[(expr, options, signature)] = Prepared(bound, launcher, _checking(check_indices), autotune, aligned)
+    except TypeError:
+        return
+
+
+class PreparedBatch:
+    """Several prepared calls that run as one launch (`runtime.BatchLaunch`).
+
+    Keyed by the statements, the options, which tensor each name is (by position among the
+    distinct tensors of the calls) and the distinct tensors' signatures, so that a tensor
+    shared by the calls (a format's B and C) is looked at once.
+    """
+
+    __slots__ = ("launch", "outputs", "out_names", "env", "requires_grad")
+
+    def __init__(self, launch, outputs: tuple[int, ...], out_names: tuple[str, ...], requires_grad: bool):
+        self.launch = launch
+        self.outputs = outputs  # positions of the outputs among the distinct tensors
+        self.out_names = out_names
+        self.env = snapshot()
+        self.requires_grad = requires_grad
+
+    def __call__(self, calls) -> list[torch.Tensor]:
+        outs = [tensors[name] for (_, tensors), name in zip(calls, self.out_names)]
+        self.launch.run([(tensors, out) for (_, tensors), out in zip(calls, outs)])
+        return outs
+
+
+_BATCHED: BoundedCache[tuple, PreparedBatch] = BoundedCache()
+
+
+def _batch_key(calls, options: tuple) -> tuple[tuple, list] | None:
+    """(key, distinct tensors) of several calls, None for anything but plain tensors."""
+    seen: dict[int, int] = {}
+    distinct: list = []
+    structure: list = []
+    for expr, tensors in calls:
+        structure.append(expr)
+        for name, t in tensors.items():
+            position = seen.get(id(t))
+            if position is None:
+                if type(t) not in _PLAIN:
+                    return None
+                position = seen[id(t)] = len(distinct)
+                distinct.append(t)
+            structure.append(name)
+            structure.append(position)
+    signature = tuple((t.dtype, t.shape, t.stride(), t.device, t.requires_grad) for t in distinct)
+    return (tuple(structure), options, signature), distinct
+
+
+def prepared_batch(calls, options: tuple) -> PreparedBatch | None:
+    """The one-launch form of `calls` (each an (expr, tensors) pair run with `options`), or
+    None when they must run one by one (not prepared, or something they depend on changed,
+    or an output shares memory with an input: each call then reports it, or runs in order)."""
+    found = _batch_key(calls, options)
+    if found is None:
+        return None
+    key, distinct = found
+    try:
+        batch = _BATCHED.get(key)
+    except TypeError:
+        return None
+    if batch is None or batch.env != snapshot():
+        return None
+    if batch.requires_grad and torch.is_grad_enabled():
+        return None
+    written = set()
+    for position in batch.outputs:
+        out = distinct[position]
+        if out.numel():
+            written.add(out.untyped_storage().data_ptr())
+    for position, t in enumerate(distinct):
+        if position not in batch.outputs and t.numel() and t.untyped_storage().data_ptr() in written:
+            return None
+    return batch
+
+
+def prepare_batch(calls, options: tuple) -> None:
+    """After `calls` ran one by one through `insum()`, keep their one-launch form where every
+    call ran the generated kernel, adding into its given output atomically, with no index
+    check on the device."""
+    from .runtime import batch_launch  # loaded already: the calls ran the generated kernel
+
+    found = _batch_key(calls, options)
+    if found is None or len(calls) < 2:
+        return
+    key, distinct = found
+    parts, outputs, out_names = [], set(), []
+    for expr, tensors in calls:
+        call = _PREPARED.get((expr, options, call_signature(tensors)))
+        if call is None or call.launcher is None or call.device_check or call.out_name not in tensors:
+            return
+        parts.append(call.launcher)
+        out_names.append(call.out_name)
+        outputs.add(next(i for i, t in enumerate(distinct) if t is tensors[call.out_name]))
+    try:
+        launch = batch_launch(parts)
+    except UnsupportedStatement:
+        return
+    requires_grad = any(t.requires_grad for t in distinct)
+    try:
+        _BATCHED[key] = PreparedBatch(launch, tuple(sorted(outputs)), tuple(out_names), requires_grad)
     except TypeError:
         return

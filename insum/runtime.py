@@ -31,14 +31,26 @@ import torch
 from .arith import cdiv, next_power_of_2
 from .bind import Bound, bind
 from .cache import BoundedCache
-from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
+from .codegen import (
+    KERNEL_NAME,
+    KernelSpec,
+    Plan,
+    configs_for,
+    emit,
+    emit_batch,
+    prune_configs,
+    schedule,
+)
 from .codegen.schedule import NARROW, box_layout
-from .direct import DirectLaunch
+from .direct import LAUNCH_OPTIONS, DirectLaunch
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
 from .settings import flag
 
-__all__ = ["Kernel", "BareLaunch", "UnsupportedStatement", "kernel_for", "cached_kernel", "spec_for", "cache_dir"]
+__all__ = [
+    "Kernel", "BareLaunch", "BatchLaunch", "UnsupportedStatement", "kernel_for", "cached_kernel", "spec_for", "cache_dir",
+    "batch_launch",
+]
 
 _KERNELS: BoundedCache[KernelSpec, Kernel] = BoundedCache()
 # The spec follows from the tensor signature (dtypes, shapes, strides), so repeated calls skip it.
@@ -150,7 +162,7 @@ class Kernel:
         self.spec = spec
         self.plan = plan if plan is not None else _plan_here(spec)
         self.autotune = autotune  # None: INSUM_AUTOTUNE decides
-        generated = emit(self.plan)
+        generated = self.emitted = emit(self.plan)
         self.source: str = generated.text
         self.args = generated.args
         self.digest = generated.digest
@@ -389,6 +401,71 @@ class _Launcher:
         for position, dim in self.out_strides:
             args[position] = target.stride(dim)
         return args
+
+
+class BatchLaunch:
+    """Several prepared launches (each part's signature and tile configuration decided by its
+    own first call) as one launch of a batch kernel (`codegen.emit_batch`).
+
+    Only for parts that add into their outputs atomically without a float32 buffer (no zero
+    fill, no copy back): run concurrently, they sum as the separate launches would.
+    """
+
+    def __init__(self, parts: list[_Launcher]):
+        for part in parts:
+            if part.config is None or part.half_scratch or part.zero_fill or not part.accumulate:
+                raise UnsupportedStatement("a batch takes prepared `+=` scatters only")
+            if part.kernel.plan.output not in ("atomic", "segment"):
+                raise UnsupportedStatement("a batch takes scatters whose outputs add atomically only")
+        batch = emit_batch([part.kernel.emitted for part in parts])
+        self.source = batch.text
+        self.path = cache_dir() / "kernels" / f"insum_batch_{batch.digest}.py"
+        self.fn = _load(self.path, batch.text, batch.digest)
+        self.parts = parts
+        self.launched = [part for part in parts if part.launched]
+        ends, total = [], 0
+        for part in parts:
+            total += part.grid[0] if part.launched else 0
+            ends.append(total)
+        # The launch's warps and stages: those of the part with the most programs (the parts'
+        # tile sizes are their own).
+        largest = max(parts, key=lambda part: part.grid[0] if part.launched else 0)
+        config = {f"{b}_{i}": part.config[b] for i, part in enumerate(parts) for b in batch.blocks[i]}
+        config.update({k: v for k, v in largest.config.items() if k in LAUNCH_OPTIONS})
+        self.ends = ends
+        self.total = total
+        self.descriptors = any(part.descriptors for part in parts)
+        width = sum(len(part.template) for part in parts)
+        pointers, offset = [], 0
+        for part in parts:
+            pointers += [offset + position for position, _ in part.pointers]
+            offset += len(part.template)
+        allowed = parts[0].device.type == "cuda" and not _interpreting()
+        self.direct = DirectLaunch(_python_fn(self.fn), (max(total, 1),), config, width + len(parts), tuple(pointers), allowed)
+
+    def run(self, calls) -> None:
+        """Launch on `calls`: per part, (tensors, out) of its signature."""
+        if self.descriptors:
+            _ensure_descriptor_allocator()
+        if self.total == 0:
+            return
+        args = []
+        for part, (tensors, out) in zip(self.parts, calls):
+            args += part.args(tensors, out)
+        args += self.ends
+        self.direct(self.fn, args)
+
+
+_BATCHES: BoundedCache[tuple, BatchLaunch] = BoundedCache()  # (id of each part's launch, ...) -> batch
+
+
+def batch_launch(parts: list[_Launcher]) -> BatchLaunch:
+    """The batch launch of prepared parts (made once per tuple of parts)."""
+    key = tuple(id(part) for part in parts)
+    batch = _BATCHES.get(key)
+    if batch is None or batch.parts != parts:
+        batch = _BATCHES[key] = BatchLaunch(parts)
+    return batch
 
 
 def _python_fn(fn):

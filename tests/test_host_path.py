@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import insum
-from insum import api
+from insum import api, runtime
 from insum.errors import InsumError, InsumIndexError, InsumTypeError
 from insum.formats import CELL, COO, ELL, GroupCOO
 
@@ -171,3 +171,83 @@ def test_format_repeat_keeps_the_checks():
         fmt.spmm(torch.randint(0, 3, (7, 3)), backend="triton")
     moved = fmt.to("cpu")
     assert "_spmm_plans" not in moved.__dict__
+
+
+# -- several statements in one launch (insum_many; CELL's buckets) ------------------------
+
+
+def _skewed(seed: int, M: int, K: int, long_row: int | None) -> torch.Tensor:
+    """Rows of 0..K entries (power-of-two and odd lengths, empty rows) and one full row."""
+    gen = torch.Generator().manual_seed(seed)
+    A = torch.zeros(M, K)
+    for r in range(M):
+        n = (0, 1, 2, 3, 5, 7, 12)[r % 7] % (K + 1)
+        A[r, torch.randperm(K, generator=gen)[:n]] = torch.randn(n, generator=gen)
+    if long_row is not None:
+        A[long_row] = torch.randn(K, generator=gen)
+    return A
+
+
+@pytest.mark.parametrize(
+    "M, K, partitions, index_dtype, dtype",
+    [
+        (37, 29, 1, torch.int64, torch.float32),  # segment reduction (sorted rows)
+        (37, 29, 2, torch.int32, torch.float32),  # atomics (partitions interleave rows)
+        (21, 40, 1, torch.int32, torch.float16),  # half values, float32 accumulation
+    ],
+)
+def test_cell_buckets_run_as_one_launch(M, K, partitions, index_dtype, dtype, monkeypatch):
+    A = _skewed(M + K, M, K, long_row=M // 2).to(dtype)
+    fmt = CELL.from_dense(A, partitions=partitions, index_dtype=index_dtype)
+    assert len(fmt.widths) >= 3
+    gen = torch.Generator().manual_seed(5)
+    fmt.spmm(torch.randn(K, 6, generator=gen).to(dtype), backend="triton")  # one by one, prepares
+    launches = []
+    real = runtime.BatchLaunch.run
+    monkeypatch.setattr(runtime.BatchLaunch, "run", lambda self, calls: launches.append(1) or real(self, calls))
+    monkeypatch.setattr(api, "insum", None)  # a statement run on its own would fail now
+    for _ in range(2):
+        B = torch.randn(K, 6, generator=gen).to(dtype)
+        got = fmt.spmm(B, backend="triton")
+        torch.testing.assert_close(got.double(), A.double() @ B.double(), rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                   atol=1e-2 if dtype != torch.float32 else 1e-5)
+    assert len(launches) == 2
+
+
+def test_a_statement_reading_another_ones_output_runs_in_order():
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.tensor([0, 2, 2, 1])
+    A1, A2 = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    B = torch.randn(4, 3, generator=gen)
+    stmt = "C[I[p],n] += A[p]*B[p,n]"
+    for step in range(3):
+        C1, C2 = torch.zeros(4, 3), torch.zeros(4, 3)
+        first = (stmt, dict(C=C1, I=rows, A=A1, B=B))
+        if step < 2:  # independent: one launch from the second call on
+            insum.insum_many([first, (stmt, dict(C=C1, I=rows, A=A2, B=B))], backend="triton")
+            expected = torch.zeros(4, 3).index_add_(0, rows, (A1 + A2).unsqueeze(1) * B)
+            torch.testing.assert_close(C1, expected)
+        else:  # the second reads the first's output: in order, as two insum() calls
+            insum.insum_many([first, (stmt, dict(C=C2, I=rows, A=A2, B=C1))], backend="triton")
+            C1_expected = torch.zeros(4, 3).index_add_(0, rows, A1.unsqueeze(1) * B)
+            expected = torch.zeros(4, 3).index_add_(0, rows, A2.unsqueeze(1) * C1_expected)
+            torch.testing.assert_close(C2, expected)
+
+
+def test_batch_source_has_one_part_function_per_statement():
+    from insum.bind import bind
+    from insum.codegen import emit_batch
+    from insum.parser import parse
+    from insum.runtime import spec_for
+
+    fmt = CELL.from_dense(_skewed(1, 20, 16, long_row=3))
+    kernels = []
+    for expr, tensors in fmt.statements():
+        bound = bind(parse(expr), dict(tensors, B=torch.zeros(16, 4), C=torch.zeros(20, 4)))
+        kernels.append(runtime.Kernel(spec_for(bound, sorted_indices=frozenset({"RI"}))))
+    batch = emit_batch([k.emitted for k in kernels])
+    assert batch.text.count("def _segment_add") == 1
+    assert batch.text.count("tl.program_id(0)") == 1
+    for i in range(len(kernels)):
+        assert f"def insum_part_{i}(" in batch.text and f"BLOCK_M_{i}: tl.constexpr" in batch.text
+    compile(batch.text, "batch", "exec")  # valid Python

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..api import insum
+from ..api import insum, insum_many
 from ..cache import BoundedCache
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from .coords import (
@@ -418,7 +418,7 @@ class _SpmmPlan:
     place, as a layer's weights are).
     """
 
-    __slots__ = ("vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "options", "M", "N")
+    __slots__ = ("vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "facts", "options", "M", "N")
 
     def __init__(self, fmt: SparseFormat, B: torch.Tensor, vector: bool, backend: str, precision: str):
         self.vector = vector
@@ -440,6 +440,9 @@ class _SpmmPlan:
             # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
             facts = frozenset(name for name in fmt.sorted_indices if name in tensors)  # traceable by dynamo
             self.statements.append((statement, dict(tensors), cast, facts))
+        # insum_many takes one set of facts for all statements: those every statement has.
+        facts = [f for *_, f in self.statements]
+        self.facts = frozenset.intersection(*facts) if facts else frozenset()
 
     def __call__(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
         if self.vector:
@@ -452,10 +455,15 @@ class _SpmmPlan:
                 B = B.to(dtype)
             C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
             operand = fmt.operand(B)
-            for statement, tensors, cast, facts in self.statements:
+            calls = []
+            for statement, tensors, cast, _ in self.statements:
                 if cast:
                     tensors = {k: (v.to(dtype) if k in cast else v) for k, v in tensors.items()}
-                insum(statement, check_indices=False, sorted_indices=facts, **self.options, C=C, B=operand, **tensors)
+                calls.append((statement, {"C": C, "B": operand, **tensors}))
+            if len(calls) == 1:
+                insum(calls[0][0], check_indices=False, sorted_indices=self.statements[0][3], **self.options, **calls[0][1])
+            else:  # several statements into one C (buckets): one launch once they have run
+                insum_many(calls, check_indices=False, sorted_indices=self.facts, **self.options)
             C = fmt.result(C)  # any strides
             if C.dtype != dtype:
                 C = C.to(dtype)
