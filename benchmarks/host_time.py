@@ -10,8 +10,9 @@ insum prepared it. The formats run through `fmt.spmm(B, backend="triton")` there
 `fmt @ B` takes the torch lowering on the CPU.
 
 On CUDA nothing is stubbed: beside the same rows it times the bare JIT launch of the
-cached kernel (`Kernel.launcher(bound)`, no insum around it) and cuSPARSE (`torch` CSR @ B),
-all in one process. The target (issue 10): `insum()` and `fmt @ B` within 10 µs of the bare
+cached kernel (`Kernel.launcher(bound)`, no insum around it), the same prepared launch
+through insum's direct path alone (`insum.direct`, which skips the JIT's binding), and
+cuSPARSE (`torch` CSR @ B), all in one process. The target (issue 10): `insum()` and `fmt @ B` within 10 µs of the bare
 launch.
 
 Each row: the median and the minimum over `repeats` runs of `calls` calls (after a warm-up),
@@ -81,9 +82,19 @@ def cases(device: torch.device) -> dict[str, Callable[[], object]]:
     # that on the CPU it picks up the stub).
     rows["bare JIT launch" if cuda else "stub launch"] = _bare_launch(GROUPCOO, tensors)
     if cuda:
+        rows["bare direct launch"] = _direct_launch(GROUPCOO, tensors)
         csr = A.to_sparse_csr()
         rows["torch CSR @ B"] = lambda: csr @ B
     return rows
+
+
+def _direct_launch(expr: str, tensors: dict) -> Callable[[], None]:
+    """The same prepared launch through insum's direct path alone (`insum.direct`)."""
+    bound = bind(parse(expr), tensors)
+    kernel = runtime.kernel_for(bound)
+    launcher = kernel.prepared(bound)
+    args = launcher.args(bound.tensors, tensors["C"])
+    return lambda: launcher.direct(kernel.fn, args)
 
 
 def _bare_launch(expr: str, tensors: dict) -> Callable[[], None]:

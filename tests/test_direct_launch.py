@@ -234,3 +234,25 @@ def test_cuda_repeats_go_direct_and_match(name):
     bound = bind(parse(expr), tensors)
     launcher = kernel_for(bound, sorted_indices=sorted_indices).prepared(bound)
     assert launcher.direct.enabled and launcher.direct.compiled, "the direct path was not taken"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the compiled batch kernel")
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_cuda_cell_buckets_run_as_one_direct_launch(partitions):
+    from insum import runtime
+    from insum.formats import CELL
+
+    gen = torch.Generator().manual_seed(partitions)
+    M, K = 300, 257
+    lengths = (K / (torch.arange(M) + 1.0) ** 0.8).long()
+    A = torch.zeros(M, K)
+    for r, n in enumerate(lengths.tolist()):
+        A[r, torch.randperm(K, generator=gen)[:n]] = torch.randn(n, generator=gen)
+    fmt = CELL.from_dense(A.cuda(), partitions=partitions)
+    assert len(fmt.widths) >= 3
+    for _ in range(3):  # one by one, then one batch launch through the JIT, then direct
+        B = torch.randn(K, 64, generator=gen).cuda()
+        torch.testing.assert_close((fmt @ B).double(), A.double().cuda() @ B.double(), rtol=2e-2, atol=2e-2)
+    batches = [b for b in runtime._BATCHES.values() if len(b.parts) == len(fmt.widths)]
+    assert batches and all(b.direct.enabled and b.direct.compiled for b in batches)

@@ -7,15 +7,24 @@ notices. The kernel path runs in the interpreter at small sizes."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-import insum
-from insum import api, runtime
-from insum.errors import InsumError, InsumIndexError, InsumTypeError
-from insum.formats import CELL, COO, ELL, GroupCOO
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytestmark = pytest.mark.interpreter
+import insum  # noqa: E402
+from insum import api, runtime  # noqa: E402
+from insum.errors import InsumError, InsumIndexError, InsumTypeError  # noqa: E402
+from insum.formats import CELL, COO, ELL, GroupCOO  # noqa: E402
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(CUDA, reason="CPU tensors in the interpreter; on CUDA tests/test_direct_launch.py repeats calls"),
+]
 
 GROUP = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
 DENSE = "C[m,n] = A[m,k]*B[k,n]"
