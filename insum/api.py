@@ -37,6 +37,7 @@ def insum(
     autotune: bool | None = None,
     check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
     **tensors: torch.Tensor,
 ) -> torch.Tensor:
     """Evaluate one indirect Einsum and return its output.
@@ -57,6 +58,12 @@ def insum(
     (`C[AM[p], n]` with AM sorted) then sums adjacent contributions to one row in
     registers and writes once per row and tile. Unchecked: a wrong claim gives wrong
     sums. Used by the direct call; under autograd or torch.compile it is ignored.
+    unique_indices: names of index tensors whose values the caller guarantees distinct
+    (no value twice), such as the row index of a format with one group per row. A scatter
+    whose output coordinates then determine every output-side variable (`C[RI[r], n]`
+    with RI unique) has one writer per element: plain stores replace the atomics (and
+    their float32 scratch buffer for half outputs). Unchecked: a duplicate value makes two
+    programs race on one row and loses a contribution. Ignored as sorted_indices is.
 
     >>> import torch
     >>> AV = torch.ones(2, 3); AK = torch.tensor([[0, 1, 2], [2, 2, 0]]); B = torch.eye(3)
@@ -74,7 +81,8 @@ def insum(
         return call(expr, tensors, stmt=stmt, **options)
     bound = bind(stmt, tensors)
     facts = sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
-    return run(bound, bound.output(), sorted_indices=facts, **options)
+    unique = sorted_facts(bound, unique_indices, "unique_indices") if unique_indices else frozenset()
+    return run(bound, bound.output(), sorted_indices=facts, unique_indices=unique, **options)
 
 
 def _any_requires_grad(tensors: dict) -> bool:
@@ -102,10 +110,16 @@ def compile(expr: str, /, *, precision: Precision = "tf32", autotune: bool | Non
 
 
 def explain(
-    expr: str, /, *, precision: Precision = "tf32", sorted_indices: frozenset[str] = frozenset(), **tensors: torch.Tensor
+    expr: str,
+    /,
+    *,
+    precision: Precision = "tf32",
+    sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    **tensors: torch.Tensor,
 ) -> str:
     """Describe how a statement is understood and compiled: IR, extents, roles, plan, source
-    (sorted_indices as for `insum()`)."""
+    (sorted_indices and unique_indices as for `insum()`)."""
     check_options(precision=precision)
     bound = bind(parse(expr), tensors)
     lines = [f"statement: {bound.stmt}", f"ir: {bound.stmt!r}", "variables:"]
@@ -117,7 +131,12 @@ def explain(
     from .runtime import kernel_for
 
     try:
-        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_facts(bound, sorted_indices))
+        kernel = kernel_for(
+            bound,
+            precision=precision,
+            sorted_indices=sorted_facts(bound, sorted_indices),
+            unique_indices=sorted_facts(bound, unique_indices, "unique_indices"),
+        )
     except UnsupportedStatement as e:
         lines.append(f"generated kernel: none ({e})")
     else:

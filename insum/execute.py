@@ -34,7 +34,7 @@ Backend = Literal["auto", "torch", "triton"]
 Precision = Literal["tf32", "ieee"]
 BACKENDS: tuple[Backend, ...] = ("auto", "torch", "triton")
 PRECISIONS: tuple[Precision, ...] = ("tf32", "ieee")
-OPTIONS = ("backend", "precision", "autotune", "check_indices", "sorted_indices")  # keywords that are not tensors
+OPTIONS = ("backend", "precision", "autotune", "check_indices", "sorted_indices", "unique_indices")  # keywords that are not tensors
 
 _WARNED_FALLBACK: BoundedCache[str, None] = BoundedCache()  # statements that already warned
 
@@ -74,13 +74,14 @@ def _option_names_in(stmt: Statement) -> tuple[str, ...]:
     return tuple(sorted({access.name for access, _ in stmt.walk()} & set(OPTIONS)))
 
 
-def sorted_facts(bound: Bound, names) -> frozenset[str]:
-    """The declared sorted index tensors, each checked to be one the statement indexes with."""
+def sorted_facts(bound: Bound, names, option: str = "sorted_indices") -> frozenset[str]:
+    """The index tensors declared under `option` (sorted_indices or unique_indices), each
+    checked to be one the statement indexes with."""
     facts = frozenset(names) if not isinstance(names, str) else frozenset((names,))
     for name in facts:
         if name not in bound.index_names:
             raise InsumError(
-                f"sorted_indices names {name!r}, which is not an index tensor of '{bound.stmt}' "
+                f"{option} names {name!r}, which is not an index tensor of '{bound.stmt}' "
                 f"(index tensors: {', '.join(bound.index_names) or 'none'})"
             )
     return facts
@@ -101,12 +102,14 @@ def run(
     autotune: bool | None = None,
     check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """Run a bound statement into `out` and return `out` (no dispatcher, no autograd).
 
     With backend "triton" a statement the generated kernel cannot run raises
     `UnsupportedStatement`; with "auto" it falls back to the torch lowering, warning once
-    per statement. autotune, check_indices and sorted_indices (checked): as for `insum()`.
+    per statement. autotune, check_indices, sorted_indices and unique_indices (checked): as for
+    `insum()`.
     """
     if bound.device.type == "meta":
         raise InsumTypeError(
@@ -118,7 +121,7 @@ def run(
     from .runtime import kernel_for  # the runtime loads the code generator: on first use
 
     try:
-        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
+        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices)
     except UnsupportedStatement as e:
         if backend == "triton":
             raise

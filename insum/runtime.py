@@ -32,7 +32,7 @@ from .arith import cdiv, next_power_of_2
 from .bind import Bound, bind
 from .cache import BoundedCache
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
-from .codegen.schedule import NARROW, box_layout
+from .codegen.schedule import NARROW, SIZE_CAP, box_layout
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
 from .settings import flag
@@ -98,11 +98,13 @@ def spec_for(
     precision: str = "tf32",
     descriptors: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
 ) -> KernelSpec:
     """The parts of a bound statement that a kernel depends on (and the caller's facts).
 
     descriptors: allow tensor-descriptor loads (default: `descriptors_supported` on the
-    tensors' device). sorted_indices: index tensors the caller guarantees sorted."""
+    tensors' device). sorted_indices / unique_indices: index tensors the caller guarantees
+    sorted / free of duplicate values."""
     dtypes = {name: DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
     dtypes[bound.output_name] = DTYPE_NAMES[bound.out_dtype]
     wide = {
@@ -122,6 +124,8 @@ def spec_for(
         narrow=frozenset(narrow),
         boxes=box_tensors(bound, descriptors_supported(bound.device) if descriptors is None else descriptors),
         sorted_indices=frozenset(sorted_indices),
+        unique_indices=frozenset(unique_indices),
+        sizes=tuple((v, min(next_power_of_2(int(e)), SIZE_CAP)) for v, e in bound.extents.items()),
     )
 
 
@@ -167,7 +171,9 @@ class Kernel:
         """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents."""
         bound = bind(self.spec.stmt, tensors)
         _check_device(bound)
-        spec = spec_for(bound, self.spec.precision, sorted_indices=self.spec.sorted_indices)
+        spec = spec_for(
+            bound, self.spec.precision, sorted_indices=self.spec.sorted_indices, unique_indices=self.spec.unique_indices
+        )
         if spec.dtypes != self.spec.dtypes:
             compiled, given = dict(self.spec.dtypes), dict(spec.dtypes)
             wrong = [f"{n} is {given[n]}, compiled for {compiled[n]}" for n in compiled if given[n] != compiled[n]]
@@ -197,6 +203,8 @@ class Kernel:
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
             elif not self.plan.stmt.accumulate:
                 out.zero_()
+        elif not self.plan.covers_output and not self.plan.stmt.accumulate:
+            out.zero_()  # an owned scatter writes only the elements it reaches
         if self.plan.boxes:
             _ensure_descriptor_allocator()
         if launcher.launched:
@@ -457,20 +465,27 @@ def _triton_imported_interpreting() -> bool:
     return type(tl.cdiv).__name__ == "InterpretedFunction"
 
 
-def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset()) -> Kernel:
+def kernel_for(
+    bound: Bound,
+    precision: str = "tf32",
+    sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+) -> Kernel:
     """The cached kernel for a bound statement, compiled on first use.
 
-    sorted_indices: index tensors the caller guarantees sorted (see `insum()`).
+    sorted_indices / unique_indices: index tensors the caller guarantees sorted / free of
+    duplicate values (see `insum()`).
     """
     _check_device(bound)
+    facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices}
     if bound.signature is None:
-        return cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
-    key = (bound.stmt, bound.signature, precision, sorted_indices)
+        return cached_kernel(spec_for(bound, precision, **facts))
+    key = (bound.stmt, bound.signature, precision, sorted_indices, unique_indices)
     if descriptors_supported(bound.device):  # descriptors need 16-byte aligned starts
         key += tuple(bound.tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
     kernel = _BY_SIGNATURE.get(key)
     if kernel is None:
-        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
+        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision, **facts))
     return kernel
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..dtypes import HALF_NAMES, DtypeName
-from ..ir import Access, Role, Statement
+from ..ir import Access, Index, Role, Statement, Var
 
-__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "AXES"]
+__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "single_owner", "AXES", "SIZE_CAP"]
 
 AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
 #: "dot": a tl.dot of an (M, K) block by a (K, N) block; "reduce": broadcast multiply, tl.sum.
@@ -36,6 +36,8 @@ OutputMode = Literal["store", "atomic", "segment"]
 # Hopper's warp-group MMA needs 64 rows of M per tile: a variable with a smaller extent (the
 # rows of one 32 x 32 block) goes on N instead when the statement allows it.
 NARROW = 64
+# Extent buckets stop here: larger extents fill every tile size the tuner offers.
+SIZE_CAP = 256
 # Tensor descriptors (Triton's `tl.make_tensor_descriptor`) take 2 to 5 dimensions.
 BOX_RANKS = range(2, 6)
 
@@ -66,12 +68,25 @@ class KernelSpec:
     # Index tensors the caller declares sorted (equal values adjacent), e.g. a format's
     # row index: a facts channel from formats to the code generator through the call.
     sorted_indices: frozenset[str] = frozenset()
+    # Index tensors the caller declares unique (no value twice), e.g. the row index of a
+    # format with one group per row: a scatter through one can have a single writer.
+    unique_indices: frozenset[str] = frozenset()
+    # Variable extents rounded up to a power of two and capped at SIZE_CAP (a bucket, so
+    # that one kernel serves a family of sizes): upper bounds for ownership proofs and the
+    # tile-fill term of the cost model. A variable absent here is taken as large.
+    sizes: tuple[tuple[str, int], ...] = ()
 
     def role(self, var: str) -> Role:
         return dict(self.roles)[var]
 
     def dtype(self, tensor: str) -> DtypeName:
         return dict(self.dtypes)[tensor]
+
+    def size(self, var: str) -> int | None:
+        """The variable's extent bucket (an upper bound below SIZE_CAP), None when unknown or
+        at least SIZE_CAP."""
+        size = dict(self.sizes).get(var)
+        return size if size is not None and size < SIZE_CAP else None
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,14 @@ class Plan:
         return (*self.folded, var) if axis == "K" else (var,)
 
     @property
+    def covers_output(self) -> bool:
+        """Whether the kernel writes every output element: the output's indices are distinct
+        plain variables. An owned scatter (`output == "store"` otherwise) leaves the rest, so
+        an `=` statement zero-fills the output first."""
+        out_vars = [i.variable for i in self.stmt.output.indices]
+        return all(v is not None for v in out_vars) and len(set(out_vars)) == len(out_vars)
+
+    @property
     def grouped(self) -> bool:
         """Programs walk (M, N) tiles in groups of GROUP_M row tiles, so that the column tiles
         they share are read while still in L2 (the order of the Triton matmul tutorial)."""
@@ -135,12 +158,14 @@ class Plan:
         if self.persistent:
             lines.append("programs: persistent (one per SM, striding over the tiles)")
         lines.append(f"accumulator: {self.acc_dtype}")
-        lines.append(f"output: {self.output}" + _OUTPUT_NOTES[self.output])
+        note = "owned" if self.output == "store" and not self.covers_output else self.output
+        lines.append(f"output: {self.output}" + _OUTPUT_NOTES[note])
         return "\n".join(lines)
 
 
 _OUTPUT_NOTES = {
     "store": " (one owner per element)",
+    "owned": " (scattered, but one writer per element: plain stores)",
     "atomic": " (tl.atomic_add: scattered contributions may collide)",
     "segment": " (sorted scatter index: equal rows summed in registers, one tl.atomic_add per segment)",
 }
@@ -176,6 +201,62 @@ def _sorted_scatter(spec: KernelSpec, tiles: dict[str, str]) -> Access | None:
     if sum(var in i.variables() for i in out.indices) != 1:
         return None
     return access
+
+
+def single_owner(spec: KernelSpec) -> bool:
+    """Whether every output element provably has at most one writer, from the statement and
+    the caller's facts alone (no data read).
+
+    Programs never split a reduction (reduced variables loop inside one program), so this
+    holds when the output coordinates determine every non-reduced variable: each output
+    index *recovers* variables (`_recovered`), and together they must recover all of them.
+    A duplicate value in a tensor declared unique breaks the proof: the caller's fault
+    (two writers race and one contribution is lost), as a wrong sorted claim is.
+
+    >>> from insum.parser import parse
+    >>> from insum.bind import _roles
+    >>> def owned(text, **facts):
+    ...     stmt = parse(text)
+    ...     return single_owner(KernelSpec(stmt, tuple(_roles(stmt).items()), (), **facts))
+    >>> owned("C[AM[p], n] += A[p, n]"), owned("C[AM[p], n] += A[p, n]", unique_indices=frozenset({"AM"}))
+    (False, True)
+    >>> owned("C[2*i + 1] += A[i]"), owned("C[i + j] += A[i] * E[j]")
+    (True, False)
+    """
+    stmt = spec.stmt
+    needed = {v for v, role in spec.roles if role != "reduced"}
+    recovered: set[str] = set()
+    for index in stmt.output.indices:
+        recovered |= _recovered(index, spec)
+    return needed <= recovered
+
+
+def _recovered(index: Index, spec: KernelSpec) -> set[str]:
+    """The variables whose values one value of `index` determines.
+
+    A plain or scaled variable recovers itself; an access to a tensor declared unique
+    recovers what its own indices recover; a sum of terms recovers all of theirs when it is
+    a mixed-radix number: sorted by |coefficient|, each coefficient exceeds the largest
+    value the smaller terms can add up to (from the extent buckets, which bound extents from
+    above), and only the largest term may be an access (its range is unknown)."""
+    terms = sorted(index.terms, key=lambda t: abs(t.coef))
+    reach = 0  # the most the smaller terms can add, in absolute value
+    out: set[str] = set()
+    for position, term in enumerate(terms):
+        if abs(term.coef) <= reach:
+            return set()
+        if isinstance(term.atom, Var):
+            out.add(term.atom.name)
+            size = spec.size(term.atom.name)
+            if size is None and position < len(terms) - 1:
+                return set()
+            reach += abs(term.coef) * ((size or 1) - 1)
+        else:
+            if position < len(terms) - 1 or term.atom.name not in spec.unique_indices:
+                return set()
+            for inner in term.atom.indices:
+                out |= _recovered(inner, spec)
+    return out
 
 
 def _direct_in(var: str, accesses: list[Access]) -> bool:
@@ -275,9 +356,7 @@ def schedule(spec: KernelSpec, *, fold_k: bool = False) -> Plan:
             accesses = list(stmt.accesses())
             tiles["K"] = sorted(reduced, key=lambda v: not _direct_in(v, accesses))[0]
     tiled = set(tiles.values())
-    out_vars = [i.variable for i in stmt.output.indices]
-    one_owner = all(v is not None for v in out_vars) and len(set(out_vars)) == len(out_vars)
-    output = "store" if one_owner else "segment" if _sorted_scatter(spec, tiles) and not persistent else "atomic"
+    output = "store" if single_owner(spec) else "segment" if _sorted_scatter(spec, tiles) and not persistent else "atomic"
     return Plan(
         spec=spec,
         kind=kind,
