@@ -140,6 +140,10 @@ def explain(
     except UnsupportedStatement as e:
         lines.append(f"generated kernel: none ({e})")
     else:
+        from .codegen.schedule import rank
+
+        lines.append("candidates (cost model, cheapest first; see insum.codegen.schedule):")
+        lines.extend(f"  {candidate}" for candidate in rank(kernel.spec))
         lines.append("plan:")
         lines.extend("  " + line for line in str(kernel.plan).splitlines())
         lines.append("source:")

@@ -160,3 +160,138 @@ def test_cell_declares_unique_rows_only_where_true(params):
         assert declared == 0
     B = torch.randn(30, 6, generator=g)
     torch.testing.assert_close(fmt.spmm(B, backend="triton"), A @ B, rtol=1e-4, atol=1e-4)
+
+
+# -- ranking candidate plans ----------------------------------------------------------------
+
+
+def _meta(dtype=torch.float32, **shapes) -> dict:
+    """Meta tensors (shapes only): index tensors are the names in INDEX."""
+    return {n: torch.empty(s, dtype=torch.int32 if n in INDEX else dtype, device="meta") for n, s in shapes.items()}
+
+
+INDEX = {"AM", "AK", "CGI", "CGJ", "ZI", "XI", "CI", "I"}
+CG_ORDERS = {  # the same product, output indices in two orders
+    "bur": ("T[b, u, r] = CGV[r, q] * X[b, u, CGI[r, q]] * Y[b, CGJ[r, q]]", lambda b, u, r: (b, u, r)),
+    "rbu": ("T[r, b, u] = CGV[r, q] * X[b, u, CGI[r, q]] * Y[b, CGJ[r, q]]", lambda b, u, r: (r, b, u)),
+}
+
+
+def _cg_tensors(order: str, b: int, u: int, r: int, q: int, dtype=torch.float32, meta=True, seed=0) -> dict:
+    shape = CG_ORDERS[order][1](b, u, r)
+    if meta:
+        return _meta(dtype, T=shape, CGV=(r, q), CGI=(r, q), CGJ=(r, q), X=(b, u, 5), Y=(b, 3))
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "T": torch.full(shape, float("nan")),
+        "CGV": torch.randn(r, q, generator=g), "CGI": torch.randint(0, 5, (r, q), generator=g).int(),
+        "CGJ": torch.randint(0, 3, (r, q), generator=g).int(),
+        "X": torch.randn(b, u, 5, generator=g), "Y": torch.randn(b, 3, generator=g),
+    }
+
+
+def _plan_for(stmt: str, tensors: dict, **facts):
+    from insum.codegen import schedule
+    from insum.runtime import spec_for
+
+    return schedule(spec_for(bind(parse(stmt), tensors), **facts))
+
+
+@pytest.mark.parametrize("order", CG_ORDERS)
+def test_batch_goes_on_a_tile_in_both_index_orders(order):
+    """`T[b, u, r]` used to tile (u, r) with one program per batch element; written
+    `T[r, b, u]` it tiled (b, u). Ranked, both put the batch on the tall M tile."""
+    plan = _plan_for(CG_ORDERS[order][0], _cg_tensors(order, b=4096, u=32, r=9, q=4))
+    assert plan.kind == "reduce"
+    assert plan.axis_var("M") == "b" and plan.axis_var("K") == "q" and plan.axis_var("N") == "u"
+    assert plan.grid == ("r",)
+
+
+@pytest.mark.parametrize("order", CG_ORDERS)
+def test_ranked_plan_runs_correctly_at_small_sizes(order):
+    """The plan chosen at batch 4096, run in the interpreter on a batch of 10 (small
+    problems keep the conventional plan: launch-bound, see LAUNCH_COST)."""
+    import dataclasses
+
+    from insum.runtime import Kernel, spec_for
+
+    stmt = CG_ORDERS[order][0]
+    big = _plan_for(stmt, _cg_tensors(order, b=4096, u=32, r=9, q=4))
+    tensors = {k: v.to(DEVICE) for k, v in _cg_tensors(order, b=10, u=6, r=5, q=3, meta=False).items()}
+    expected = insum.insum(stmt, backend="torch", **{k: v.clone() for k, v in tensors.items()})
+    bound = bind(parse(stmt), tensors)
+    spec = spec_for(bound, "ieee")
+    actual = Kernel(spec, dataclasses.replace(big, spec=spec)).launch(bound, bound.output())
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+NESTED = "Z[b, ZI[w, k]] = CV[k, q] * X[b, XI[u, CI[k, q]]] * W[u, w]"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_nested_index_tensors_reduce_over_channels(dtype):
+    """e3nn's layout through nested index tensors: K carries the channels u (32), not the
+    4 padded CG entries q, which become the scalar loop; with 16-bit dots the batch, not
+    the 32 output channels, fills the 64-row M tile."""
+    tensors = _meta(dtype, Z=(4096, 32 * 9), ZI=(32, 9), CV=(9, 4), CI=(9, 4), XI=(32, 5), X=(4096, 160), W=(32, 32))
+    plan = _plan_for(NESTED, tensors, unique_indices=frozenset({"ZI"}))
+    assert plan.kind == "dot" and plan.axis_var("K") == "u" and plan.loops == ("q",)
+    assert {plan.axis_var("M"), plan.axis_var("N")} == {"b", "w"}
+    if dtype == torch.float16:
+        assert plan.axis_var("M") == "b"
+    assert plan.output == "store"
+
+
+# The GPU-tuned defaults: (statement, shapes, dtype, (M, K, N), grid, loops). Changing one
+# needs a measured reason (benchmarks/explore/tensorcore.py); these pin them.
+PINNED = [
+    ("C[m, n] = A[m, k] * B[k, n]", {"A": (4096, 4096), "B": (4096, 4096)}, torch.float16,
+     ("m", "k", "n"), (), ()),
+    ("C[m, n] = A[m, k] * B[I[k], n]", {"A": (4096, 4096), "B": (4096, 4096), "I": (4096,)}, torch.float16,
+     ("m", "k", "n"), (), ()),
+    ("C[AM[p], n] += AV[p, q] * B[AK[p, q], n]",
+     {"C": (65536, 128), "AM": (200000,), "AV": (200000, 8), "AK": (200000, 8), "B": (65536, 128)}, torch.float32,
+     ("p", "q", "n"), (), ()),
+    ("C[AM[p], n] += AV[p, q] * B[AK[p, q], n]",
+     {"C": (4000, 32), "AM": (9000,), "AV": (9000, 32), "AK": (9000, 32), "B": (4000, 32)}, torch.float16,
+     ("p", "q", "n"), (), ()),
+    ("C[p, m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]",  # BlockGroupCOO, one group per row, 32 x 32
+     {"C": (128, 32, 4096), "AV": (128, 13, 32, 32), "AK": (128, 13), "B": (128, 32, 4096)}, torch.float16,
+     ("n", "k", "m"), ("p",), ("q",)),
+    ("C[p, m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]",  # 64 x 64
+     {"C": (64, 64, 4096), "AV": (64, 7, 64, 64), "AK": (64, 7), "B": (64, 64, 4096)}, torch.float16,
+     ("m", "k", "n"), ("p",), ("q",)),
+    ("C[p, m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]",  # fp32: no narrow rule
+     {"C": (128, 32, 4096), "AV": (128, 13, 32, 32), "AK": (128, 13), "B": (128, 32, 4096)}, torch.float32,
+     ("m", "k", "n"), ("p",), ("q",)),
+    ("C[AM[p], m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]",
+     {"C": (128, 32, 4096), "AM": (300,), "AV": (300, 4, 32, 32), "AK": (300, 4), "B": (128, 32, 4096)},
+     torch.float16, ("n", "k", "m"), ("p",), ("q",)),
+    ("C[rb, l, n] += AV[rb, l, u] * B[AK[rb, u], n]",  # N:M 2:4, 32-row vectors
+     {"C": (256, 32, 8192), "AV": (256, 32, 4096), "AK": (256, 4096), "B": (8192, 8192)}, torch.float16,
+     ("n", "u", "l"), ("rb",), ()),
+    ("C[rb, l, n] += AV[rb, l, u] * B[AK[rb, u], n]",  # 1:8, 64-row vectors
+     {"C": (128, 64, 8192), "AV": (128, 64, 1024), "AK": (128, 1024), "B": (8192, 8192)}, torch.float16,
+     ("l", "u", "n"), ("rb",), ()),
+]
+
+
+PINNED_IDS = ["gemm", "gathered_gemm", "groupcoo", "groupcoo_fp16", "blockrow32", "blockrow64", "blockrow32_fp32",
+              "blockgroupcoo", "nm_2of4", "nm_1of8"]
+
+
+@pytest.mark.parametrize("stmt, shapes, dtype, axes, grid, loops", PINNED, ids=PINNED_IDS)
+def test_tuned_families_keep_their_plan(stmt, shapes, dtype, axes, grid, loops):
+    plan = _plan_for(stmt, _meta(dtype, **shapes))
+    assert (plan.axis_var("M"), plan.axis_var("K"), plan.axis_var("N")) == axes
+    assert (plan.grid, plan.loops) == (grid, loops)
+
+
+def test_explain_prints_ranked_candidates():
+    tensors = _cg_tensors("bur", b=10, u=6, r=5, q=3, meta=False)
+    text = insum.explain(CG_ORDERS["bur"][0], **tensors)
+    head = text.split("candidates (cost model")[1].split("plan:")[0]
+    rows = [line for line in head.splitlines()[1:] if line.strip()]
+    assert len(rows) == 6 and sum("(conventional)" in r for r in rows) == 1  # 3 x 2 tilings of (b, u, r)
+    costs = [float(r.split("cost ")[1].split()[0]) for r in rows]
+    assert costs == sorted(costs)

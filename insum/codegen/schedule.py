@@ -7,6 +7,14 @@ variable and a right part without the M variable that share K: the inner loop is
 factors by broadcasting over (M, K, N) and sums K with `tl.sum`. Other output variables go
 to the grid (one value per program); other reduced variables become scalar outer loops.
 
+Which variable goes on M, N and K (and which become grid or loop variables) is ranked, not
+read off the index order: `rank` enumerates every valid tiling of the plan's kind and
+scores it with a cost model of tile fill, loop steps, operand contiguity, programs against
+SMs and output writes (atomics cost more than owned stores); `schedule` takes the cheapest,
+but keeps the conventional tiling (innermost output variable on N, ...) unless another
+costs less than KEEP times as much, so that GPU-tuned defaults move only for a clear reason.
+`insum.explain` prints the ranked candidates.
+
 A tile axis may carry several variables: `schedule(spec, fold_k=True)` folds the innermost
 scalar loop onto K, which then runs over (q, k) flattened, k fastest, so one `tl.dot`
 consumes several 32-wide blocks at once. It is not the default: on an H200 the pointer
@@ -26,7 +34,7 @@ from typing import Literal
 from ..dtypes import HALF_NAMES, DtypeName
 from ..ir import Access, Index, Role, Statement, Var
 
-__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "single_owner", "AXES", "SIZE_CAP"]
+__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "single_owner", "rank", "choose", "plan_of", "Candidate", "AXES", "SIZE_CAP"]
 
 AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
 #: "dot": a tl.dot of an (M, K) block by a (K, N) block; "reduce": broadcast multiply, tl.sum.
@@ -272,15 +280,16 @@ def _output_candidates(stmt: Statement, roles: dict[str, Role]) -> list[str]:
     return list(dict.fromkeys(direct + scattered))
 
 
-def _dot_split(stmt: Statement, outside: list[str], reduced: list[str], narrow: frozenset[str]):
-    """Find (M, N, K, left, right) such that left factors lack N and right factors lack M.
-
-    Among the splits, the first whose M variable is not narrow wins: tensor cores want tall
-    tiles, and N takes any width."""
+def _dot_splits(stmt: Statement, outside: list[str], reduced: list[str], narrow: frozenset[str]):
+    """Every (M, N, K, left, right) such that left factors lack N and right factors lack M,
+    and the index of the *conventional* one: for each N (innermost output variable first),
+    each M (directly indexed first) with the first directly indexed K; the first whose M is
+    not narrow (tensor cores want tall tiles; N takes any width). The cost model ranks them
+    all (`rank`), and keeps the conventional split unless another is clearly cheaper."""
     accesses = [(i, f) for i, f in enumerate(stmt.factors) if isinstance(f, Access)]
     ms = sorted(outside, key=lambda v: not _direct_in(v, [f for _, f in accesses]))
     ks = sorted(reduced, key=lambda v: not _direct_in(v, [f for _, f in accesses]))
-    splits = []
+    splits, firsts = [], []
     for n in outside:
         right = [i for i, f in accesses if n in f.variables()]
         left = [i for i, f in accesses if n not in f.variables()]
@@ -291,10 +300,213 @@ def _dot_split(stmt: Statement, outside: list[str], reduced: list[str], narrow: 
         for m in ms:
             if m == n or m in right_vars or m not in left_vars:
                 continue
-            k = next((k for k in ks if k in left_vars and k in right_vars), None)
-            if k is not None:
-                splits.append((m, n, k, tuple(left), tuple(right)))
-    return next((s for s in splits if s[0] not in narrow), splits[0] if splits else None)
+            shared = [k for k in ks if k in left_vars and k in right_vars]
+            if shared:
+                firsts.append(len(splits))
+            splits.extend((m, n, k, tuple(left), tuple(right)) for k in shared)
+    conventional = next((i for i in firsts if splits[i][0] not in narrow), firsts[0] if firsts else None)
+    return splits, conventional
+
+
+def _reduce_tilings(outside: list[str], reduced: list[str]):
+    """Every (N, M, K) for a broadcast-and-sum plan (M and K None where nothing is left),
+    and the index of the conventional one: N the innermost output variable, M the next, K
+    the first directly indexed reduced variable."""
+    ns = outside or [None]
+    tilings = []
+    for n in ns:
+        ms = [m for m in outside if m != n] or [None]
+        for m in ms:
+            tilings.extend((n, m, k) for k in (reduced or [None]))
+    return tilings, 0
+
+
+# -- the cost model ------------------------------------------------------------------------
+# A relative estimate of a plan's time, in lane-steps, used only to rank the plans of one
+# statement. Extents come from `KernelSpec.sizes` (buckets); unknown or large ones count as
+# LARGE. Each term is one thing the GPU pays for:
+#   tile fill      each tile axis takes min(extent, its preferred width) lanes, and at least
+#                  its floor: tl.dot's 16 (64 on M for 16-bit operands: Hopper's warp-group
+#                  MMA), so a 4-wide extent on a dot axis computes 4x the useful work;
+#   steps          every step of the reduction loop (a K tile or a scalar loop value) pays
+#                  STEP_COST lanes of fixed cost (index loads, address arithmetic, a pipeline
+#                  bubble): many short steps lose to few long ones;
+#   contiguity     each operand tile loaded in the loop costs its elements, STRIDED times as
+#                  many when its last dimension (row-major: unit stride) is not indexed by a
+#                  tiled variable (no coalescing; gathers pay it in every plan);
+#   programs       every program pays PROGRAM_COST lanes once (offsets, masks, the first
+#                  loads' latency, the epilogue): short programs are latency-bound, so a
+#                  tiny tile per program (a batch variable left on the grid) loses to a tall
+#                  one; fewer programs than SMS leave SMs idle: time counts max(programs, SMS);
+#   launch         LAUNCH_COST once: a tiny problem is launch-bound, so its candidates
+#                  cost nearly the same and the conventional plan stays;
+#   write          each program writes its output tile once: ATOMIC times as much for
+#                  atomics, SEGMENT for segment-reduced scatters, x STRIDED when the output's
+#                  last dimension is not tiled.
+# tl.dot's multiply-adds run DOT_RATE times faster than broadcast ones. Dot plans are always
+# preferred to reduce plans where a split exists (as before); the model ranks within a kind.
+LARGE = 4096
+SMS = 132  # H100 / H200
+STEP_COST = 2048
+PROGRAM_COST = 16384
+LAUNCH_COST = SMS * 65536  # every SM busy with one 128 x 128 x 4 tile
+STRIDED = 4.0
+ATOMIC, SEGMENT = 4.0, 2.0
+DOT_RATE = 16
+_DOT_TILE = {"M": 128, "N": 128, "K": 64}
+_REDUCE_LANES = 8192  # as tune._REDUCE: N up to 128, K up to 8, M the rest
+# The conventional plan is kept unless another costs less than KEEP times as much: tuned
+# defaults (dense GEMM, GroupCOO, BlockGroupCOO, N:M) change only for a clear reason.
+KEEP = 0.8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to tile a statement, with its estimated cost (lower is better)."""
+
+    kind: PlanKind
+    tiles: tuple[tuple[str, str], ...]  # (axis, variable), in AXES order
+    grid: tuple[str, ...]
+    loops: tuple[str, ...]
+    left: tuple[int, ...]
+    right: tuple[int, ...]
+    output: OutputMode
+    cost: float
+    terms: tuple[tuple[str, float], ...]  # the model's terms, for explain
+    conventional: bool = False
+
+    def __str__(self) -> str:
+        tiles = " ".join(f"{a}={v}" for a, v in self.tiles) or "-"
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in self.terms)
+        mark = "  (conventional)" if self.conventional else ""
+        return (f"{self.kind} {tiles} | grid {','.join(self.grid) or '-'} | loops {','.join(self.loops) or '-'}"
+                f" | {self.output}: cost {self.cost:.3g} ({terms}){mark}")
+
+
+def _extent(spec: KernelSpec, var: str) -> int:
+    return spec.size(var) or LARGE
+
+
+def _tile_widths(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype) -> dict[str, int]:
+    """The lanes each tile axis computes (see the cost model)."""
+    widths = {}
+    if kind == "dot":
+        for axis, var in tiles.items():
+            floor = 64 if axis == "M" and dot_dtype in HALF_NAMES else 16
+            widths[axis] = max(floor, min(_extent(spec, var), _DOT_TILE[axis]))
+        return widths
+    if "N" in tiles:
+        widths["N"] = min(_extent(spec, tiles["N"]), 128)
+    if "K" in tiles:
+        widths["K"] = min(_extent(spec, tiles["K"]), 8)
+    if "M" in tiles:
+        widths["M"] = max(1, min(_extent(spec, tiles["M"]), _REDUCE_LANES // (widths.get("N", 1) * widths.get("K", 1))))
+    return widths
+
+
+def _cost(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, output: OutputMode):
+    """(cost, terms) of one tiling under the cost model above."""
+    stmt = spec.stmt
+    roles = dict(spec.roles)
+    widths = _tile_widths(spec, kind, tiles, dot_dtype)
+    axis_of = {v: a for a, v in tiles.items()}
+    outside = [v for v in stmt.variables() if roles[v] != "reduced"]
+    reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
+    programs = 1
+    for v in outside:
+        e = _extent(spec, v)
+        programs *= -(-e // widths[axis_of[v]]) if v in axis_of else e
+    steps = 1
+    for v in reduced:
+        e = _extent(spec, v)
+        steps *= -(-e // widths["K"]) if axis_of.get(v) == "K" else e
+    lanes = 1
+    for w in widths.values():
+        lanes *= w
+    compute = lanes / (DOT_RATE if kind == "dot" else 1)
+    loads = 0.0
+    for access in stmt.accesses():
+        spanned = {axis_of[v] for v in access.variables() if v in axis_of}
+        elements = 1
+        for axis in spanned:
+            elements *= widths[axis]
+        last = access.indices[-1].variable if access.indices else None
+        contiguous = not spanned or (last is not None and last in axis_of)
+        loads += elements * (1 if contiguous else STRIDED)
+    out_tile = 1
+    for axis in ("M", "N"):
+        out_tile *= widths.get(axis, 1)
+    out = stmt.output
+    last = out.indices[-1].variable if out.indices else None
+    write = out_tile * {"atomic": ATOMIC, "segment": SEGMENT}.get(output, 1.0)
+    write *= 1 if last is None or last in axis_of or not out.indices else STRIDED
+    per_step = compute + loads + STEP_COST
+    cost = LAUNCH_COST + max(programs, SMS) * (steps * per_step + write + PROGRAM_COST)
+    terms = (("programs", programs), ("steps", steps), ("lanes", lanes), ("loads", loads), ("write", write))
+    return cost, terms
+
+
+def rank(spec: KernelSpec) -> list[Candidate]:
+    """Every candidate plan of the chosen kind with its cost, cheapest first (the
+    conventional one marked); `schedule` picks from this list."""
+    stmt = spec.stmt
+    roles = dict(spec.roles)
+    outside = _output_candidates(stmt, roles)
+    reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
+    acc_dtype, dot_dtype = _dtypes(spec)
+    narrow = spec.narrow if dot_dtype in HALF_NAMES else frozenset()
+    splits, conventional = _dot_splits(stmt, outside, reduced, narrow) if acc_dtype == "fp32" else ([], None)
+    owned = single_owner(spec)
+    out = []
+    if splits:
+        for position, (m, n, k, left, right) in enumerate(splits):
+            tiles = {"M": m, "K": k, "N": n}
+            out.append(_candidate(spec, "dot", tiles, left, right, dot_dtype, owned, position == conventional))
+    else:
+        accesses = list(stmt.accesses())
+        direct_first = sorted(reduced, key=lambda v: not _direct_in(v, accesses))
+        tilings, conventional = _reduce_tilings(outside, direct_first)
+        for position, (n, m, k) in enumerate(tilings):
+            tiles = {a: v for a, v in (("M", m), ("K", k), ("N", n)) if v is not None}
+            out.append(_candidate(spec, "reduce", tiles, (), (), None, owned, position == conventional))
+    return sorted(out, key=lambda c: c.cost)
+
+
+def _candidate(spec, kind, tiles, left, right, dot_dtype, owned, conventional) -> Candidate:
+    stmt = spec.stmt
+    roles = dict(spec.roles)
+    tiled = set(tiles.values())
+    output = "store" if owned else "segment" if _sorted_scatter(spec, tiles) else "atomic"
+    cost, terms = _cost(spec, kind, tiles, dot_dtype, output)
+    return Candidate(
+        kind=kind,
+        tiles=tuple((a, tiles[a]) for a in AXES if a in tiles),
+        grid=tuple(v for v in stmt.variables() if roles[v] != "reduced" and v not in tiled),
+        loops=tuple(v for v in stmt.variables() if roles[v] == "reduced" and v not in tiled),
+        left=left,
+        right=right,
+        output=output,
+        cost=cost,
+        terms=terms,
+        conventional=conventional,
+    )
+
+
+def choose(candidates: list[Candidate]) -> Candidate:
+    """The cheapest candidate if it costs less than KEEP times the conventional one's,
+    else the conventional one."""
+    best = candidates[0]
+    usual = next((c for c in candidates if c.conventional), best)
+    return best if best.cost < KEEP * usual.cost else usual
+
+
+def _dtypes(spec: KernelSpec):
+    """(accumulator dtype, tl.dot operand dtype) of a statement."""
+    stmt = spec.stmt
+    value_dtypes = [spec.dtype(f.name) for f in stmt.accesses()]
+    acc_dtype = "fp64" if "fp64" in value_dtypes or spec.dtype(stmt.output.name) == "fp64" else "fp32"
+    dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF_NAMES else "fp32"
+    return acc_dtype, dot_dtype
 
 
 def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, ...], folded: tuple[str, ...]) -> tuple[int, ...]:
@@ -322,49 +534,33 @@ def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, 
 
 
 def schedule(spec: KernelSpec, *, fold_k: bool = False) -> Plan:
-    """Choose the tile roles, grid, loops and output strategy for a statement.
+    """Choose the tile roles, grid, loops and output strategy for a statement: the cheapest
+    candidate of `rank` by the cost model (kept conventional unless clearly cheaper).
 
     fold_k: fold the innermost scalar loop onto the dot's K axis (K = (q, k))."""
-    stmt = spec.stmt
-    roles = dict(spec.roles)
-    outside = _output_candidates(stmt, roles)
-    reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
-    value_dtypes = [spec.dtype(f.name) for f in stmt.accesses()]
-    acc_dtype = "fp64" if "fp64" in value_dtypes or spec.dtype(stmt.output.name) == "fp64" else "fp32"
+    return plan_of(spec, choose(rank(spec)), fold_k=fold_k)
 
-    dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF_NAMES else "fp32"
-    # Measured with 16-bit operands; tf32 warp-group MMA wants K-major operands, which
-    # moving the dense columns onto M would make transposed.
-    narrow = spec.narrow if dot_dtype in HALF_NAMES else frozenset()
-    split = _dot_split(stmt, outside, reduced, narrow) if acc_dtype == "fp32" else None
-    if split is not None:
-        m, n, k, left, right = split
-        tiles = {"M": m, "K": k, "N": n}
-        kind = "dot"
-        loops = [v for v in reduced if v != k]
+
+def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Plan:
+    """The plan of one candidate (benchmarks compare candidates through it)."""
+    acc_dtype, dot_dtype = _dtypes(spec)
+    tiles = dict(chosen.tiles)
+    loops = chosen.loops
+    if chosen.kind == "dot":
         folded = (loops[-1],) if loops and fold_k else ()
-        boxes = _box_factors(spec, tiles, left + right, folded)
-        persistent = len(boxes) == len(left) + len(right) and not loops
+        boxes = _box_factors(spec, tiles, chosen.left + chosen.right, folded)
+        persistent = len(boxes) == len(chosen.left) + len(chosen.right) and not loops
     else:
-        kind, left, right, dot_dtype, boxes, folded, persistent = "reduce", (), (), None, (), (), False
-        tiles = {}
-        if outside:
-            tiles["N"] = outside[0]
-        if len(outside) > 1:
-            tiles["M"] = outside[1]
-        if reduced:
-            accesses = list(stmt.accesses())
-            tiles["K"] = sorted(reduced, key=lambda v: not _direct_in(v, accesses))[0]
-    tiled = set(tiles.values())
-    output = "store" if single_owner(spec) else "segment" if _sorted_scatter(spec, tiles) and not persistent else "atomic"
+        dot_dtype, boxes, folded, persistent = None, (), (), False
+    output = "atomic" if chosen.output == "segment" and persistent else chosen.output
     return Plan(
         spec=spec,
-        kind=kind,
-        tiles=tuple((a, tiles[a]) for a in AXES if a in tiles),
-        grid=tuple(v for v in stmt.variables() if roles[v] != "reduced" and v not in tiled),
-        loops=tuple(v for v in reduced if v not in tiled and v not in folded),
-        left=left,
-        right=right,
+        kind=chosen.kind,
+        tiles=chosen.tiles,
+        grid=chosen.grid,
+        loops=tuple(v for v in loops if v not in folded),
+        left=chosen.left,
+        right=chosen.right,
         output=output,
         acc_dtype=acc_dtype,
         dot_dtype=dot_dtype,
