@@ -99,12 +99,14 @@ def spec_for(
     descriptors: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
     unique_indices: frozenset[str] = frozenset(),
+    lengths: tuple = (),
 ) -> KernelSpec:
     """The parts of a bound statement that a kernel depends on (and the caller's facts).
 
     descriptors: allow tensor-descriptor loads (default: `descriptors_supported` on the
     tensors' device). sorted_indices / unique_indices: index tensors the caller guarantees
-    sorted / free of duplicate values."""
+    sorted / free of duplicate values. lengths: declared lengths (`insum.execute.length_facts`),
+    their tensors in `bound`."""
     dtypes = {name: DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
     dtypes[bound.output_name] = DTYPE_NAMES[bound.out_dtype]
     wide = {
@@ -126,6 +128,7 @@ def spec_for(
         sorted_indices=frozenset(sorted_indices),
         unique_indices=frozenset(unique_indices),
         sizes=tuple((v, min(next_power_of_2(int(e)), SIZE_CAP)) for v, e in bound.extents.items()),
+        lengths=tuple(lengths),
     )
 
 
@@ -470,17 +473,18 @@ def kernel_for(
     precision: str = "tf32",
     sorted_indices: frozenset[str] = frozenset(),
     unique_indices: frozenset[str] = frozenset(),
+    lengths: tuple = (),
 ) -> Kernel:
     """The cached kernel for a bound statement, compiled on first use.
 
     sorted_indices / unique_indices: index tensors the caller guarantees sorted / free of
-    duplicate values (see `insum()`).
+    duplicate values (see `insum()`); lengths: see `insum.execute.length_facts`.
     """
     _check_device(bound)
-    facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices}
+    facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices, "lengths": lengths}
     if bound.signature is None:
         return cached_kernel(spec_for(bound, precision, **facts))
-    key = (bound.stmt, bound.signature, precision, sorted_indices, unique_indices)
+    key = (bound.stmt, bound.signature, precision, sorted_indices, unique_indices, lengths)
     if descriptors_supported(bound.device):  # descriptors need 16-byte aligned starts
         key += tuple(bound.tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
     kernel = _BY_SIGNATURE.get(key)

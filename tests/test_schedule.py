@@ -295,3 +295,88 @@ def test_explain_prints_ranked_candidates():
     assert len(rows) == 6 and sum("(conventional)" in r for r in rows) == 1  # 3 x 2 tilings of (b, u, r)
     costs = [float(r.split("cost ")[1].split()[0]) for r in rows]
     assert costs == sorted(costs)
+
+
+# -- declared lengths: padded entries skipped ---------------------------------------------------
+
+LENGTH_CASES = {
+    # ELL: q on K, the row m tiled: each row's lanes past its length are masked
+    "ell": ("C[m, n] += AV[m, q] * B[AK[m, q], n]", "q[m]"),
+    # BlockGroupCOO, one group per block row: p on the grid, q the scalar loop
+    "block_row": ("C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]", "q[p]"),
+    # a batched GEMM whose reduction length differs per batch: K = q bounded per program
+    "batched": ("O[p, m, n] = X[p, m, q] * Y[p, q, n]", "q[p]"),
+}
+
+
+def _padded(case: str, g: torch.Generator, index_dtype: torch.dtype, fill: float) -> tuple[dict, torch.Tensor]:
+    """Inputs whose entries past each row's length hold `fill` (0: the formats' padding),
+    and the lengths (an empty row, a full row, a length above the extent: clamped)."""
+    if case == "ell":
+        M, Q, K, N = 13, 6, 9, 5
+        lengths = torch.randint(0, Q + 1, (M,), generator=g)
+        lengths[0], lengths[1] = 0, Q
+        t = {"C": torch.randn(M, N, generator=g), "AV": torch.randn(M, Q, generator=g),
+             "AK": torch.randint(0, K, (M, Q), generator=g), "B": torch.randn(K, N, generator=g)}
+        pad = torch.arange(Q)[None, :] >= lengths[:, None]
+        t["AV"][pad], t["AK"][pad] = fill, 0
+        lengths[1] = Q + 3  # a full row declared longer than the extent
+    elif case == "block_row":
+        P, Q, bm, KB, N = 4, 5, 8, 6, 7
+        lengths = torch.tensor([0, 5, 2, 3])
+        t = {"AV": torch.randn(P, Q, bm, bm, generator=g), "AK": torch.randint(0, KB, (P, Q), generator=g),
+             "B": torch.randn(KB, bm, N, generator=g)}
+        pad = torch.arange(Q)[None, :] >= lengths[:, None]
+        t["AV"][pad], t["AK"][pad] = fill, 0
+    else:
+        P, M, Q, N = 3, 5, 11, 6
+        lengths = torch.tensor([11, 0, 4])
+        t = {"X": torch.randn(P, M, Q, generator=g), "Y": torch.randn(P, Q, N, generator=g)}
+        t["X"][2, :, 4:] = fill
+        t["X"][1] = fill
+    t = {k: v.to(index_dtype) if k == "AK" else v for k, v in t.items()}
+    return t, lengths.to(index_dtype)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("case", LENGTH_CASES)
+def test_declared_lengths_skip_padded_entries(case, index_dtype):
+    """Padding filled with NaN: only a kernel that skips it matches the lowering of the
+    zero-padded inputs."""
+    if CUDA and case == "batched":
+        pytest.skip("a K tile loaded through a tensor descriptor is read whole: NaN padding shows")
+    stmt, key = LENGTH_CASES[case]
+    zero, lengths = _padded(case, torch.Generator().manual_seed(8), index_dtype, 0.0)
+    poisoned, _ = _padded(case, torch.Generator().manual_seed(8), index_dtype, float("nan"))
+    expected = insum.insum(stmt, backend="torch", **{k: v.to(DEVICE) for k, v in zero.items()})
+    actual = insum.insum(stmt, backend="triton", precision="ieee", lengths={key: lengths.to(DEVICE)},
+                         **{k: v.to(DEVICE) for k, v in poisoned.items()})
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    # Without the declaration the kernel reads the padding.
+    unskipped = insum.insum(stmt, backend="triton", precision="ieee", **{k: v.to(DEVICE) for k, v in poisoned.items()})
+    assert unskipped.isnan().any()
+
+
+def test_lengths_appear_in_the_plan_and_source():
+    stmt, key = LENGTH_CASES["block_row"]
+    t, lengths = _padded("block_row", torch.Generator().manual_seed(9), torch.int32, 0.0)
+    source = insum.explain(stmt, precision="ieee", lengths={key: lengths}, **t)
+    assert "length: q < LEN_q[p]" in source
+    assert "for step in range(0, len_q * steps_k):" in source
+
+
+@pytest.mark.parametrize(
+    "key, tensor, error",
+    [
+        ("q", torch.zeros(13, dtype=torch.int64), "not of the form"),
+        ("m[q]", torch.zeros(6, dtype=torch.int64), "not a reduced variable"),
+        ("q[q]", torch.zeros(6, dtype=torch.int64), "output-side variables"),
+        ("q[m]", torch.zeros(12, dtype=torch.int64), "shape"),
+        ("q[m]", torch.zeros(13), "int32 or int64"),
+    ],
+)
+def test_lengths_are_checked(key, tensor, error):
+    stmt = LENGTH_CASES["ell"][0]
+    t, _ = _padded("ell", torch.Generator().manual_seed(10), torch.int64, 0.0)
+    with pytest.raises(InsumError, match=error):
+        insum.insum(stmt, backend="triton", lengths={key: tensor}, **t)

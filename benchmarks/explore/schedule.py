@@ -14,10 +14,18 @@ do_bench medians (the launch as `insum()` makes it: zero fill and float32 scratc
             cost model's choice: `T[b, u, r]` (used to leave the batch on the grid) and the
             nested-index e3nn statement (used to reduce over the padded CG entries on K).
 
+  lengths   ELL's statement on a power-law matrix with every row padded to the longest:
+            `padded` (no declaration: every slot loaded) against `lengths` (`lengths={"q[m]":
+            row counts}`: each tile's loop stops at its longest row, lanes past a row's own
+            length masked).
+
 What to look for: `store` at or below `atomic` everywhere (it removes work); `ranked` below
 `conventional` for both statements (the model's claim: at least 1/KEEP = 1.25x). A row
 where the ranked plan is slower means a cost-model weight is wrong: report the row.
+`lengths` far below `padded` (the K steps it removes: `--padding` counts them on the CPU).
 --smoke runs every variant once on tiny sizes (CPU interpreter included) without timing.
+--padding only counts, on the host, the K steps and loaded slots a declared length removes
+from ELL on 65536-row power-law matrices (no kernel runs).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ if not torch.cuda.is_available():  # the smoke run: the interpreter must be chos
 
 from insum.bind import bind  # noqa: E402
 from insum.codegen.schedule import plan_of, rank  # noqa: E402
+from insum.execute import length_facts  # noqa: E402
+from insum.formats import power_law_matrix  # noqa: E402
 from insum.parser import parse  # noqa: E402
 from insum.reference import run_reference  # noqa: E402
 from insum.runtime import Kernel, spec_for  # noqa: E402
@@ -42,8 +52,10 @@ from ..common import median_ms, relative_error  # noqa: E402
 ROWS: list[dict] = []
 
 
-def _kernel(stmt: str, tensors: dict, candidate=None, **facts):
+def _kernel(stmt: str, tensors: dict, candidate=None, lengths=None, **facts):
     bound = bind(parse(stmt), tensors)
+    if lengths is not None:
+        bound, facts["lengths"] = length_facts(bound, {"q[m]": lengths})
     spec = spec_for(bound, "tf32", **facts)
     plan = plan_of(spec, candidate(rank(spec))) if candidate else None
     return Kernel(spec, plan), bound
@@ -55,6 +67,7 @@ def _conventional(candidates):
 
 def _run(section: str, label: str, stmt: str, tensors: dict, smoke: bool, candidate=None, **facts) -> None:
     kernel, bound = _kernel(stmt, tensors, candidate, **facts)
+    facts.pop("lengths", None)
     out_name = bound.output_name
     expected_bound = bind(parse(stmt), {k: (v.double() if v.is_floating_point() else v) for k, v in tensors.items()})
     expected = run_reference(expected_bound, expected_bound.output().zero_())
@@ -112,6 +125,36 @@ def _cg(b: int, u: int, r: int, q: int, dtype, device, gen) -> dict:
     } | {"_device": device}
 
 
+def _ell(rows: int, avg: float, alpha: float, n: int, dtype, device) -> tuple[dict, torch.Tensor]:
+    """ELL tensors of a power-law matrix (rows padded to the longest) and its row lengths."""
+    A = power_law_matrix(rows, rows, avg, alpha=alpha, seed=1)
+    counts = (A.crow_indices()[1:] - A.crow_indices()[:-1]).long()
+    width = max(int(counts.max()), 1)
+    AV = torch.zeros(rows, width)
+    AK = torch.zeros(rows, width, dtype=torch.int32)
+    slot = torch.arange(width)[None, :] < counts[:, None]
+    AV[slot] = A.values().float()
+    AK[slot] = A.col_indices().int()
+    gen = torch.Generator().manual_seed(2)
+    tensors = {"C": torch.zeros(rows, n, dtype=dtype), "AV": AV.to(dtype), "AK": AK,
+               "B": torch.randn(rows, n, generator=gen).to(dtype)}
+    return {k: v.to(device) for k, v in tensors.items()}, counts.int().to(device)
+
+
+def padding_counts() -> None:
+    """K steps and loaded (row, slot) lanes of ELL's reduce plan with and without lengths."""
+    for alpha in (0.5, 1.0):
+        A = power_law_matrix(65536, 65536, 16, alpha=alpha, seed=0)
+        counts = (A.crow_indices()[1:] - A.crow_indices()[:-1]).long()
+        width, rows = int(counts.max()), counts.numel()
+        for block_m, block_k in ((16, 8), (64, 8)):
+            longest = counts[: rows // block_m * block_m].view(-1, block_m).max(1).values
+            before = (rows // block_m) * -(-width // block_k)
+            after = int(((longest + block_k - 1) // block_k).sum())
+            print(f"alpha {alpha}: W={width}, BLOCK_M={block_m}, BLOCK_K={block_k}: K steps {before} -> {after} "
+                  f"({after / before:.2%}); (row, slot) lanes loaded {rows * width} -> {int(counts.sum())}")
+
+
 def _on(tensors: dict) -> dict:
     device = tensors.pop("_device")
     return {k: v.to(device) for k, v in tensors.items()}
@@ -121,7 +164,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, no timing (runs in the interpreter)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--padding", action="store_true", help="count what declared lengths remove; no kernels")
     args = parser.parse_args()
+    if args.padding:
+        padding_counts()
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     small = args.smoke
@@ -147,6 +194,12 @@ def main() -> None:
         unique = frozenset({"ZI"})
         _run("ranked", "conventional", nested, t, small, candidate=_conventional, unique_indices=unique)
         _run("ranked", "ranked", nested, t, small, candidate=lambda cs: cs[0], unique_indices=unique)
+
+    ell = "C[m, n] += AV[m, q] * B[AK[m, q], n]"
+    for dtype in dtypes:
+        t, counts = _ell(300, 4, 0.5, 8, dtype, device) if small else _ell(16384, 16, 0.5, 128, dtype, device)
+        _run("lengths", "padded", ell, t, small)
+        _run("lengths", "lengths", ell, t, small, lengths=counts)
 
     if args.out:
         with open(args.out, "w") as f:

@@ -74,6 +74,9 @@ class _Emitter:
         k = plan.axis_var("K")
         self.start_k = self.fresh(f"start_{k}") if k else None
         self.steps_k = self.fresh(f"steps_{k}") if k else None
+        # Reduction loop counts: the extent, or the declared length loaded per program.
+        self.count = dict(self.size)
+        self.length_masks: list[Value] = []  # lanes past their row's length, K-tiled loads only
         # The K axis's extent: a product when variables are folded onto it.
         self.extent_k = " * ".join(self.size[v] for v in plan.axis_vars("K")) if k else None
         self.flat_k = self.fresh(f"offs_{''.join(plan.axis_vars('K'))}") if plan.folded else None
@@ -91,7 +94,8 @@ class _Emitter:
         return name
 
     def _tensor_names(self) -> list[str]:
-        return list(dict.fromkeys(access.name for access, _ in self.stmt.walk()))
+        names = [access.name for access, _ in self.stmt.walk()] + [t for _, t, _ in self.plan.lengths]
+        return list(dict.fromkeys(names))
 
     def stride(self, tensor: str, dim: int) -> str:
         key = (tensor, dim)
@@ -157,7 +161,27 @@ class _Emitter:
     def mask_for(self, axes: tuple[str, ...]) -> str | None:
         if not axes:
             return None
-        return " & ".join(broadcast(Value(self.mask[self.plan.axis_var(a)], (a,), 0), axes) for a in axes)
+        masks = [broadcast(Value(self.mask[self.plan.axis_var(a)], (a,), 0), axes) for a in axes]
+        masks += [f"({broadcast(m, axes)})" for m in self.length_masks if set(m.axes) <= set(axes)]
+        return " & ".join(masks)
+
+    def lengths(self) -> None:
+        """Load each applied declared length once per program (before the reduction loop):
+        the loop stops at it, the longest of the tile's rows when its index is tiled, where
+        K-tiled loads also mask each row's lanes past its own length (no bytes moved there).
+        Clamped to the extent, so that a too-long length reads nothing out of bounds."""
+        for var, tensor, index in self.plan.lengths:
+            value = self.gather(Access(tensor, tuple(Index.of(Var(v)) for v in index)))
+            name = self.fresh(f"len_{var}")
+            longest = f"tl.max({value.expr}, axis=0)" if value.axes else value.expr
+            self.put(0, f"{name} = tl.minimum({longest}, {self.size[var]})  # []")
+            self.count[var] = name
+            if value.axes and self.plan.axis_var("K") == var:
+                lanes = Value(self.offs[var], ("K",), 1)
+                axes = union(value.axes, ("K",))
+                self.length_masks.append(Value(f"{broadcast(lanes, axes)} < {broadcast(value, axes)}", axes, 1))
+        if self.plan.axis_var("K") in self.count and not self.plan.folded:
+            self.extent_k = self.count[self.plan.axis_var("K")]
 
     def gather(self, access: Access) -> Value:
         """Load an access (an indirect index or a factor) once, at the shallowest level."""
@@ -304,9 +328,9 @@ def _loop_lines(em: _Emitter) -> list[str]:
         lines.append(f"for {em.start_k} in range(0, {em.extent_k}, BLOCK_K):")
     elif k is None and len(plan.loops) == 1:
         var = plan.loops[0]
-        lines.append(f"for {em.scalar[var]} in range(0, {em.size[var]}):")
+        lines.append(f"for {em.scalar[var]} in range(0, {em.count[var]}):")
     else:
-        counts = [em.size[v] for v in plan.loops]
+        counts = [em.count[v] for v in plan.loops]
         if k is not None:
             lines.append(f"{em.steps_k} = tl.cdiv({em.extent_k}, BLOCK_K)")
             counts.append(em.steps_k)
@@ -316,7 +340,7 @@ def _loop_lines(em: _Emitter) -> list[str]:
         if k is not None:
             lines.append(f"    {em.start_k} = (rest % {em.steps_k}) * BLOCK_K")
             lines.append(f"    rest = rest // {em.steps_k}")
-        lines.extend("    " + line for line in _unflatten("rest", [(em.scalar[v], em.size[v]) for v in reversed(plan.loops)]))
+        lines.extend("    " + line for line in _unflatten("rest", [(em.scalar[v], em.count[v]) for v in reversed(plan.loops)]))
     if k is not None and plan.folded:
         lines.extend("    " + line for line in _folded_k_lines(em))
     elif k is not None:
@@ -325,8 +349,8 @@ def _loop_lines(em: _Emitter) -> list[str]:
         masked = re.search(rf"\b{em.mask[k]}\b", body) is not None
         if masked or re.search(rf"\b{em.offs[k]}\b", body):
             lines.append(f"    {em.offs[k]} = {em.start_k} + tl.arange(0, BLOCK_K)  # [{k}]")
-        if masked:
-            lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
+        if masked:  # a declared length ends the last tile early too
+            lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.count[k]}  # [{k}]")
     lines.extend("    " + line for line in em.levels[1])
     return lines
 
@@ -404,6 +428,7 @@ def emit(plan: Plan) -> Source:
     acc_shape = ", ".join(f"BLOCK_{a}" for a in acc_axes) if len(acc_axes) > 1 else f"BLOCK_{acc_axes[0]}," if acc_axes else "1,"
     accesses = tuple(i for i, f in enumerate(stmt.factors) if isinstance(f, Access))
 
+    em.lengths()
     # Body: the contribution of one step of the innermost loop, added into `acc`.
     if plan.kind == "dot":
         lhs = em.product(plan.left, plan.dot_dtype, "lhs")

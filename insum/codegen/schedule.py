@@ -83,6 +83,10 @@ class KernelSpec:
     # that one kernel serves a family of sizes): upper bounds for ownership proofs and the
     # tile-fill term of the cost model. A variable absent here is taken as large.
     sizes: tuple[tuple[str, int], ...] = ()
+    # Declared lengths of reduced variables, (variable, tensor, index variables): entries
+    # with `var >= tensor[index variables]` contribute zero (a format's padding), so the
+    # kernel may stop there. See `Plan.lengths`.
+    lengths: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     def role(self, var: str) -> Role:
         return dict(self.roles)[var]
@@ -114,6 +118,10 @@ class Plan:
     boxes: tuple[int, ...] = ()  # factor positions loaded through a tensor descriptor
     folded: tuple[str, ...] = ()  # reduced variables flattened onto K outside its variable, outermost first
     persistent: bool = False  # one program per SM loops over the tiles (`tl.range(..., flatten=True)`)
+    # The declared lengths this plan applies (see `_applied_lengths`): the reduction loop of
+    # each variable stops at its length (the largest over the program's tile), and K-tiled
+    # loads mask the lanes past each row's own length.
+    lengths: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     @property
     def stmt(self) -> Statement:
@@ -165,6 +173,8 @@ class Plan:
                 lines.append(f"tensor descriptors: {', '.join(str(factors[i]) for i in self.boxes)}")
         if self.persistent:
             lines.append("programs: persistent (one per SM, striding over the tiles)")
+        for var, tensor, index in self.lengths:
+            lines.append(f"length: {var} < {tensor}[{', '.join(index)}] (declared: later entries are padding)")
         lines.append(f"accumulator: {self.acc_dtype}")
         note = "owned" if self.output == "store" and not self.covers_output else self.output
         lines.append(f"output: {self.output}" + _OUTPUT_NOTES[note])
@@ -553,12 +563,13 @@ def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Pla
     else:
         dot_dtype, boxes, folded, persistent = None, (), (), False
     output = "atomic" if chosen.output == "segment" and persistent else chosen.output
+    loops = tuple(v for v in loops if v not in folded)
     return Plan(
         spec=spec,
         kind=chosen.kind,
         tiles=chosen.tiles,
         grid=chosen.grid,
-        loops=tuple(v for v in loops if v not in folded),
+        loops=loops,
         left=chosen.left,
         right=chosen.right,
         output=output,
@@ -567,4 +578,20 @@ def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Pla
         boxes=boxes,
         folded=folded,
         persistent=persistent,
+        lengths=_applied_lengths(spec, tiles, chosen.grid, loops),
     )
+
+
+def _applied_lengths(spec: KernelSpec, tiles: dict[str, str], grid: tuple[str, ...], loops: tuple[str, ...]):
+    """The declared lengths a plan can use: the variable is a scalar loop or the K tile, and
+    its index variables are grid variables (one length per program) or at most one M/N tile
+    variable (the loop runs to the tile's longest row). Others are ignored, which is correct:
+    the entries past a length contribute zero."""
+    applied = []
+    for var, tensor, index in spec.lengths:
+        if var not in loops and tiles.get("K") != var:
+            continue
+        tiled = [v for v in index if v in tiles.values()]
+        if all(v in grid or v in tiled for v in index) and len(tiled) <= 1 and tiles.get("K") not in tiled:
+            applied.append((var, tensor, index))
+    return tuple(applied)
