@@ -238,7 +238,9 @@ class Kernel:
 
     def _first_run(self, launcher: _Launcher, args: list, device: torch.device, autotune: bool | None) -> None:
         """Find the configuration for a new signature (tuning if needed) and run once."""
-        bucket = tuple(next_power_of_2(launcher.extents[v]) for _, v in self.plan.tiles)
+        bucket = tuple(
+            next_power_of_2(math.prod(launcher.extents[v] for v in self.plan.axis_vars(a))) for a, _ in self.plan.tiles
+        )
         config = self.tuned.get(bucket)
         if config is None:
             config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device, autotune)
@@ -349,16 +351,15 @@ class _Launcher:
             else:
                 self.template.append(bound.tensors[arg[1]].stride(arg[2]))
         self.out_name = out_name
-        launched_vars = [v for a, v in plan.tiles if a != "K"] + list(plan.grid)
+        launched_vars = [v for a, _ in plan.tiles if a != "K" for v in plan.axis_vars(a)] + list(plan.grid)
         self.launched = all(self.extents[v] > 0 for v in launched_vars)
-        tiles = [(v, f"BLOCK_{a}") for a, v in plan.tiles if a != "K"]
+        tiles = [(math.prod(self.extents[v] for v in plan.axis_vars(a)), f"BLOCK_{a}") for a, _ in plan.tiles if a != "K"]
         fixed = math.prod(self.extents[v] for v in plan.grid)
-        extents = self.extents
 
         slots = _program_slots(bound.device) if plan.persistent else None
 
         def grid_fn(meta):
-            programs = fixed * math.prod(cdiv(extents[v], meta[b]) for v, b in tiles)
+            programs = fixed * math.prod(cdiv(extent, meta[b]) for extent, b in tiles)
             return (min(programs, slots) if slots else programs,)
 
         self.grid_fn = grid_fn

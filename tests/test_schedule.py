@@ -200,11 +200,12 @@ def _plan_for(stmt: str, tensors: dict, **facts):
 @pytest.mark.parametrize("order", CG_ORDERS)
 def test_batch_goes_on_a_tile_in_both_index_orders(order):
     """`T[b, u, r]` used to tile (u, r) with one program per batch element; written
-    `T[r, b, u]` it tiled (b, u). Ranked, both put the batch on the tall M tile."""
+    `T[r, b, u]` it tiled (b, u). Ranked, both put the batch on the tall M tile (in
+    `T[b, u, r]` stacked with r, the output's fastest dimension: M = (b, r))."""
     plan = _plan_for(CG_ORDERS[order][0], _cg_tensors(order, b=4096, u=32, r=9, q=4))
     assert plan.kind == "reduce"
-    assert plan.axis_var("M") == "b" and plan.axis_var("K") == "q" and plan.axis_var("N") == "u"
-    assert plan.grid == ("r",)
+    assert "b" in plan.axis_vars("M") and plan.axis_var("K") == "q" and plan.axis_var("N") == "u"
+    assert plan.axis_vars("M") == (("b", "r") if order == "bur" else ("b",))
 
 
 @pytest.mark.parametrize("order", CG_ORDERS)
@@ -292,7 +293,9 @@ def test_explain_prints_ranked_candidates():
     text = insum.explain(CG_ORDERS["bur"][0], **tensors)
     head = text.split("candidates (cost model")[1].split("plan:")[0]
     rows = [line for line in head.splitlines()[1:] if line.strip()]
-    assert len(rows) == 6 and sum("(conventional)" in r for r in rows) == 1  # 3 x 2 tilings of (b, u, r)
+    plain = [r for r in rows if "M=(" not in r]
+    assert len(plain) == 6 and sum("(conventional)" in r for r in rows) == 1  # 3 x 2 tilings of (b, u, r)
+    assert any("M=(" in r for r in rows)  # and stacked variants of the short M axes
     costs = [float(r.split("cost ")[1].split()[0]) for r in rows]
     assert costs == sorted(costs)
 
@@ -380,3 +383,42 @@ def test_lengths_are_checked(key, tensor, error):
     t, _ = _padded("ell", torch.Generator().manual_seed(10), torch.int64, 0.0)
     with pytest.raises(InsumError, match=error):
         insum.insum(stmt, backend="triton", lengths={key: tensor}, **t)
+
+
+# -- several variables on one tile axis (M stacked) ---------------------------------------------
+
+STACK = "O[b, q, n] {op} X[b, q, k] * W[k, n]"
+
+
+def test_short_rows_stack_onto_one_tall_tile():
+    """48 batches of 16 rows each: every M variable alone is short for a 64-row fp16 MMA
+    tile; M = (b, q) fills 128-row tiles with a quarter of the programs."""
+    plan = _plan_for(STACK.format(op="="), _meta(torch.float16, X=(48, 16, 512), W=(512, 4096), O=(48, 16, 4096)))
+    assert plan.axis_vars("M") == ("b", "q") and plan.axis_var("N") == "n" and plan.grid == ()
+    assert plan.boxes == () and not plan.persistent  # a stacked axis is no descriptor box
+    assert "M=(b, q)" in str(plan)
+
+
+@pytest.mark.parametrize("op", ["=", "+="])
+def test_stacked_plan_runs_correctly_at_small_sizes(op):
+    """The stacked plan, run on extents whose product is no multiple of the tile."""
+    import dataclasses
+
+    from insum.codegen import configs_for, prune_configs
+    from insum.runtime import Kernel, spec_for
+
+    stmt = STACK.format(op=op)
+    big = _plan_for(stmt, _meta(torch.float16, X=(48, 16, 512), W=(512, 4096), O=(48, 16, 4096)))
+    g = torch.Generator().manual_seed(11)
+    tensors = {"X": torch.randn(5, 6, 7, generator=g), "W": torch.randn(7, 9, generator=g),
+               "O": torch.randn(5, 6, 9, generator=g) if op == "+=" else torch.full((5, 6, 9), float("nan"))}
+    tensors = {k: v.to(DEVICE) for k, v in tensors.items()}
+    expected = insum.insum(stmt, backend="torch", **{k: v.clone() for k, v in tensors.items()})
+    bound = bind(parse(stmt), tensors)
+    spec = spec_for(bound, "ieee")
+    plan = dataclasses.replace(big, spec=spec, dot_dtype="fp32")  # float32 inputs: ieee dot
+    actual = Kernel(spec, plan).launch(bound, bound.output())
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    # Tiles are clamped to the stacked extent (5 x 6 = 30 rows: 32), not to q's 6.
+    pruned = prune_configs(plan, configs_for(plan), bound.extents)
+    assert max(c["BLOCK_M"] for c in pruned) == 32

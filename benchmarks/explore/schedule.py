@@ -12,7 +12,9 @@ do_bench medians (the launch as `insum()` makes it: zero fill and float32 scratc
             CELL's statement for one width, and e3nn's layout `Z[b, ZI[w, k]]`.
   ranked    the conventional tiling (innermost output variable on N, ...) against the
             cost model's choice: `T[b, u, r]` (used to leave the batch on the grid) and the
-            nested-index e3nn statement (used to reduce over the padded CG entries on K).
+            nested-index e3nn statement (used to reduce over the padded CG entries on K),
+            and `O[b, q, n] = X[b, q, k] * W[k, n]` with 48 x 16 short rows (ranked:
+            M = (b, q) stacked, 128-row fp16 tiles; conventional: M = n, N = q, grid b).
 
   lengths   ELL's statement on a power-law matrix with every row padded to the longest:
             `padded` (no declaration: every slot loaded) against `lengths` (`lengths={"q[m]":
@@ -87,7 +89,7 @@ def _run(section: str, label: str, stmt: str, tensors: dict, smoke: bool, candid
         row["ms"] = median_ms(call)
     ROWS.append(row)
     print(f"{section:7s} {label:13s} {row['dtype']:14s} err {err:.1e}  {row.get('ms', float('nan')):8.4f} ms  "
-          f"{plan.output:6s} {dict(plan.tiles)} grid {plan.grid} loops {plan.loops}"
+          f"{plan.output:6s} { {a: plan.axis_vars(a) for a, _ in plan.tiles} } grid {plan.grid} loops {plan.loops}"
           + ("  FAILED" if row.get("failed") else ""), flush=True)
 
 
@@ -194,6 +196,15 @@ def main() -> None:
         unique = frozenset({"ZI"})
         _run("ranked", "conventional", nested, t, small, candidate=_conventional, unique_indices=unique)
         _run("ranked", "ranked", nested, t, small, candidate=lambda cs: cs[0], unique_indices=unique)
+
+    stack = "O[b, q, n] = X[b, q, k] * W[k, n]"
+    for dtype in dtypes:
+        shape = (5, 6, 7, 9) if small else (48, 16, 512, 4096)
+        t = {"X": torch.randn(shape[:3], generator=gen).to(dtype), "W": torch.randn(shape[2:], generator=gen).to(dtype),
+             "O": torch.zeros(shape[0], shape[1], shape[3], dtype=dtype)}
+        t = {k: v.to(device) for k, v in t.items()}
+        _run("ranked", "conventional", stack, t, small, candidate=_conventional)
+        _run("ranked", "ranked", stack, t, small, candidate=lambda cs: cs[0])
 
     ell = "C[m, n] += AV[m, q] * B[AK[m, q], n]"
     for dtype in dtypes:

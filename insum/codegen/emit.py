@@ -66,8 +66,11 @@ class _Emitter:
         self.ptr = {n: self.fresh(f"{n}_ptr") for n in self._tensor_names()}
         self.size = {v: self.fresh(f"size_{v}") for v in self.stmt.variables()}
         self.level_of.update({v: 1 for v in plan.folded})
+        self.level_of.update({v: 0 for v in plan.stacked})
         self.offs = {v: self.fresh(f"offs_{v}") for _, v in plan.tiles}
-        self.offs.update({v: self.fresh(f"offs_{v}") for v in plan.folded})
+        self.offs.update({v: self.fresh(f"offs_{v}") for v in (*plan.folded, *plan.stacked)})
+        # A stacked M axis: one flat lane index over its variables (the last fastest).
+        self.flat_m = self.fresh(f"offs_{''.join(plan.axis_vars('M'))}") if plan.stacked else None
         self.mask = {v: self.fresh(f"mask_{v}") for _, v in plan.tiles}
         self.scalar = {v: self.fresh(f"i_{v}") for v in (*plan.grid, *plan.loops)}
         self.tile_pid = {v: self.fresh(f"pid_{v}") for a, v in plan.tiles if a != "K"}
@@ -108,6 +111,10 @@ class _Emitter:
         if key not in self.shapes:
             self.shapes[key] = self.fresh(f"shape_{tensor}_{dim}")
         return self.shapes[key]
+
+    def extent(self, axis: str) -> str:
+        """The number of lanes along a tile axis: a product when variables share it."""
+        return " * ".join(self.size[v] for v in self.plan.axis_vars(axis))
 
     def tile_start(self, axis: str) -> str:
         """The first index of this program's (or this step's) tile along an axis."""
@@ -261,13 +268,13 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
     for position, (kind, axis, var) in enumerate(order):
         last = position == len(order) - 1
         if kind == "tile":
-            count = f"tl.cdiv({em.size[var]}, BLOCK_{axis})"
+            extent = em.extent(axis)
+            count = f"tl.cdiv({extent}, BLOCK_{axis})"
             tile = em.tile_pid[var]
             lines.append(f"{tile} = pid" if last else f"{tile} = pid % {count}")
             if not last:
                 lines.append(f"pid = pid // {count}")
-            lines.append(f"{em.offs[var]} = {tile} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
-            lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
+            lines.extend(_tile_offset_lines(em, axis))
         else:
             lines.append(f"{em.scalar[var]} = pid" if last else f"{em.scalar[var]} = pid % {em.size[var]}")
             if not last:
@@ -283,8 +290,8 @@ def _grouped_tile_lines(em: _Emitter) -> list[str]:
     tiles_m, tiles_n, tile = em.fresh(f"tiles_{m}"), em.fresh(f"tiles_{n}"), em.fresh("tile")
     group, first_m, rows = em.fresh("group"), em.fresh(f"first_{m}"), em.fresh("group_rows")
     lines = [
-        f"{tiles_m} = tl.cdiv({em.size[m]}, BLOCK_M)",
-        f"{tiles_n} = tl.cdiv({em.size[n]}, BLOCK_N)",
+        f"{tiles_m} = tl.cdiv({em.extent('M')}, BLOCK_M)",
+        f"{tiles_n} = tl.cdiv({em.extent('N')}, BLOCK_N)",
     ]
     if plan.grid:
         lines.append(f"{tile} = pid % ({tiles_m} * {tiles_n})")
@@ -298,10 +305,42 @@ def _grouped_tile_lines(em: _Emitter) -> list[str]:
         f"{em.tile_pid[m]} = {first_m} + ({tile} % {group}) % {rows}",
         f"{em.tile_pid[n]} = ({tile} % {group}) // {rows}",
     ]
-    for axis, var in (("M", m), ("N", n)):
-        lines.append(f"{em.offs[var]} = {em.tile_pid[var]} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
-        lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
+    for axis in ("M", "N"):
+        lines.extend(_tile_offset_lines(em, axis))
     lines.extend(_unflatten("pid", [(em.scalar[v], em.size[v]) for v in reversed(plan.grid)]))
+    return lines
+
+
+def _tile_offset_lines(em: _Emitter, axis: str) -> list[str]:
+    """Offsets and mask of this program's tile along M or N; on a stacked axis, every
+    variable's offsets from one flat lane index (the axis's own variable fastest)."""
+    var = em.plan.axis_var(axis)
+    start = f"{em.tile_pid[var]} * BLOCK_{axis}"
+    names = em.plan.axis_vars(axis)
+    if len(names) == 1:
+        return [
+            f"{em.offs[var]} = {start} + tl.arange(0, BLOCK_{axis})  # [{var}]",
+            f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]",
+        ]
+    shape = f"  # [({', '.join(names)})]"
+    flat = em.flat_m
+    lines = [
+        f"{flat} = {start} + tl.arange(0, BLOCK_{axis})" + shape,
+        f"{em.mask[var]} = {flat} < {em.extent(axis)}" + shape,
+    ]
+    return lines + _split_flat_lines(em, flat, names, shape)
+
+
+def _split_flat_lines(em: _Emitter, flat: str, names: tuple[str, ...], shape: str) -> list[str]:
+    """`offs_v` of each variable in `names` (outermost first) from the flat index `flat`."""
+    lines = [f"{em.offs[names[-1]]} = {flat} % {em.size[names[-1]]}" + shape]
+    divisor = [em.size[names[-1]]]
+    for position, var in enumerate(reversed(names[:-1])):
+        expr = f"{flat} // {divisor[0]}" if len(divisor) == 1 else f"{flat} // ({' * '.join(divisor)})"
+        if position < len(names) - 2:
+            expr = f"({expr}) % {em.size[var]}"
+        lines.append(f"{em.offs[var]} = {expr}" + shape)
+        divisor.append(em.size[var])
     return lines
 
 
@@ -407,16 +446,8 @@ def _folded_k_lines(em: _Emitter) -> list[str]:
     lines = [
         f"{flat} = {em.start_k} + tl.arange(0, BLOCK_K)" + shape,
         f"{em.mask[k]} = {flat} < {em.extent_k}" + shape,
-        f"{em.offs[k]} = {flat} % {em.size[k]}" + shape,
     ]
-    divisor = [em.size[k]]
-    for position, var in enumerate(reversed(names[:-1])):
-        expr = f"{flat} // {divisor[0]}" if len(divisor) == 1 else f"{flat} // ({' * '.join(divisor)})"
-        if position < len(names) - 2:
-            expr = f"({expr}) % {em.size[var]}"
-        lines.append(f"{em.offs[var]} = {expr}" + shape)
-        divisor.append(em.size[var])
-    return lines
+    return lines + _split_flat_lines(em, flat, names, shape)
 
 
 def emit(plan: Plan) -> Source:
@@ -436,7 +467,7 @@ def emit(plan: Plan) -> Source:
         lhs_expr = lhs.expr if lhs.axes == ("M", "K") else f"tl.broadcast_to({broadcast(lhs, ('M', 'K'))}, (BLOCK_M, BLOCK_K))"
         rhs_expr = rhs.expr if rhs.axes == ("K", "N") else f"tl.broadcast_to({broadcast(rhs, ('K', 'N'))}, (BLOCK_K, BLOCK_N))"
         precision = f', input_precision="{plan.spec.precision}"' if plan.dot_dtype == "fp32" else ""
-        em.put(em.depth, f"acc = tl.dot({lhs_expr}, {rhs_expr}, acc{precision})  # [{plan.axis_var('M')}, {plan.axis_var('N')}]")
+        em.put(em.depth, f"acc = tl.dot({lhs_expr}, {rhs_expr}, acc{precision})" + em.shape_comment(("M", "N")))
     elif accesses:
         prod = em.product(accesses, None, "prod")
         if "K" in prod.axes:
@@ -516,7 +547,7 @@ def emit(plan: Plan) -> Source:
     tile.extend(em.epilogue)
     if plan.persistent:
         # Programs stride over the tiles; flattening lets the pipeline run across tiles.
-        counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.size[v]}, BLOCK_{a})" for a, v in plan.tiles if a != "K"]
+        counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.extent(a)}, BLOCK_{a})" for a, _ in plan.tiles if a != "K"]
         body = [*em.setup, f"for task in tl.range(tl.program_id(0), {' * '.join(counts) or '1'}, tl.num_programs(0), flatten=True):"]
         body += ["    " + ("pid = task" if line == "pid = tl.program_id(0)" else line) for line in tile]
     else:

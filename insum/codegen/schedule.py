@@ -15,7 +15,10 @@ but keeps the conventional tiling (innermost output variable on N, ...) unless a
 costs less than KEEP times as much, so that GPU-tuned defaults move only for a clear reason.
 `insum.explain` prints the ranked candidates.
 
-A tile axis may carry several variables: `schedule(spec, fold_k=True)` folds the innermost
+A tile axis may carry several variables. M is *stacked* when the model prefers it: a grid
+variable flattened onto M outside M's own variable (M = (b, q): 48 batches of 16 rows fill
+128-row tiles that q alone cannot), offered by `rank` wherever M's extent is below NARROW.
+And `schedule(spec, fold_k=True)` folds the innermost
 scalar loop onto K, which then runs over (q, k) flattened, k fastest, so one `tl.dot`
 consumes several 32-wide blocks at once. It is not the default: on an H200 the pointer
 gathers it needs lost to one block per step with tensor descriptors
@@ -28,6 +31,7 @@ they measured faster; with pointer gathers or per-step index loads they measured
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -117,6 +121,9 @@ class Plan:
     dot_dtype: DtypeName | None  # operand dtype of tl.dot
     boxes: tuple[int, ...] = ()  # factor positions loaded through a tensor descriptor
     folded: tuple[str, ...] = ()  # reduced variables flattened onto K outside its variable, outermost first
+    # Output-side variables flattened onto M outside its variable, outermost first (M = (b, q):
+    # several short rows side by side fill one tall tile).
+    stacked: tuple[str, ...] = ()
     persistent: bool = False  # one program per SM loops over the tiles (`tl.range(..., flatten=True)`)
     # The declared lengths this plan applies (see `_applied_lengths`): the reduction loop of
     # each variable stops at its length (the largest over the program's tile), and K-tiled
@@ -131,14 +138,16 @@ class Plan:
         return dict(self.tiles).get(axis)
 
     def var_axis(self, var: str) -> str | None:
-        return "K" if var in self.folded else {v: a for a, v in self.tiles}.get(var)
+        if var in self.folded:
+            return "K"
+        return "M" if var in self.stacked else {v: a for a, v in self.tiles}.get(var)
 
     def axis_vars(self, axis: str) -> tuple[str, ...]:
         """Every variable the axis carries, outermost first (the last one varies fastest)."""
         var = self.axis_var(axis)
         if var is None:
             return ()
-        return (*self.folded, var) if axis == "K" else (var,)
+        return (*self.folded, var) if axis == "K" else (*self.stacked, var) if axis == "M" else (var,)
 
     @property
     def covers_output(self) -> bool:
@@ -384,9 +393,11 @@ class Candidate:
     cost: float
     terms: tuple[tuple[str, float], ...]  # the model's terms, for explain
     conventional: bool = False
+    stacked: tuple[str, ...] = ()  # grid variables flattened onto M, outside its variable
 
     def __str__(self) -> str:
-        tiles = " ".join(f"{a}={v}" for a, v in self.tiles) or "-"
+        tiles = " ".join(f"{a}=({', '.join((*self.stacked, v))})" if a == "M" and self.stacked else f"{a}={v}"
+                         for a, v in self.tiles) or "-"
         terms = ", ".join(f"{k} {v:.3g}" for k, v in self.terms)
         mark = "  (conventional)" if self.conventional else ""
         return (f"{self.kind} {tiles} | grid {','.join(self.grid) or '-'} | loops {','.join(self.loops) or '-'}"
@@ -397,35 +408,44 @@ def _extent(spec: KernelSpec, var: str) -> int:
     return spec.size(var) or LARGE
 
 
-def _tile_widths(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype) -> dict[str, int]:
+def _tile_widths(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, stacked=()) -> dict[str, int]:
     """The lanes each tile axis computes (see the cost model)."""
+    extents = {a: _extent(spec, v) for a, v in tiles.items()}
+    for v in stacked:
+        extents["M"] *= _extent(spec, v)
     widths = {}
     if kind == "dot":
-        for axis, var in tiles.items():
+        for axis in tiles:
             floor = 64 if axis == "M" and dot_dtype in HALF_NAMES else 16
-            widths[axis] = max(floor, min(_extent(spec, var), _DOT_TILE[axis]))
+            widths[axis] = max(floor, min(extents[axis], _DOT_TILE[axis]))
         return widths
     if "N" in tiles:
-        widths["N"] = min(_extent(spec, tiles["N"]), 128)
+        widths["N"] = min(extents["N"], 128)
     if "K" in tiles:
-        widths["K"] = min(_extent(spec, tiles["K"]), 8)
+        widths["K"] = min(extents["K"], 8)
     if "M" in tiles:
-        widths["M"] = max(1, min(_extent(spec, tiles["M"]), _REDUCE_LANES // (widths.get("N", 1) * widths.get("K", 1))))
+        widths["M"] = max(1, min(extents["M"], _REDUCE_LANES // (widths.get("N", 1) * widths.get("K", 1))))
     return widths
 
 
-def _cost(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, output: OutputMode):
-    """(cost, terms) of one tiling under the cost model above."""
+def _cost(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, output: OutputMode, stacked=()):
+    """(cost, terms) of one tiling under the cost model above; `stacked` variables share M."""
     stmt = spec.stmt
     roles = dict(spec.roles)
-    widths = _tile_widths(spec, kind, tiles, dot_dtype)
-    axis_of = {v: a for a, v in tiles.items()}
+    widths = _tile_widths(spec, kind, tiles, dot_dtype, stacked)
+    axis_of = {v: a for a, v in tiles.items()} | {v: "M" for v in stacked}
+    extent_on = {a: _extent(spec, v) for a, v in tiles.items()}
+    for v in stacked:
+        extent_on["M"] *= _extent(spec, v)
     outside = [v for v in stmt.variables() if roles[v] != "reduced"]
     reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
     programs = 1
+    for axis in ("M", "N"):
+        if axis in tiles:
+            programs *= -(-extent_on[axis] // widths[axis])
     for v in outside:
-        e = _extent(spec, v)
-        programs *= -(-e // widths[axis_of[v]]) if v in axis_of else e
+        if v not in axis_of:
+            programs *= _extent(spec, v)
     steps = 1
     for v in reduced:
         e = _extent(spec, v)
@@ -479,7 +499,30 @@ def rank(spec: KernelSpec) -> list[Candidate]:
         for position, (n, m, k) in enumerate(tilings):
             tiles = {a: v for a, v in (("M", m), ("K", k), ("N", n)) if v is not None}
             out.append(_candidate(spec, "reduce", tiles, (), (), None, owned, position == conventional))
+    out += [s for c in out for s in _stacked_variants(spec, c, dot_dtype, owned)]
     return sorted(out, key=lambda c: c.cost)
+
+
+def _stacked_variants(spec: KernelSpec, base: Candidate, dot_dtype, owned: bool) -> list[Candidate]:
+    """The base tiling with one grid variable flattened onto M outside M's variable, when
+    M's extent is short (below NARROW): M = (b, q) fills a tall tile where q alone cannot.
+    A dot's M variables must stay out of the right operand; segment-reduced and folded
+    plans are not stacked (their lanes assume one variable on the axis)."""
+    tiles = dict(base.tiles)
+    m = tiles.get("M")
+    if m is None or base.output == "segment" or (spec.size(m) or LARGE) >= NARROW:
+        return []
+    right_vars = {v for i in base.right for v in spec.stmt.factors[i].variables()}
+    variants = []
+    for g in base.grid:
+        if g in right_vars:
+            continue
+        cost, terms = _cost(spec, base.kind, tiles, dot_dtype, base.output, (g,))
+        variants.append(dataclasses.replace(
+            base, grid=tuple(v for v in base.grid if v != g), stacked=(g,), cost=cost, terms=terms,
+            conventional=False,
+        ))
+    return variants
 
 
 def _candidate(spec, kind, tiles, left, right, dot_dtype, owned, conventional) -> Candidate:
@@ -558,7 +601,7 @@ def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Pla
     loops = chosen.loops
     if chosen.kind == "dot":
         folded = (loops[-1],) if loops and fold_k else ()
-        boxes = _box_factors(spec, tiles, chosen.left + chosen.right, folded)
+        boxes = () if chosen.stacked else _box_factors(spec, tiles, chosen.left + chosen.right, folded)
         persistent = len(boxes) == len(chosen.left) + len(chosen.right) and not loops
     else:
         dot_dtype, boxes, folded, persistent = None, (), (), False
@@ -578,7 +621,8 @@ def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Pla
         boxes=boxes,
         folded=folded,
         persistent=persistent,
-        lengths=_applied_lengths(spec, tiles, chosen.grid, loops),
+        lengths=() if chosen.stacked else _applied_lengths(spec, tiles, chosen.grid, loops),
+        stacked=chosen.stacked,
     )
 
 
