@@ -21,6 +21,7 @@ from .execute import (
     Precision,
     check_names,
     check_options,
+    length_facts,
     prepare,
     prepare_batch,
     prepared,
@@ -43,6 +44,8 @@ def insum(
     autotune: bool | None = None,
     check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: Mapping[str, torch.Tensor] | None = None,
     **tensors: torch.Tensor,
 ) -> torch.Tensor:
     """Evaluate one indirect Einsum and return its output.
@@ -63,6 +66,19 @@ def insum(
     (`C[AM[p], n]` with AM sorted) then sums adjacent contributions to one row in
     registers and writes once per row and tile. Unchecked: a wrong claim gives wrong
     sums. Used by the direct call; under autograd or torch.compile it is ignored.
+    unique_indices: names of index tensors whose values the caller guarantees distinct
+    (no value twice), such as the row index of a format with one group per row. A scatter
+    whose output coordinates then determine every output-side variable (`C[RI[r], n]`
+    with RI unique) has one writer per element: plain stores replace the atomics (and
+    their float32 scratch buffer for half outputs). Unchecked: a duplicate value makes two
+    programs race on one row and loses a contribution. Ignored as sorted_indices is.
+    lengths: declared lengths of reduced variables, `{"q[p]": AL}`: for each p, entries
+    with q >= AL[p] are padding that contributes zero (value 0 at a valid index, as the
+    formats pad), so the generated kernel stops its loop over q there (the longest row of
+    a tile when p is tiled) and masks their loads (a K tile loaded through a tensor
+    descriptor is still read whole: padding must be zero). Unchecked beyond shapes; a length
+    above q's extent is clamped. A hint: ignored where it does not apply, under autograd
+    and torch.compile, and by the torch backend, which all give the same result.
 
     >>> import torch
     >>> AV = torch.ones(2, 3); AK = torch.tensor([[0, 1, 2], [2, 2, 0]]); B = torch.eye(3)
@@ -73,10 +89,11 @@ def insum(
     if torch.compiler.is_compiling():  # torch.compile traces the registered operators
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
-    key = (backend, precision, autotune, check_indices, sorted_indices)
-    repeat = prepared(expr, key, tensors)  # a call like an earlier one: straight to its launch
-    if repeat is not None:
-        return repeat(tensors)
+    key = (backend, precision, autotune, check_indices, sorted_indices, unique_indices)
+    if not lengths:
+        repeat = prepared(expr, key, tensors)  # a call like an earlier one: straight to its launch
+        if repeat is not None:
+            return repeat(tensors)
     check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     stmt = parse(expr)
@@ -85,44 +102,51 @@ def insum(
         return call(expr, tensors, stmt=stmt, **options)
     bound = bind(stmt, tensors)
     facts = sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
-    out = run(bound, bound.output(), sorted_indices=facts, **options)
-    prepare(expr, key, bound, sorted_indices=facts, **options)
+    unique = sorted_facts(bound, unique_indices, "unique_indices") if unique_indices else frozenset()
+    declared = ()
+    if lengths:
+        bound, declared = length_facts(bound, lengths)
+    out = run(bound, bound.output(), sorted_indices=facts, unique_indices=unique, lengths=declared, **options)
+    if not lengths:  # (a call with declared lengths is not kept: its dict of tensors is no key)
+        prepare(expr, key, bound, sorted_indices=facts, unique_indices=unique, **options)
     return out
 
 
 def insum_many(
-    calls: Sequence[tuple[str, Mapping[str, torch.Tensor]]],
+    calls: Sequence[tuple],
     /,
     *,
     backend: Backend = "auto",
     precision: Precision = "tf32",
     autotune: bool | None = None,
     check_indices: bool | None = None,
-    sorted_indices: frozenset[str] = frozenset(),
+    disjoint: bool = False,
 ) -> list[torch.Tensor]:
-    """Run several statements in order, each as `insum(expr, **options, **tensors)` would, and
-    return their outputs.
+    """Run several statements in order, each as `insum(expr, **facts, **options, **tensors)`
+    would, and return their outputs. A call is `(expr, tensors)` or `(expr, tensors, facts)`,
+    facts a dict of `sorted_indices` / `unique_indices` for that statement.
 
     A repeated call runs them as ONE kernel launch where that gives the same sums: every
-    statement ran the generated kernel, adds into its given output atomically (a `+=`
-    scatter, as a format's buckets into one C), checks no indices on the device, and no
-    statement reads memory another one writes. The first call runs them one by one (each
-    finds its tile sizes); so do calls under torch.compile or with gradients.
+    statement ran the generated kernel, adds into its given output (`+=`) atomically, or
+    with plain stores when `disjoint` (the caller guarantees that no two statements write
+    one output element, as a format whose buckets hold disjoint rows), checks no indices on
+    the device, and no statement reads memory another one writes. The first call runs them
+    one by one (each finds its tile sizes); so do calls under torch.compile or with gradients.
 
     >>> C = torch.zeros(4, 2)  # doctest: +SKIP
     >>> insum_many([("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I1, A=A1, B=B1)),
     ...             ("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I2, A=A2, B=B2))])  # doctest: +SKIP
     """
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
-    if torch.compiler.is_compiling():
-        return [insum(expr, sorted_indices=sorted_indices, **options, **tensors) for expr, tensors in calls]
-    key = (backend, precision, autotune, check_indices, sorted_indices)
-    batch = prepared_batch(calls, key)
-    if batch is not None:
-        return batch(calls)
-    outs = [insum(expr, sorted_indices=sorted_indices, **options, **tensors) for expr, tensors in calls]
-    if not (torch.is_grad_enabled() and any(_any_requires_grad(t) for _, t in calls)):
-        prepare_batch(calls, key)
+    if not torch.compiler.is_compiling():
+        batch = prepared_batch(calls, (backend, precision, autotune, check_indices, disjoint))
+        if batch is not None:
+            return batch(calls)
+    outs = [insum(call[0], **(call[2] if len(call) > 2 else {}), **options, **call[1]) for call in calls]
+    if not torch.compiler.is_compiling() and not (
+        torch.is_grad_enabled() and any(_any_requires_grad(call[1]) for call in calls)
+    ):
+        prepare_batch(calls, (backend, precision, autotune, check_indices, disjoint))
     return outs
 
 
@@ -151,12 +175,23 @@ def compile(expr: str, /, *, precision: Precision = "tf32", autotune: bool | Non
 
 
 def explain(
-    expr: str, /, *, precision: Precision = "tf32", sorted_indices: frozenset[str] = frozenset(), **tensors: torch.Tensor
+    expr: str,
+    /,
+    *,
+    precision: Precision = "tf32",
+    sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: Mapping[str, torch.Tensor] | None = None,
+    **tensors: torch.Tensor,
 ) -> str:
-    """Describe how a statement is understood and compiled: IR, extents, roles, plan, source
-    (sorted_indices as for `insum()`)."""
+    """Describe how a statement is understood and compiled: IR, extents, roles, ranked
+    candidate plans, plan, source (sorted_indices, unique_indices and lengths as for
+    `insum()`)."""
     check_options(precision=precision)
     bound = bind(parse(expr), tensors)
+    declared = ()
+    if lengths:
+        bound, declared = length_facts(bound, lengths)
     lines = [f"statement: {bound.stmt}", f"ir: {bound.stmt!r}", "variables:"]
     for var in bound.stmt.variables():
         lines.append(f"  {var}: extent {bound.extents[var]}, {bound.roles[var]}")
@@ -166,10 +201,20 @@ def explain(
     from .runtime import kernel_for
 
     try:
-        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_facts(bound, sorted_indices))
+        kernel = kernel_for(
+            bound,
+            precision=precision,
+            sorted_indices=sorted_facts(bound, sorted_indices),
+            unique_indices=sorted_facts(bound, unique_indices, "unique_indices"),
+            lengths=declared,
+        )
     except UnsupportedStatement as e:
         lines.append(f"generated kernel: none ({e})")
     else:
+        from .codegen.schedule import rank
+
+        lines.append("candidates (cost model, cheapest first; see insum.codegen.schedule):")
+        lines.extend(f"  {candidate}" for candidate in rank(kernel.spec))
         lines.append("plan:")
         lines.extend("  " + line for line in str(kernel.plan).splitlines())
         lines.append("source:")

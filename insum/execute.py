@@ -18,7 +18,9 @@ the environment switches, aliasing of output and input, descriptor alignment).
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -26,7 +28,8 @@ import torch
 from .bind import Bound, check_aliasing
 from .bounds import check_indices as _check_indices
 from .cache import BoundedCache, memoize
-from .errors import InsumError, InsumTypeError, UnsupportedStatement
+from .dtypes import INDEX_DTYPES
+from .errors import InsumError, InsumShapeError, InsumTypeError, UnsupportedStatement
 from .ir import Statement
 from .reference import run_reference
 from .settings import flag, snapshot
@@ -42,6 +45,8 @@ __all__ = [
     "check_options",
     "check_names",
     "sorted_facts",
+    "length_facts",
+    "Lengths",
     "Backend",
     "Precision",
     "BACKENDS",
@@ -56,7 +61,7 @@ Backend = Literal["auto", "torch", "triton"]
 Precision = Literal["tf32", "ieee"]
 BACKENDS: tuple[Backend, ...] = ("auto", "torch", "triton")
 PRECISIONS: tuple[Precision, ...] = ("tf32", "ieee")
-OPTIONS = ("backend", "precision", "autotune", "check_indices", "sorted_indices")  # keywords that are not tensors
+OPTIONS = ("backend", "precision", "autotune", "check_indices", "sorted_indices", "unique_indices", "lengths")  # keywords that are not tensors
 
 _WARNED_FALLBACK: BoundedCache[str, None] = BoundedCache()  # statements that already warned
 
@@ -96,16 +101,57 @@ def _option_names_in(stmt: Statement) -> tuple[str, ...]:
     return tuple(sorted({access.name for access, _ in stmt.walk()} & set(OPTIONS)))
 
 
-def sorted_facts(bound: Bound, names) -> frozenset[str]:
-    """The declared sorted index tensors, each checked to be one the statement indexes with."""
+def sorted_facts(bound: Bound, names, option: str = "sorted_indices") -> frozenset[str]:
+    """The index tensors declared under `option` (sorted_indices or unique_indices), each
+    checked to be one the statement indexes with."""
     facts = frozenset(names) if not isinstance(names, str) else frozenset((names,))
     for name in facts:
         if name not in bound.index_names:
             raise InsumError(
-                f"sorted_indices names {name!r}, which is not an index tensor of '{bound.stmt}' "
+                f"{option} names {name!r}, which is not an index tensor of '{bound.stmt}' "
                 f"(index tensors: {', '.join(bound.index_names) or 'none'})"
             )
     return facts
+
+
+#: Declared lengths as a kernel sees them: (variable, tensor name, index variables).
+Lengths = tuple[tuple[str, str, tuple[str, ...]], ...]
+_LENGTH_KEY = re.compile(r"^\s*([A-Za-z_]\w*)\s*\[\s*([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*\]\s*$")
+
+
+def length_facts(bound: Bound, lengths: Mapping[str, torch.Tensor]) -> tuple[Bound, Lengths]:
+    """Check declared lengths (`{"q[p]": AL}`: q stops at AL[p]) against the statement and
+    add their tensors to the binding under names no statement tensor uses (`LEN_q`)."""
+    taken = {access.name for access, _ in bound.stmt.walk()}
+    extra, facts, signature = {}, [], []
+    for key, tensor in lengths.items():
+        match = _LENGTH_KEY.match(key) if isinstance(key, str) else None
+        if match is None:
+            raise InsumError(f"lengths key {key!r} is not of the form 'q[p]' (q's length for each p)")
+        var, index = match.group(1), tuple(v.strip() for v in match.group(2).split(","))
+        if bound.roles.get(var) != "reduced":
+            raise InsumError(f"lengths names {var!r}, which is not a reduced variable of '{bound.stmt}'")
+        for v in index:
+            if v == var or bound.roles.get(v) not in ("output", "scattered"):
+                raise InsumError(
+                    f"the length of {var!r} may depend on output-side variables of '{bound.stmt}' only, not {v!r}"
+                )
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in INDEX_DTYPES:
+            raise InsumTypeError(f"lengths[{key!r}] must be an int32 or int64 tensor")
+        expected = tuple(bound.extents[v] for v in index)
+        if tuple(tensor.shape) != expected or tensor.device != bound.device:
+            raise InsumShapeError(
+                f"lengths[{key!r}] has shape {tuple(tensor.shape)} on {tensor.device}; expected {expected} "
+                f"(the extents of {', '.join(index)}) on {bound.device}"
+            )
+        name = f"LEN_{var}"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        extra[name] = tensor
+        facts.append((var, name, index))
+        signature.append(("lengths", name, index, tensor.dtype, tuple(tensor.stride())))
+    return bound.with_tensors({**bound.tensors, **extra}, tuple(signature)), tuple(facts)
 
 
 def _checking(check_indices: bool | None) -> bool:
@@ -123,12 +169,15 @@ def run(
     autotune: bool | None = None,
     check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: Lengths = (),
 ) -> torch.Tensor:
     """Run a bound statement into `out` and return `out` (no dispatcher, no autograd).
 
     With backend "triton" a statement the generated kernel cannot run raises
     `UnsupportedStatement`; with "auto" it falls back to the torch lowering, warning once
-    per statement. autotune, check_indices and sorted_indices (checked): as for `insum()`.
+    per statement. autotune, check_indices, sorted_indices, unique_indices and lengths (checked, the
+    tensors of `lengths` already in `bound`: `length_facts`): as for `insum()`.
     """
     if bound.device.type == "meta":
         raise InsumTypeError(
@@ -140,7 +189,9 @@ def run(
     from .runtime import kernel_for  # the runtime loads the code generator: on first use
 
     try:
-        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
+        kernel = kernel_for(
+            bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths
+        )
     except UnsupportedStatement as e:
         if backend == "triton":
             raise
@@ -239,6 +290,7 @@ def prepare(
     autotune: bool | None = None,
     check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
 ) -> None:
     """Keep what the call that just ran on `bound` decided, for `prepared` to find (only for
     plain tensors, and only after the call succeeded: its checks have passed)."""
@@ -250,7 +302,7 @@ def prepare(
         from .runtime import descriptors_supported, kernel_for
 
         try:
-            kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices)
+            kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices)
         except UnsupportedStatement:
             pass  # it fell back to the torch lowering (backend "auto"), as it will again
         else:
@@ -283,12 +335,16 @@ class PreparedBatch:
         self.requires_grad = requires_grad
 
     def __call__(self, calls) -> list[torch.Tensor]:
-        outs = [tensors[name] for (_, tensors), name in zip(calls, self.out_names)]
-        self.launch.run([(tensors, out) for (_, tensors), out in zip(calls, outs)])
+        outs = [call[1][name] for call, name in zip(calls, self.out_names)]
+        self.launch.run([(call[1], out) for call, out in zip(calls, outs)])
         return outs
 
 
 _BATCHED: BoundedCache[tuple, PreparedBatch] = BoundedCache()
+
+
+def _facts_key(facts) -> tuple:
+    return tuple(sorted(facts.items()))
 
 
 def _batch_key(calls, options: tuple) -> tuple[tuple, list] | None:
@@ -296,9 +352,11 @@ def _batch_key(calls, options: tuple) -> tuple[tuple, list] | None:
     seen: dict[int, int] = {}
     distinct: list = []
     structure: list = []
-    for expr, tensors in calls:
-        structure.append(expr)
-        for name, t in tensors.items():
+    for call in calls:
+        structure.append(call[0])
+        if len(call) > 2:
+            structure.append(_facts_key(call[2]))
+        for name, t in call[1].items():
             position = seen.get(id(t))
             if position is None:
                 if type(t) not in _PLAIN:
@@ -349,15 +407,19 @@ def prepare_batch(calls, options: tuple) -> None:
         return
     key, distinct = found
     parts, outputs, out_names = [], set(), []
-    for expr, tensors in calls:
-        call = _PREPARED.get((expr, options, call_signature(tensors)))
+    backend, precision, autotune, check_indices, disjoint = options
+    for expr, tensors, *facts in calls:
+        facts = facts[0] if facts else {}
+        one = (backend, precision, autotune, check_indices, facts.get("sorted_indices", frozenset()),
+               facts.get("unique_indices", frozenset()))
+        call = _PREPARED.get((expr, one, call_signature(tensors)))
         if call is None or call.launcher is None or call.device_check or call.out_name not in tensors:
             return
         parts.append(call.launcher)
         out_names.append(call.out_name)
         outputs.add(next(i for i, t in enumerate(distinct) if t is tensors[call.out_name]))
     try:
-        launch = batch_launch(parts)
+        launch = batch_launch(parts, disjoint)
     except UnsupportedStatement:
         return
     requires_grad = any(t.requires_grad for t in distinct)

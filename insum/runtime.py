@@ -41,7 +41,7 @@ from .codegen import (
     prune_configs,
     schedule,
 )
-from .codegen.schedule import NARROW, box_layout
+from .codegen.schedule import NARROW, SIZE_CAP, box_layout
 from .direct import LAUNCH_OPTIONS, DirectLaunch
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
@@ -111,11 +111,15 @@ def spec_for(
     precision: str = "tf32",
     descriptors: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: tuple = (),
 ) -> KernelSpec:
     """The parts of a bound statement that a kernel depends on (and the caller's facts).
 
     descriptors: allow tensor-descriptor loads (default: `descriptors_supported` on the
-    tensors' device). sorted_indices: index tensors the caller guarantees sorted."""
+    tensors' device). sorted_indices / unique_indices: index tensors the caller guarantees
+    sorted / free of duplicate values. lengths: declared lengths (`insum.execute.length_facts`),
+    their tensors in `bound`."""
     dtypes = {name: DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
     dtypes[bound.output_name] = DTYPE_NAMES[bound.out_dtype]
     wide = {
@@ -135,6 +139,9 @@ def spec_for(
         narrow=frozenset(narrow),
         boxes=box_tensors(bound, descriptors_supported(bound.device) if descriptors is None else descriptors),
         sorted_indices=frozenset(sorted_indices),
+        unique_indices=frozenset(unique_indices),
+        sizes=tuple((v, min(next_power_of_2(int(e)), SIZE_CAP)) for v, e in bound.extents.items()),
+        lengths=tuple(lengths),
     )
 
 
@@ -180,7 +187,9 @@ class Kernel:
         """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents."""
         bound = bind(self.spec.stmt, tensors)
         _check_device(bound)
-        spec = spec_for(bound, self.spec.precision, sorted_indices=self.spec.sorted_indices)
+        spec = spec_for(
+            bound, self.spec.precision, sorted_indices=self.spec.sorted_indices, unique_indices=self.spec.unique_indices
+        )
         if spec.dtypes != self.spec.dtypes:
             compiled, given = dict(self.spec.dtypes), dict(spec.dtypes)
             wrong = [f"{n} is {given[n]}, compiled for {compiled[n]}" for n in compiled if given[n] != compiled[n]]
@@ -225,7 +234,9 @@ class Kernel:
 
     def _first_run(self, launcher: _Launcher, args: list, device: torch.device, autotune: bool | None) -> None:
         """Find the configuration for a new signature (tuning if needed) and run once."""
-        bucket = tuple(next_power_of_2(launcher.extents[v]) for _, v in self.plan.tiles)
+        bucket = tuple(
+            next_power_of_2(math.prod(launcher.extents[v] for v in self.plan.axis_vars(a))) for a, _ in self.plan.tiles
+        )
         config = self.tuned.get(bucket)
         if config is None:
             config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device, autotune)
@@ -336,16 +347,15 @@ class _Launcher:
             else:
                 self.template.append(bound.tensors[arg[1]].stride(arg[2]))
         self.out_name = out_name
-        launched_vars = [v for a, v in plan.tiles if a != "K"] + list(plan.grid)
+        launched_vars = [v for a, _ in plan.tiles if a != "K" for v in plan.axis_vars(a)] + list(plan.grid)
         self.launched = all(self.extents[v] > 0 for v in launched_vars)
-        tiles = [(v, f"BLOCK_{a}") for a, v in plan.tiles if a != "K"]
+        tiles = [(math.prod(self.extents[v] for v in plan.axis_vars(a)), f"BLOCK_{a}") for a, _ in plan.tiles if a != "K"]
         fixed = math.prod(self.extents[v] for v in plan.grid)
-        extents = self.extents
 
         slots = _program_slots(bound.device) if plan.persistent else None
 
         def grid_fn(meta):
-            programs = fixed * math.prod(cdiv(extents[v], meta[b]) for v, b in tiles)
+            programs = fixed * math.prod(cdiv(extent, meta[b]) for extent, b in tiles)
             return (min(programs, slots) if slots else programs,)
 
         self.grid_fn = grid_fn
@@ -358,7 +368,11 @@ class _Launcher:
         # scatter starts from zeros.
         scatters = plan.output in ("atomic", "segment")
         self.half_scratch = scatters and bound.out_dtype in HALF_DTYPES and not _half_atomics(bound.out_dtype, bound.device)
-        self.zero_fill = scatters and not self.half_scratch and not plan.stmt.accumulate
+        # An owned scatter (a plain store through an indirect index) writes only the elements
+        # it reaches: overwriting, it starts from zeros too.
+        self.zero_fill = not plan.stmt.accumulate and (
+            (scatters and not self.half_scratch) or (not scatters and not plan.covers_output)
+        )
         self.accumulate = plan.stmt.accumulate
         self.descriptors = bool(plan.boxes)
 
@@ -411,12 +425,12 @@ class BatchLaunch:
     fill, no copy back): run concurrently, they sum as the separate launches would.
     """
 
-    def __init__(self, parts: list[_Launcher]):
+    def __init__(self, parts: list[_Launcher], disjoint: bool = False):
         for part in parts:
             if part.config is None or part.half_scratch or part.zero_fill or not part.accumulate:
-                raise UnsupportedStatement("a batch takes prepared `+=` scatters only")
-            if part.kernel.plan.output not in ("atomic", "segment"):
-                raise UnsupportedStatement("a batch takes scatters whose outputs add atomically only")
+                raise UnsupportedStatement("a batch takes prepared `+=` statements only")
+            if part.kernel.plan.output not in ("atomic", "segment") and not disjoint:
+                raise UnsupportedStatement("a batch takes statements whose outputs add atomically, or write disjoint elements")
         batch = emit_batch([part.kernel.emitted for part in parts])
         self.source = batch.text
         self.path = cache_dir() / "kernels" / f"insum_batch_{batch.digest}.py"
@@ -459,12 +473,14 @@ class BatchLaunch:
 _BATCHES: BoundedCache[tuple, BatchLaunch] = BoundedCache()  # (id of each part's launch, ...) -> batch
 
 
-def batch_launch(parts: list[_Launcher]) -> BatchLaunch:
-    """The batch launch of prepared parts (made once per tuple of parts)."""
-    key = tuple(id(part) for part in parts)
+def batch_launch(parts: list[_Launcher], disjoint: bool = False) -> BatchLaunch:
+    """The batch launch of prepared parts (made once per tuple of parts). disjoint: the
+    caller guarantees that no two parts write one output element (then parts may store
+    without atomics)."""
+    key = (disjoint, *(id(part) for part in parts))
     batch = _BATCHES.get(key)
     if batch is None or batch.parts != parts:
-        batch = _BATCHES[key] = BatchLaunch(parts)
+        batch = _BATCHES[key] = BatchLaunch(parts, disjoint)
     return batch
 
 
@@ -564,20 +580,28 @@ def _triton_imported_interpreting() -> bool:
     return type(tl.cdiv).__name__ == "InterpretedFunction"
 
 
-def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset()) -> Kernel:
+def kernel_for(
+    bound: Bound,
+    precision: str = "tf32",
+    sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: tuple = (),
+) -> Kernel:
     """The cached kernel for a bound statement, compiled on first use.
 
-    sorted_indices: index tensors the caller guarantees sorted (see `insum()`).
+    sorted_indices / unique_indices: index tensors the caller guarantees sorted / free of
+    duplicate values (see `insum()`); lengths: see `insum.execute.length_facts`.
     """
     _check_device(bound)
+    facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices, "lengths": lengths}
     if bound.signature is None:
-        return cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
-    key = (bound.stmt, bound.signature, precision, sorted_indices)
+        return cached_kernel(spec_for(bound, precision, **facts))
+    key = (bound.stmt, bound.signature, precision, sorted_indices, unique_indices, lengths)
     if descriptors_supported(bound.device):  # descriptors need 16-byte aligned starts
         key += tuple(bound.tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
     kernel = _BY_SIGNATURE.get(key)
     if kernel is None:
-        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
+        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision, **facts))
     return kernel
 
 

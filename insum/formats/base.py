@@ -103,6 +103,9 @@ class SparseFormat:
     #: Index tensors the packer keeps sorted (equal values adjacent): passed to `insum()`
     #: as `sorted_indices`, so a scatter through them is reduced per segment in registers.
     sorted_indices: ClassVar[frozenset[str]] = frozenset()
+    #: Index tensors the packer keeps free of duplicate values (one group per output row):
+    #: passed as `unique_indices`, so a scatter through them stores without atomics.
+    unique_indices: ClassVar[frozenset[str]] = frozenset()
     #: Why `formats.auto` chose this format and these parameters (None: not chosen by it).
     chosen_because: str | None = None
 
@@ -328,6 +331,10 @@ class SparseFormat:
     # `output_shape(N)` and read back as `result(C)`. The defaults are the (M, N) output
     # and the (K, N) operand; blocked and padded formats override the views.
 
+    #: Whether no two of the statements write one output element (each row in one bucket),
+    #: so that they may run concurrently in one launch even where each stores without atomics.
+    disjoint_statements: ClassVar[bool] = False
+
     #: The statements add into one output (several buckets): zero-filled, `+=`. Otherwise
     #: the one statement runs with `=` into an uninitialised output.
     accumulates: ClassVar[bool] = False
@@ -406,6 +413,11 @@ class SparseFormat:
         return scalar_gradient(self.AV.to(dC.dtype), pattern, dC, self.shape[1], backend, precision)
 
 
+    def unique_in(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """The index tensors among one statement's `tensors` that hold no value twice."""
+        return frozenset(name for name in self.unique_indices if name in tensors)
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLANS_PER_FORMAT = 16  # B signatures remembered per format object
 
@@ -418,7 +430,7 @@ class _SpmmPlan:
     place, as a layer's weights are).
     """
 
-    __slots__ = ("vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "facts", "options", "M", "N")
+    __slots__ = ("vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "disjoint", "options", "M", "N")
 
     def __init__(self, fmt: SparseFormat, B: torch.Tensor, vector: bool, backend: str, precision: str):
         self.vector = vector
@@ -438,11 +450,12 @@ class _SpmmPlan:
             cast = tuple(k for k, v in tensors.items() if v.is_floating_point() and v.dtype != dtype)
             statement = expression if fmt.accumulates else overwrite(expression)
             # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
-            facts = frozenset(name for name in fmt.sorted_indices if name in tensors)  # traceable by dynamo
+            facts = {
+                "sorted_indices": frozenset(name for name in fmt.sorted_indices if name in tensors),  # traceable by dynamo
+                "unique_indices": fmt.unique_in(tensors),
+            }
             self.statements.append((statement, dict(tensors), cast, facts))
-        # insum_many takes one set of facts for all statements: those every statement has.
-        facts = [f for *_, f in self.statements]
-        self.facts = frozenset.intersection(*facts) if facts else frozenset()
+        self.disjoint = fmt.disjoint_statements
 
     def __call__(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
         if self.vector:
@@ -456,14 +469,15 @@ class _SpmmPlan:
             C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
             operand = fmt.operand(B)
             calls = []
-            for statement, tensors, cast, _ in self.statements:
+            for statement, tensors, cast, facts in self.statements:
                 if cast:
                     tensors = {k: (v.to(dtype) if k in cast else v) for k, v in tensors.items()}
-                calls.append((statement, {"C": C, "B": operand, **tensors}))
+                calls.append((statement, {"C": C, "B": operand, **tensors}, facts))
             if len(calls) == 1:
-                insum(calls[0][0], check_indices=False, sorted_indices=self.statements[0][3], **self.options, **calls[0][1])
+                statement, tensors, facts = calls[0]
+                insum(statement, check_indices=False, **facts, **self.options, **tensors)
             else:  # several statements into one C (buckets): one launch once they have run
-                insum_many(calls, check_indices=False, sorted_indices=self.facts, **self.options)
+                insum_many(calls, check_indices=False, disjoint=self.disjoint, **self.options)
             C = fmt.result(C)  # any strides
             if C.dtype != dtype:
                 C = C.to(dtype)
