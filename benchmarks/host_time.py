@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
 import os
 import statistics
 import time
@@ -169,26 +171,29 @@ def stubbed_launches() -> Iterator[None]:
     """Replace the final launch of every cached kernel (and batch of kernels) by a no-op, on
     both paths: the JIT function, and the compiled kernel the direct launch calls (switched on here although
     the interpreter never takes it, so that its own host work is measured). Restored on exit."""
-    from insum import direct
-
-    saved = [(kernel, kernel.fn) for kernel in _kernels()] + [(batch, batch.fn) for batch in runtime._BATCHES.values()]
-    launches = [launcher for kernel, _ in saved for launcher in getattr(kernel, "_launchers", {}).values() if launcher.config]
-    launches += list(runtime._BATCHES.values())
-    runtime_of = direct._triton_runtime
-    direct._triton_runtime = lambda: (_NoDriver, _NoHooks)
+    # (Written to run on older trees too, without batches or direct launches, for an A/B.)
+    direct = importlib.import_module("insum.direct") if importlib.util.find_spec("insum.direct") else None
+    batches = list(getattr(runtime, "_BATCHES", {}).values())
+    saved = [(kernel, kernel.fn) for kernel in _kernels()] + [(batch, batch.fn) for batch in batches]
+    launches = [launcher for kernel, _ in saved for launcher in getattr(kernel, "_launchers", {}).values()]
+    launches = [launch for launch in launches + batches if getattr(getattr(launch, "direct", None), "fits", False)]
+    runtime_of = direct._triton_runtime if direct else None
+    if direct:
+        direct._triton_runtime = lambda: (_NoDriver, _NoHooks)
     for kernel, _ in saved:
         kernel.fn = _NoLaunch()
-    for launcher in launches:
-        launcher.direct.enabled = True
+    for launch in launches:
+        launch.direct.enabled = True
     try:
         yield
     finally:
-        direct._triton_runtime = runtime_of
+        if direct:
+            direct._triton_runtime = runtime_of
         for kernel, fn in saved:
             kernel.fn = fn
-        for launcher in launches:
-            launcher.direct.enabled = False
-            launcher.direct.compiled.clear()
+        for launch in launches:
+            launch.direct.enabled = False
+            launch.direct.compiled.clear()
 
 
 def measure(

@@ -4,7 +4,8 @@ Every cache in insum is a `BoundedCache`: at most `LIMIT` entries, and a new key
 that evicts the oldest one (insertion order), so a workload whose shapes keep changing
 costs recompilation, never unbounded memory. Lookups are plain dict lookups (the launch
 path reads several caches per call). No cache holds a tensor: keys and values are
-statements, signatures (dtypes, shapes, strides, devices), plans, kernels and ints.
+statements, signatures (dtypes, shapes, strides, devices), plans, kernels and ints
+(except a format's own plans, which hold that format's tensors and live on it).
 
 What is cached, and where:
   parser.parse                text -> Statement
@@ -16,6 +17,11 @@ What is cached, and where:
   runtime.Kernel              per kernel: launches per signature, tile configs per extents
                               bucket (also on disk), sibling kernels per re-planned spec
   execute.run                 statements that already warned about the fallback
+  execute.prepared            (text, options, call signature) -> a prepared call (no tensors)
+  execute.prepared_batch      (texts, options, tensor structure, signatures) -> a batch launch
+  runtime.batch_launch        the prepared launches of a batch -> its loaded batch kernel
+  formats.SparseFormat.spmm   per format object: B signature -> its SpMM plan (the format's
+                              own tensors only)
 
 Values computed once per process or per device (the triton import mode, the range-check
 kernel, a GPU's compute capability) use `functools.cache`: they are constants, not caches
