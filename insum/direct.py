@@ -31,11 +31,18 @@ __all__ = ["DirectLaunch", "LAUNCH_OPTIONS"]
 LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
 
 
-def _triton_runtime():
-    """(driver.active, knobs.runtime): what the JIT reads the device, stream and hooks from."""
-    import triton
+_TRITON: list = []  # [triton.runtime.driver, triton.knobs.runtime], imported on first use
 
-    return triton.runtime.driver.active, triton.knobs.runtime
+
+def _triton_runtime():
+    """(driver.active, knobs.runtime): what the JIT reads the device, stream and hooks from
+    (the active driver read on every call, as the JIT reads it)."""
+    if not _TRITON:
+        import triton
+
+        _TRITON.extend((triton.runtime.driver, triton.knobs.runtime))
+    driver, knobs = _TRITON
+    return driver.active, knobs
 
 
 class DirectLaunch:
