@@ -343,29 +343,25 @@ class PreparedBatch:
 _BATCHED: BoundedCache[tuple, PreparedBatch] = BoundedCache()
 
 
-def _facts_key(facts) -> tuple:
-    return tuple(sorted(facts.items()))
-
-
 def _batch_key(calls, options: tuple) -> tuple[tuple, list] | None:
     """(key, distinct tensors) of several calls, None for anything but plain tensors."""
     seen: dict[int, int] = {}
     distinct: list = []
     structure: list = []
     for call in calls:
-        structure.append(call[0])
-        if len(call) > 2:
-            structure.append(_facts_key(call[2]))
-        for name, t in call[1].items():
+        tensors = call[1]
+        positions = []
+        for t in tensors.values():
             position = seen.get(id(t))
             if position is None:
                 if type(t) not in _PLAIN:
                     return None
                 position = seen[id(t)] = len(distinct)
                 distinct.append(t)
-            structure.append(name)
-            structure.append(position)
-    signature = tuple((t.dtype, t.shape, t.stride(), t.device, t.requires_grad) for t in distinct)
+            positions.append(position)
+        # (facts in the caller's order: another order is another key, never a wrong one)
+        structure.append((call[0], tuple(tensors), tuple(positions), tuple(call[2].items()) if len(call) > 2 else ()))
+    signature = tuple([(t.dtype, t.shape, t.stride(), t.device, t.requires_grad) for t in distinct])
     return (tuple(structure), options, signature), distinct
 
 
