@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from insum import formats
 from insum.distributed import partition_rows, spmm
 from insum.errors import InsumError, InsumShapeError, InsumTypeError
 from insum.formats import GroupCOO, power_law_matrix
+from insum.formats.opcount import count_ops
 from insum.nn import DistributedSparseLinear, SparseLinear
 
 WORLD = 2
@@ -39,6 +39,18 @@ def skewed(n: int, avg: float, seed: int, dtype=torch.float32) -> torch.Tensor:
 # --------------------------------------------------------------------------- one process
 
 
+def rebuilt_rows(p, n):
+    """A part's rows of A from its two passes: the halo pass's columns are B_local's
+    ext_rows, then the received rows."""
+    out = torch.zeros(len(p.rows), n, dtype=p.dtype)
+    out[:, p.rows.start : p.rows.stop] = p.local.to_dense()
+    halo = p.halo.to_dense()
+    k = p.ext_rows.numel()
+    out[:, p.rows.start + p.ext_rows] += halo[:, :k]
+    out[:, p.halo_rows] += halo[:, k:]
+    return out
+
+
 def test_parts_cover_the_rows_and_rebuild_A():
     A = skewed(53, 4.0, seed=3)
     dense = A.to_dense()
@@ -48,10 +60,7 @@ def test_parts_cover_the_rows_and_rebuild_A():
     assert sum(p.nnz for p in parts) == A._nnz()
     for p in parts:
         assert isinstance(p.rows, range)
-        rebuilt = torch.zeros(len(p.rows), 53)
-        rebuilt[:, p.rows.start : p.rows.stop] = p.local.to_dense()
-        rebuilt[:, p.halo_rows] += p.halo.to_dense()
-        torch.testing.assert_close(rebuilt, dense[p.rows.start : p.rows.stop], rtol=0, atol=0)
+        torch.testing.assert_close(rebuilt_rows(p, 53), dense[p.rows.start : p.rows.stop], rtol=0, atol=0)
         assert not any(p.rows.start <= r < p.rows.stop for r in p.halo_rows.tolist())
 
 
@@ -90,18 +99,33 @@ def test_more_ranks_than_rows_leaves_ranks_empty():
     assert any(len(p.rows) == 0 and p.nnz == 0 for p in parts)
 
 
-def test_the_default_format_is_auto_where_it_exists():
+def test_the_default_cuts_one_grouping_of_the_whole_rows():
+    A = skewed(300, 12.0, seed=4)
+    dense = A.to_dense()
+    for p in partition_rows(A, 2):
+        g = p.local.group_size
+        assert p.halo.group_size == g and g > 1  # the whole rows' group size, in both passes
+        counts = (dense[p.rows.start : p.rows.stop] != 0).sum(1)
+        # Exactly the groups (and slots) of one packing of these rows: no group is split.
+        assert p.local.groups + p.halo.groups == int(((counts + g - 1) // g).sum())
+        assert p.nnz == int(counts.sum())
+        # The halo pass reads a few local rows (its mixed groups'), at most one group a row.
+        assert 0 < p.ext_rows.numel() <= len(p.rows)
+        assert p.ext_rows.max() < len(p.rows) and torch.equal(p.ext_rows, p.ext_rows.unique())
+        mixed = (p.halo.AK < p.ext_rows.numel()).any(1)
+        assert torch.equal(p.halo.AM[mixed], p.halo.AM[mixed].unique())
+        torch.testing.assert_close(rebuilt_rows(p, 300), dense[p.rows.start : p.rows.stop], rtol=0, atol=0)
+        assert p.fan_in == int(((counts + g - 1) // g).max())
+    (fixed,) = partition_rows(A, 2, rank=1, group_size=8, index_dtype=torch.int64)
+    assert fixed.local.group_size == fixed.halo.group_size == 8 and fixed.halo.index_dtype == torch.int64
+
+
+def test_a_named_format_packs_the_two_blocks_separately():
     A = skewed(40, 3.0, seed=4)
-    if not hasattr(formats, "auto"):
-        with pytest.raises(InsumError, match="formats.auto"):
-            partition_rows(A, 2, format="auto")
-        assert all(type(p.local) is GroupCOO and type(p.halo) is GroupCOO for p in partition_rows(A, 2))
-        return
-    for p in partition_rows(A, 2):  # formats.auto packs each block
-        rebuilt = torch.zeros(len(p.rows), 40)
-        rebuilt[:, p.rows.start : p.rows.stop] = p.local.to_dense()
-        rebuilt[:, p.halo_rows] += p.halo.to_dense()
-        torch.testing.assert_close(rebuilt, A.to_dense()[p.rows.start : p.rows.stop])
+    for fmt in ("auto", "COO"):
+        for p in partition_rows(A, 2, format=fmt):
+            assert p.ext_rows.numel() == 0 and p.halo.shape[1] == p.halo_rows.numel()
+            torch.testing.assert_close(rebuilt_rows(p, 40), A.to_dense()[p.rows.start : p.rows.stop])
 
 
 @pytest.mark.parametrize(
@@ -113,6 +137,8 @@ def test_the_default_format_is_auto_where_it_exists():
         (lambda: partition_rows(torch.eye(3), 2, rank=2), InsumError, "rank"),
         (lambda: partition_rows(torch.eye(3), 2, format="CSR5"), InsumError, "unknown format"),
         (lambda: partition_rows(torch.eye(3), 2, group_sise=2), InsumError, "group_sise"),
+        (lambda: partition_rows(torch.eye(3), 2, format="COO", group_size=2), InsumError, "group_size"),
+        (lambda: partition_rows(torch.eye(3), 2, group_size=0), InsumError, "group_size"),
         (lambda: spmm(partition_rows(torch.eye(3), 1)[0], torch.ones(3, 2)), InsumError, "process group"),
     ],
 )
@@ -135,7 +161,7 @@ def _row_slice(part):
     return slice(part.rows.start, part.rows.stop)
 
 
-def _spmm_against_one_process(rank, A, N, fmt="GroupCOO", balance="nnz", grad=True, **params):
+def _spmm_against_one_process(rank, A, N, fmt=None, balance="nnz", grad=True, **params):
     """spmm on this rank's part vs the one-process format product and float64 (values, grads)."""
     dtype = A.dtype
     (part,) = partition_rows(A, WORLD, balance, rank=rank, format=fmt, **params)
@@ -160,9 +186,45 @@ def _spmm_against_one_process(rank, A, N, fmt="GroupCOO", balance="nnz", grad=Tr
 
 
 @check
-def spmm_groupcoo_fp32_int32(rank):
+def spmm_fp32_int32(rank):
     part = _spmm_against_one_process(rank, skewed(37, 3.0, seed=11), 5)
     assert part.local.index_dtype == torch.int32 and sum(part.recv_counts) > 0
+
+
+@check
+def spmm_mixed_groups_reused_buffers_no_syncs(rank):
+    # Long rows and g = 4: groups straddle local and remote columns (the halo pass reads
+    # ext_rows). Two calls on one part: the buffers it keeps are reused, and once the
+    # first backward has kept the transposed patterns, a call syncs the host nowhere (on
+    # the generated kernels: the torch lowering, the CPU's, reads sizes back itself).
+    triton = os.environ.get("TRITON_INTERPRET") == "1"
+    backend = "triton" if triton else "torch"
+    A = skewed(40, 12.0, seed=25)
+    (part,) = partition_rows(A, WORLD, rank=rank, group_size=4)
+    assert part.ext_rows.numel() > 0
+    dense = A.to_dense().double()
+    gen = torch.Generator().manual_seed(26)
+    rows = _row_slice(part)
+    buffers = []
+    for call in range(2):
+        B = torch.randn(40, 3, generator=gen)
+        B_local = B[rows].clone().requires_grad_()
+        with count_ops() as counted:
+            C = spmm(part, B_local, backend=backend, precision="ieee")
+            C.backward(torch.ones_like(C))
+        torch.testing.assert_close(C.double(), (dense @ B.double())[rows], rtol=1e-5, atol=1e-5)
+        want = dense.t() @ torch.ones(40, 3, dtype=torch.float64)
+        torch.testing.assert_close(B_local.grad.double(), want[rows], rtol=1e-5, atol=1e-5)
+        buffers.append({k: v.data_ptr() for k, v in part.workspace.items() if isinstance(v, torch.Tensor)})
+        if call and triton:
+            assert counted.syncs == 0, counted
+    assert buffers[0] == buffers[1] and len(buffers[1]) == 2  # forward and backward buffers
+
+
+@check
+def spmm_groupcoo_blocks_separately(rank):
+    part = _spmm_against_one_process(rank, skewed(37, 3.0, seed=11), 5, fmt="GroupCOO")
+    assert part.ext_rows.numel() == 0
 
 
 @check
