@@ -11,39 +11,43 @@ those rows, not an all-gather of B:
 
 How the rows are packed: one grouping, cut by column range. Two things pull apart. The
 exchange (~1 ms for 50M nonzeros on two H200s) hides only behind work that needs no
-remote row, so the product must run in two passes: a *local* pass over B_local while the
-halo travels, then a *halo* pass. But packed as two matrices (A[rows, rows] and A[rows,
-remote]) the halo block's rows are short (~2 of a row's ~13 entries on a community
-graph), so its groups are short (g = 2 where the whole rows take 4): more groups, more
-index loads, more writes per nonzero; it measured 28% of the time for 15% of the
-nonzeros. One format over a compact [B_local | halo] operand would keep whole-row groups
-but cannot start before the exchange ends, and needs B_local copied into that operand.
+remote row, so the product runs in two passes: a *local* pass over B_local while the halo
+travels, then a *halo* pass. Packed as two matrices (A[rows, rows] and A[rows, remote]),
+the halo block's rows are short (~2 of a row's ~13 entries on a community graph), so its
+groups are short (g = 2 where the whole rows take 4 to 8): more groups, index loads and
+writes per nonzero; it measured 28% of the time for 15% of the nonzeros. One format over
+a compact [B_local | received] operand keeps whole-row groups, but starts only when the
+exchange ends and needs all of B_local copied into that operand.
 
-So (format=None, the default) each row is renumbered so that its local columns come
-first (0 .. n_local-1, B_local's rows) and its remote ones after (the received rows), and
-the whole row range is cut into GroupCOO groups of one size g, chosen by `formats.auto`'s
-cost model on the whole rows: exactly the groups of the one-GPU packing of these rows. A
-group of local columns only goes to the local pass; every other group (the row's halo
-groups and at most one *mixed* group, straddling its last local and first remote
-columns) goes to the halo pass, which reads `[B_local[part.ext_rows] | received rows]`:
-the few local rows that mixed groups touch are gathered by the same kernel that gathers
-the rows to send, into the buffer the halo rows are received in, so nothing of B_local is
-copied whole. Both passes together do the work of one packing (the same slots and
-groups); the local pass starts at once; both declare their sorted rows, so each row's
-groups are summed in registers (segment reduction) and written once per tile. The local
-pass writes C (`=`), the halo pass adds into it in place (`+=`), in half precision too
-wherever the rows' fan-in allows (`accumulation_dtype` of the whole rows, as on one GPU),
-so no float32 scratch and no extra add pass. An explicit `format=` packs the two blocks
-separately in that format instead (`part.ext_rows` is then empty).
+So (format=None, the default) each row's columns are renumbered, local ones first (0 ..
+n_local-1: B_local's rows), remote ones after (the received rows), and the whole rows are
+cut into GroupCOO groups of one size g, the one `formats.auto`'s cost model ranks first
+on these rows: exactly the groups of a one-GPU packing of them. A group of local columns
+only goes to the local pass; every other group (the row's remote groups and at most one
+*mixed* group, straddling its last local and first remote columns) to the halo pass,
+which reads `[B_local[part.ext_rows] | received rows]`: the local rows its mixed groups
+touch are gathered ahead of the received ones in the buffer they arrive in. Both passes
+together hold the groups and slots of one packing (the model's cost of the 200k-node
+community graph, split in two: 2.33M gathered rows with g = 8, against 2.54M for the two
+blocks packed by formats.auto, g = 8 and 2); the price is that the mixed groups move
+local nonzeros behind the exchange (the halo pass holds 38% of them, not 16%) and that
+ext_rows, gathered while the halo travels, cover most local rows (`benchmarks/
+distributed_counts.py`, results under benchmarks/results/cpu/). Both passes declare their
+sorted rows, so a row's groups are summed in registers (segment reduction) and written
+once per tile. The local pass writes C (`=`), the halo pass adds into it in place (`+=`),
+in half precision too wherever the whole rows' fan-in allows (`accumulation_dtype`, as
+on one GPU): no float32 scratch, no extra add pass. A named `format=` packs the two blocks
+separately in it instead (`part.ext_rows` is then empty), e.g. "auto" for the former
+default, to compare.
 
-The call enqueues, with no host sync in steady state: one gather (the rows to send and
-`ext_rows`, into a buffer kept by the part), the `all_to_all_single` (async), the local
-pass, the wait (a stream dependency on NCCL), the halo pass. The backward mirrors it: the
-halo pass's transposed product (its rows go back to their owners) first, the exchange
-back (async), the local pass's transposed product while it travels, then the received
-rows and `ext_rows` added into B_local's gradient. The transposed products run on the
-formats' transposed patterns (kept by the part after the first backward), as
-SparseLinear's input gradient does.
+A call enqueues, with no host sync in steady state: one gather of the rows to send (into a
+buffer the part keeps, reused by later calls), the `all_to_all_single` (async), the gather
+of ext_rows, the local pass, the wait (on NCCL a stream dependency), the halo pass. The
+backward mirrors it: the halo pass's transposed product first (its received rows go back
+to their owners), the exchange back (async), the local pass's transposed product while
+it travels, ext_rows' and then the received rows' gradients added into B_local's. The
+transposed products run on the formats' transposed patterns (kept by the part after the
+first backward), as SparseLinear's input gradient does, instead of a scatter per slot.
 
 One module of about 500 lines: the partition, the exchange and the differentiable product
 all read the same halo bookkeeping (`RowPart`), and split apart each would need it.
@@ -113,13 +117,8 @@ class RowPart:
     send_counts: tuple[int, ...]
     ext_rows: torch.Tensor
     fan_in: int | None
-    # send_rows then ext_rows: what the one gather kernel reads from B_local.
-    gather_rows: torch.Tensor = field(init=False, repr=False)
     # Buffers reused across calls and the transposed patterns of the first backward.
     workspace: dict = field(init=False, repr=False, default_factory=dict)
-
-    def __post_init__(self):
-        object.__setattr__(self, "gather_rows", torch.cat([self.send_rows, self.ext_rows]))
 
     @property
     def nnz(self) -> int:
@@ -526,14 +525,24 @@ def _transposed(part: RowPart, which: str, dC: torch.Tensor, backend: str, preci
 
 
 def _forward_buffers(part: RowPart, B_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(send, ext, recv) views of one buffer kept by the part: [send | ext_rows | received];
-    the halo pass reads ext (= ext_rows then received). One gather kernel fills send and
-    ext_rows; the exchange writes the received rows."""
+    """(send, ext, recv) views of one buffer kept by the part, laid out [send | ext_rows |
+    received]: the halo pass reads ext (ext_rows, then the received rows) as its B."""
     S, k = int(part.send_rows.numel()), int(part.ext_rows.numel())
     H = int(part.halo_rows.numel())
     buf = part.buffer("forward", S + k + H, B_local.shape[1], B_local.dtype)
-    torch.index_select(B_local, 0, part.gather_rows, out=buf[: S + k])
     return buf[:S], buf[S:], buf[S + k :]
+
+
+def _gather_send(part: RowPart, B_local: torch.Tensor, send: torch.Tensor) -> None:
+    """The rows other ranks need, by one gather kernel into the kept send buffer."""
+    torch.index_select(B_local, 0, part.send_rows, out=send)
+
+
+def _gather_ext(part: RowPart, B_local: torch.Tensor, ext: torch.Tensor) -> None:
+    """The local rows the halo pass reads (ext_rows), ahead of the received rows; enqueued
+    after the exchange has started, so that it runs while the rows travel."""
+    if part.ext_rows.numel():
+        torch.index_select(B_local, 0, part.ext_rows, out=ext[: part.ext_rows.numel()])
 
 
 def _output(part: RowPart, B_local: torch.Tensor) -> torch.Tensor:
@@ -546,7 +555,9 @@ class _HaloSpMM(torch.autograd.Function):
     def forward(ctx, B_local, part: RowPart, group, backend: str, precision: str):
         ctx.part, ctx.group, ctx.backend, ctx.precision = part, group, backend, precision
         send, ext, recv = _forward_buffers(part, B_local)
+        _gather_send(part, B_local, send)
         work = _start_exchange(recv, send, part.recv_counts, part.send_counts, group)
+        _gather_ext(part, B_local, ext)
         C = _output(part, B_local)
         _accumulate(part.local, C, B_local, backend, precision, first=True)  # while the halo travels
         work.wait()
@@ -579,21 +590,22 @@ def steps(
     precision: str = "tf32",
 ) -> dict[str, Callable[[], object]]:
     """The steps `spmm` overlaps, each runnable alone, for timing them one by one (the
-    benchmark): "gather" (the rows to send and ext_rows), "exchange" (collective, waited
+    benchmark): "gather_send", "gather_ext" (the gathers from B_local), "exchange" (collective, waited
     for), "local" and "halo" (the passes, on buffers filled once here); with the output
     gradient dC also "local_T", "halo_T" (the transposed products) and "exchange_T".
 
     >>> timings = {name: time_it(fn) for name, fn in steps(part, B_local).items()}  # doctest: +SKIP
     """
     _check(part, B_local, group)
-    with torch.no_grad():
-        send, ext, recv = _forward_buffers(part, B_local.detach())
-        _start_exchange(recv, send, part.recv_counts, part.send_counts, group).wait()
-    C = _output(part, B_local)
     B = B_local.detach()
-    gathered = B.new_empty(part.gather_rows.numel(), B.shape[1])
+    send, ext, recv = _forward_buffers(part, B)
+    _gather_send(part, B, send)
+    _start_exchange(recv, send, part.recv_counts, part.send_counts, group).wait()
+    _gather_ext(part, B, ext)
+    C = _output(part, B_local)
     out = {
-        "gather": lambda: torch.index_select(B, 0, part.gather_rows, out=gathered),
+        "gather_send": lambda: _gather_send(part, B, send),
+        "gather_ext": lambda: _gather_ext(part, B, ext),
         "exchange": lambda: _start_exchange(recv, send, part.recv_counts, part.send_counts, group).wait(),
         "local": lambda: _accumulate(part.local, C, B, backend, precision, first=True),
         "halo": lambda: _accumulate(part.halo, C, ext, backend, precision, first=False),
