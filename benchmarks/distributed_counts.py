@@ -104,6 +104,11 @@ def packing_table(results: dict) -> str:
 # --------------------------------------------------------------------------- per call, 2 processes
 
 
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
 def _calls(rank: int, port: int, args, out_dir: str) -> None:
     """Ops, syncs and host time of one spmm call (forward; forward + backward) per packing,
     with the kernels stubbed: what the host issues, not what the CPU computes."""
@@ -112,43 +117,51 @@ def _calls(rank: int, port: int, args, out_dir: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
     )
     A = make_graph(args.graph, args.call_nodes, args.avg, "cpu")
+    A_tiny = make_graph(args.graph, args.host_nodes, args.avg, "cpu")
     launches = []
-    real_insum = transposed.insum
 
     def stub(expression, **tensors):  # one kernel launch, recorded, not run
         launches.append(expression)
         output = tensors.get("C", tensors.get("DX"))
-        if output is None:  # an output insum allocates (one owner per row): run it
-            with torch.utils._python_dispatch._disable_current_modes():
-                return real_insum(expression, **tensors)
+        if output is None:  # the transposed pattern's one-owner statement allocates its own
+            DY, TS = tensors["DY"], tensors["TS"]
+            output = torch.empty(TS.shape[0], DY.shape[1], dtype=DY.dtype)
         return output
 
     distributed.insum = transposed.insum = stub
+    start_exchange = distributed._start_exchange
     rows = {}
     for name, fmt in PACKINGS.items():
         (part,) = partition_rows(A, WORLD, rank=rank, format=fmt)
         if not part.local.single_statement or not part.halo.single_statement:
             continue  # its passes run through fmt.spmm: not stubbed here
-        B = torch.randn(len(part.rows), args.features)
-        B_grad = B.clone().requires_grad_()
-        spmm(part, B_grad).backward(torch.ones(len(part.rows), args.features))  # keeps the patterns
+        B = torch.randn(len(part.rows), args.features, requires_grad=True)
+        spmm(part, B).backward(torch.ones(len(part.rows), args.features))  # keeps the patterns
+        # Host time on a tiny graph (its CPU work is a few microseconds), the exchange
+        # stubbed too: what the host spends issuing one call.
+        (tiny,) = partition_rows(A_tiny, WORLD, rank=rank, format=fmt)
+        B_tiny = torch.randn(len(tiny.rows), args.features)
         for step in ("forward", "forward+backward"):
+            backward = step != "forward"
+
+            def call(p, b, backward=backward):
+                C = spmm(p, b.detach().requires_grad_(backward))
+                if backward:
+                    C.backward(torch.ones_like(C))
+
             launches.clear()
             with count_ops() as counted:
-                if step == "forward":
-                    spmm(part, B)
-                else:
-                    spmm(part, B_grad).backward(torch.ones(len(part.rows), args.features))
+                call(part, B)
             kernels = len(launches)
+            distributed._start_exchange = lambda *args, **kwargs: _Done()
+            for _ in range(3):
+                call(tiny, B_tiny)
             times = []
             for _ in range(args.reps):
-                dist.barrier()
                 start = time.perf_counter()
-                if step == "forward":
-                    spmm(part, B)
-                else:
-                    spmm(part, B_grad).backward(torch.ones(len(part.rows), args.features))
+                call(tiny, B_tiny)
                 times.append((time.perf_counter() - start) * 1e6)
+            distributed._start_exchange = start_exchange
             rows[f"{name} {step}"] = {
                 "torch_ops": counted.ops, "syncs": counted.syncs, "insum_launches": kernels,
                 "ops": dict(counted.names), "host_us_median": statistics.median(times),
@@ -165,7 +178,8 @@ def main(argv=None) -> None:
     parser.add_argument("--avg", type=float, default=13.5)
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--call-nodes", type=int, default=20_000, help="graph of the per-call counts")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--host-nodes", type=int, default=1000, help="graph of the host time per call")
+    parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args(argv)
     out_dir = Path(os.environ.get("OUT", Path(__file__).resolve().parent / "results" / "cpu"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -190,7 +204,11 @@ def main(argv=None) -> None:
     calls = [json.loads((out_dir / f"calls_rank{r}.json").read_text()) for r in range(WORLD)]
     for r in range(WORLD):
         (out_dir / f"calls_rank{r}.json").unlink()
-    lines = [f"per call, kernels stubbed ({args.call_nodes}-node graph, rank 0 | rank 1):"]
+    lines = [
+        f"per call ({args.call_nodes}-node graph, rank 0 | rank 1): generated kernels (insum launches), "
+        "other torch ops and host syncs issued, kernels stubbed; host time (median) on a "
+        f"{args.host_nodes}-node graph with the exchange stubbed too (the host's own cost of a call)"
+    ]
     for key in calls[0]:
         a, b = calls[0][key], calls[1][key]
         lines.append(
