@@ -28,8 +28,8 @@ only goes to the local pass; every other group (the row's remote groups and at m
 which reads `[B_local[part.ext_rows] | received rows]`: the local rows its mixed groups
 touch are gathered ahead of the received ones in the buffer they arrive in. Both passes
 together hold the groups and slots of one packing (the model's cost of the 200k-node
-community graph, split in two: 2.33M gathered rows with g = 8, against 2.54M for the two
-blocks packed by formats.auto, g = 8 and 2); the price is that the mixed groups move
+community graph's rank 0: 2.15M gathered rows with g = 8, 2.33M with the ext_rows gather,
+against 2.54M for the two blocks packed by formats.auto, g = 8 and 2); the price is that the mixed groups move
 local nonzeros behind the exchange (the halo pass holds 38% of them, not 16%) and that
 ext_rows, gathered while the halo travels, cover most local rows (`benchmarks/
 distributed_counts.py`, results under benchmarks/results/cpu/). Both passes declare their
