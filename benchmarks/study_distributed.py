@@ -7,14 +7,23 @@ Not part of `python -m benchmarks` (whose studies run in one process): it needs 
 
 Graphs: `benchmarks/graphs.py` ("community": locality as after a reordering; "uniform": none).
 
-For each step of --plan (graph:dtype): the one-GPU GroupCOO product (and cuSPARSE) on rank 0, then the
-2-GPU `spmm` (every iteration aligned by a barrier, timed by CUDA events, the slower
-rank's time kept, the median reported), its parts timed alone (local block, halo block,
-the halo all_to_all, an all-gather of B for comparison, exchange-then-compute without
-overlap), bytes exchanged against an all-gather of B, and the result checked against the
-one-GPU product and a float64 cuSPARSE product. A `graph+backward` step times a forward
-and backward step instead and checks the gradient. Steps run until the time budget is
-spent. Full rows go to $OUT/study_distributed.jsonl.
+For each step of --plan (graph:dtype): the one-GPU GroupCOO product (and cuSPARSE) on rank 0, then,
+for each packing of --packings ("split": the default, one grouping of the whole rows cut
+by column range; "auto": the two blocks packed separately by formats.auto, the former
+default), the 2-GPU `spmm` (every iteration aligned by a barrier, timed by CUDA events,
+the slower rank's time kept, the median reported), its steps timed alone
+(`insum.distributed.steps`: the gathers, the exchange, the local and the halo pass; an
+all-gather of B for comparison; all steps one after another, without overlap), what the
+overlap left unhidden (2-GPU time minus the compute steps), the scaling efficiency, each
+pass's nonzeros and groups, bytes exchanged against an all-gather of B, and the result
+checked against the one-GPU product and a float64 cuSPARSE product. A `graph+backward`
+step times a forward and backward step instead, the backward's steps alone (the
+transposed passes, the exchange back), and checks the gradient. Steps run until the
+time budget is spent. Full rows go to $OUT/study_distributed.jsonl.
+
+What to read: `x` (target >= 1.7 on community:fp32), `unhid` (the exchange not hidden:
+~0 when the overlap works), `halo` against `local` with `halo%nnz` (the halo pass's cost
+per nonzero against the local pass's), and split against auto.
 """
 
 from __future__ import annotations
@@ -311,19 +320,19 @@ def _ranges(part) -> list[range]:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'graph':<10}{'dtype':<6}{'packing':<9}{'nnz':>10}{'1 GPU':>7}{'cuSP':>6}{'2 GPUs':>7}{'x':>6}{'eff':>5}"
-        f"{'local':>7}{'halo':>7}{'gath':>6}{'unhid':>6}{'exch':>6}{'AG':>6}{'exch%AG':>8}{'halo%nnz':>9}{'err 1GPU':>9}"
+        f"{'graph':<10}{'dtype':<6}{'packing':<9}{'nnz':>10}{'1 GPU':>8}{'cuSP':>7}{'2 GPUs':>8}{'x':>7}{'eff':>5}"
+        f"{'local':>8}{'halo':>8}{'gath':>7}{'unhid':>7}{'exch':>7}{'AG':>7}{'exch%AG':>8}{'halo%nnz':>9}{'err 1GPU':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         cu = r.get("one_gpu_cusparse_ms")
-        cu = f"{cu:6.2f}" if isinstance(cu, float) else f"{'n/a':>6}"
+        cu = f"{cu:7.2f}" if isinstance(cu, float) else f"{'n/a':>7}"
         halo_share = sum(p["halo"]["nnz"] for p in r["parts"]) / max(r["nnz"], 1)
         lines.append(
-            f"{r['graph']:<10}{r['dtype']:<6}{r['packing']:<9}{r['nnz']:>10}{r['one_gpu_groupcoo_ms']:7.2f}{cu}"
-            f"{r['two_gpu_ms']:7.2f}{r['speedup']:5.2f}x{r['efficiency']:5.0%}{r['local_ms']:7.2f}{r['halo_ms']:7.2f}"
-            f"{r['gather_send_ms'] + r['gather_ext_ms']:6.2f}{r['unhidden_ms']:6.2f}{r['exchange_ms']:6.2f}"
-            f"{r['allgather_ms']:6.2f}{100 * r['exchange_fraction']:7.1f}%{100 * halo_share:8.1f}%{r['error_vs_one_gpu']:9.1e}"
+            f"{r['graph']:<10}{r['dtype']:<6}{r['packing']:<9}{r['nnz']:>10}{r['one_gpu_groupcoo_ms']:8.2f}{cu}"
+            f"{r['two_gpu_ms']:8.2f}{r['speedup']:6.2f}x{r['efficiency']:5.0%}{r['local_ms']:8.2f}{r['halo_ms']:8.2f}"
+            f"{r['gather_send_ms'] + r['gather_ext_ms']:7.2f}{r['unhidden_ms']:7.2f}{r['exchange_ms']:7.2f}"
+            f"{r['allgather_ms']:7.2f}{100 * r['exchange_fraction']:7.1f}%{100 * halo_share:8.1f}%{r['error_vs_one_gpu']:9.1e}"
         )
     lines.append(
         "times in ms (medians; 2-GPU steps: the slower rank); local, halo, gath: the passes and the gathers "
