@@ -498,7 +498,7 @@ def _accumulate(fmt: SparseFormat, C: torch.Tensor, B: torch.Tensor, backend: st
     facts = frozenset(name for name in fmt.sorted_indices if name in fmt.tensors)
     insum(
         expression, backend=backend, precision=precision, check_indices=False, sorted_indices=facts,
-        C=C, B=B, **fmt.tensors,
+        unique_indices=fmt.unique_in(fmt.tensors), C=C, B=B, **fmt.tensors,
     )  # fmt: skip
 
 
