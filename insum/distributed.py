@@ -78,6 +78,7 @@ from .formats.base import (
 )
 from .formats.groupcoo import GroupCOO
 from .formats.grouping import pack_row_groups
+from .formats.transposed import SCALAR, with_zero_slot
 
 __all__ = ["RowPart", "partition_rows", "spmm", "steps", "BALANCES"]
 
@@ -384,8 +385,7 @@ def _split_groups(
     row_ptr = torch.searchsorted(rows, torch.arange(n_local + 1, device=device))
     counts = row_ptr.diff()
     if group_size is None:
-        whole = Coords((n_local, width), rows, cols, vals, row_ptr)
-        group_size = _model_group_size(whole, n_cols)
+        group_size = _model_group_size(rows, cols, vals, (n_local, width), n_cols)
     g = check_positive_int("group_size", group_size)
     per_row = cdiv(counts, g)
     G, fan_in = torch.stack([per_row.sum(), per_row.max() if n_local else per_row.sum()]).tolist()
@@ -414,12 +414,13 @@ def _split_groups(
     return local, halo, ext_rows, fan_in
 
 
-def _model_group_size(whole: Coords, n_cols: int) -> int:
-    """The group size formats.auto's cost model ranks first among GroupCOO's for these rows."""
+def _model_group_size(rows, cols, vals, shape: tuple[int, int], n_cols: int) -> int:
+    """The group size formats.auto's cost model ranks first among GroupCOO's for these rows
+    (sorted row-major, unique)."""
     sparse = torch.sparse_coo_tensor(
-        torch.stack([whole.rows, whole.cols]), whole.vals, whole.shape, is_coalesced=True, check_invariants=False
+        torch.stack([rows, cols]), vals, shape, is_coalesced=True, check_invariants=False
     )
-    for candidate in rank(row_stats(sparse), n_cols, whole.dtype):
+    for candidate in rank(row_stats(sparse), n_cols, vals.dtype):
         if candidate.format == "GroupCOO":
             return candidate.params["group_size"]
     return 1
@@ -505,7 +506,13 @@ def _accumulate(fmt: SparseFormat, C: torch.Tensor, B: torch.Tensor, backend: st
 def _transposed(part: RowPart, which: str, dC: torch.Tensor, backend: str, precision: str) -> torch.Tensor:
     """fmt^T @ dC (fmt's columns x N, float32 for half precision) for the pass `which`: on
     the format's transposed pattern (an SpMM shaped like the forward, kept by the part
-    after the first call), or autograd through `fmt.spmm` for formats of several statements."""
+    after the first call), or autograd through `fmt.spmm` for formats of several statements.
+
+    Scalar-slot formats (COO, GroupCOO) run the pattern's statement here rather than through
+    `fmt.input_gradient`, for two things a layer cannot have, whose values change every
+    step: the values with their zero slot are kept (not copied again each call), and the
+    pattern's column index TM, sorted by construction, is declared so (segment reduction,
+    as in the forward)."""
     fmt = getattr(part, which)
     out_dtype = compute_dtype(dC.dtype)
     if fmt.nnz == 0 or dC.shape[1] == 0:
@@ -515,6 +522,17 @@ def _transposed(part: RowPart, which: str, dC: torch.Tensor, backend: str, preci
         if key not in part.workspace:
             part.workspace[key] = fmt.transposed_pattern()  # host syncs: once
         pattern = part.workspace[key]
+        scalar = type(fmt).input_gradient is SparseFormat.input_gradient
+        if pattern is not None and scalar and "TM" in pattern:
+            values = (which, "values", dC.dtype)
+            if values not in part.workspace:
+                part.workspace[values] = with_zero_slot(fmt.AV.reshape(-1)).to(dC.dtype)
+            DX = dC.new_zeros(fmt.shape[1], dC.shape[1], dtype=out_dtype)
+            insum(
+                SCALAR, backend=backend, precision=precision, check_indices=False,
+                sorted_indices=frozenset({"TM"}), DX=DX, WT=part.workspace[values], DY=dC, **pattern,
+            )  # fmt: skip
+            return DX
         if pattern is not None:
             return fmt.input_gradient(pattern, dC.to(fmt.dtype), backend, precision).to(out_dtype)
     with torch.enable_grad():  # the product is linear in B: any B gives its gradient
