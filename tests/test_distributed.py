@@ -5,6 +5,7 @@ the CPU, spawned once for the module: each process runs every check in CHECKS (i
 same order, so their collectives pair up) and reports one line per check, which the
 tests below read. A hang fails: gloo's timeout and the spawn's deadline are both short.
 Every distributed result is compared with the one-process product and a float64 dense one.
+With two GPUs, GPU_CHECKS run the same way in 2 NCCL processes (`-m gpu`; skipped here).
 """
 
 from __future__ import annotations
@@ -385,17 +386,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+# --------------------------------------------------------------------------- two GPUs (NCCL)
+
+GPU_CHECKS = {}
+
+
+def gpu_check(fn):
+    GPU_CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.detach().double() - want).norm() / want.norm().clamp(min=1e-30))
+
+
+@gpu_check
+def cuda_spmm_generated_kernels_against_one_gpu(rank):
+    """The Triton path on NCCL, each dtype, against one GPU's product and float64; the
+    second call of a part syncs the host nowhere."""
+    device = torch.device("cuda", rank)
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)]:
+        A = skewed(3001, 12.0, seed=31, dtype=dtype).to(device)
+        (part,) = partition_rows(A, WORLD, rank=rank)
+        assert part.ext_rows.numel() > 0
+        gen = torch.Generator(device=device).manual_seed(32)
+        B = torch.randn(3001, 48, generator=gen, device=device, dtype=dtype)
+        G = torch.randn(3001, 48, generator=gen, device=device, dtype=dtype)
+        rows = _row_slice(part)
+        dense = A.to_dense().double()
+        for call in range(2):
+            B_local = B[rows].clone().requires_grad_()
+            with count_ops() as counted:
+                C = spmm(part, B_local, precision="ieee")
+                C.backward(G[rows])
+            if call:
+                assert counted.syncs == 0, counted
+        assert _relative_error(C, (dense @ B.double())[rows]) < tol
+        one_gpu = GroupCOO.from_torch(A).spmm(B, precision="ieee")[rows]
+        assert _relative_error(C, one_gpu.double()) < tol
+        assert _relative_error(B_local.grad, (dense.t() @ G.double())[rows]) < tol
+
+
+def _worker(rank: int, port: int, out_dir: str, gpu: bool = False) -> None:
     torch.set_num_threads(1)
+    if gpu:
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        "nccl" if gpu else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=WORLD,
         timeout=timedelta(seconds=GLOO_TIMEOUT_S),
     )
     results = {}
-    for name, fn in CHECKS.items():
+    for name, fn in (GPU_CHECKS if gpu else CHECKS).items():
         try:
             results[name] = fn(rank) or "ok"
         except Exception:
@@ -405,12 +449,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Each rank's result of every check, from one spawn of 2 gloo processes."""
-    out_dir = tmp_path_factory.mktemp("distributed")
+def _spawn(out_dir, gpu: bool) -> list[dict]:
     context = mp.start_processes(
-        _worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(_free_port(), str(out_dir), gpu), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not context.join(timeout=1):
@@ -421,10 +462,34 @@ def two_ranks(tmp_path_factory):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_two_gloo_ranks(two_ranks, name):
-    for rank, results in enumerate(two_ranks):
-        outcome = results[name]
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each rank's result of every check, from one spawn of 2 gloo processes."""
+    return _spawn(tmp_path_factory.mktemp("distributed"), gpu=False)
+
+
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory):
+    """Each rank's result of every GPU check, from one spawn of 2 NCCL processes."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices")
+    return _spawn(tmp_path_factory.mktemp("distributed_gpu"), gpu=True)
+
+
+def _outcomes(results: list[dict], name: str) -> None:
+    for rank, per_rank in enumerate(results):
+        outcome = per_rank[name]
         if outcome.startswith("skipped"):
             pytest.skip(outcome)
         assert outcome == "ok", f"rank {rank}:\n{outcome}"
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_two_gloo_ranks(two_ranks, name):
+    _outcomes(two_ranks, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CHECKS))
+def test_two_gpus(two_gpus, name):
+    _outcomes(two_gpus, name)
