@@ -29,10 +29,14 @@ which reads `[B_local[part.ext_rows] | received rows]`: the local rows its mixed
 touch are gathered ahead of the received ones in the buffer they arrive in. Both passes
 together hold the groups and slots of one packing (the model's cost of the 200k-node
 community graph's rank 0: 2.15M gathered rows with g = 8, 2.33M with the ext_rows gather,
-against 2.54M for the two blocks packed by formats.auto, g = 8 and 2); the price is that the mixed groups move
-local nonzeros behind the exchange (the halo pass holds 38% of them, not 16%) and that
-ext_rows, gathered while the halo travels, cover most local rows (`benchmarks/
-distributed_counts.py`, results under benchmarks/results/cpu/). Both passes declare their
+against 2.54M for the two blocks packed by formats.auto, g = 8 and 2). The price: the
+mixed groups move local nonzeros behind the exchange (the halo pass holds 38% of them, not
+16%; still hidden while the local pass outlasts the exchange), and ext_rows, gathered while
+the halo travels, cover most local rows (`benchmarks/distributed_counts.py`, results under
+benchmarks/results/cpu/). Cutting each row's groups at the local/remote boundary instead
+would need no ext_rows but pads both halves: about g + 3 more gathered rows per row in the
+model, against ~2 (a gathered row read and written) for its share of ext_rows; smaller g
+mixes less but groups more (g = 4: 2.61M). Both passes declare their
 sorted rows, so a row's groups are summed in registers (segment reduction) and written
 once per tile. The local pass writes C (`=`), the halo pass adds into it in place (`+=`),
 in half precision too wherever the whole rows' fan-in allows (`accumulation_dtype`, as
@@ -49,7 +53,7 @@ it travels, ext_rows' and then the received rows' gradients added into B_local's
 transposed products run on the formats' transposed patterns (kept by the part after the
 first backward), as SparseLinear's input gradient does, instead of a scatter per slot.
 
-One module of about 500 lines: the partition, the exchange and the differentiable product
+One module of about 650 lines: the partition, the exchange and the differentiable product
 all read the same halo bookkeeping (`RowPart`), and split apart each would need it.
 """
 
