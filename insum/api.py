@@ -7,7 +7,7 @@ while torch.compile traces or when a tensor requires grad; `compile()` to the ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from .execute import (
 from .library import call
 from .parser import parse
 
-__all__ = ["insum", "insum_many", "statement_call", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
+__all__ = ["insum", "insum_many", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
 
 def insum(
@@ -110,38 +110,6 @@ def insum(
     if not lengths:  # (a call with declared lengths is not kept: its dict of tensors is no key)
         prepare(expr, key, bound, sorted_indices=facts, unique_indices=unique, **options)
     return out
-
-
-def statement_call(
-    expr: str,
-    /,
-    *,
-    backend: Backend = "auto",
-    precision: Precision = "tf32",
-    autotune: bool | None = None,
-    check_indices: bool | None = None,
-    sorted_indices: frozenset[str] = frozenset(),
-    unique_indices: frozenset[str] = frozenset(),
-) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
-    """`insum(expr, **options, **tensors)` as a function of a dict of tensors, for a caller
-    that runs one statement with the same options again and again (a format's SpMM): the
-    repeated call's key is built once, and no keyword arguments are parsed per call.
-
-    >>> run = statement_call("C[m,n] = A[m,k]*B[k,n]", backend="torch")  # doctest: +SKIP
-    >>> run({"A": A, "B": B})  # doctest: +SKIP
-    """
-    options = dict(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
-                   sorted_indices=sorted_indices, unique_indices=unique_indices)
-    key = (backend, precision, autotune, check_indices, sorted_indices, unique_indices)
-
-    def call(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            repeat = prepared(expr, key, tensors)
-            if repeat is not None:
-                return repeat(tensors)
-        return insum(expr, **options, **tensors)
-
-    return call
 
 
 def insum_many(

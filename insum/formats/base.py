@@ -6,8 +6,7 @@ its statements read B and write C through (`operand`, `output_shape`, `result`,
 `output_view`), the transposed pattern its input gradient runs on (`transposed_pattern`,
 `input_gradient`), its pruning granularity (`pruning_block`) and how far it pads rows
 (`row_padding_slots`). Nothing outside `insum.formats` needs to know which format it holds.
-`spmm` runs the statements through the public `insum()` (one statement prepared as a
-`statement_call`, several as one `insum_many`).
+`spmm` runs the statements through the public `insum()` (several as one `insum_many`).
 
 The packers' helpers live beside it: `coords` (coordinates and checks), `grouping` (group
 sizes, the accumulation rule, slot grouping), `tuning` (group_size="tune"), `registry`.
@@ -33,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..api import insum_many, statement_call
+from ..api import insum, insum_many
 from ..cache import BoundedCache
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from .coords import (
@@ -459,10 +458,7 @@ class _SpmmPlan:
             }
             self.statements.append((statement, dict(tensors), cast, facts))
         self.disjoint = fmt.disjoint_statements
-        self.single = None
-        if len(self.statements) == 1:  # the common case: one statement, its call prepared
-            statement, _, _, facts = self.statements[0]
-            self.single = statement_call(statement, check_indices=False, **facts, **self.options)
+        self.single = len(self.statements) == 1
 
     def __call__(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
         if self.vector:
@@ -480,8 +476,9 @@ class _SpmmPlan:
                 if cast:
                     tensors = {k: (v.to(dtype) if k in cast else v) for k, v in tensors.items()}
                 calls.append((statement, {"C": C, "B": operand, **tensors}, facts))
-            if self.single is not None:
-                self.single(calls[0][1])
+            if self.single:
+                statement, tensors, facts = calls[0]
+                insum(statement, check_indices=False, **facts, **self.options, **tensors)
             else:  # several statements into one C (buckets): one launch once they have run
                 insum_many(calls, check_indices=False, disjoint=self.disjoint, **self.options)
             C = fmt.result(C)  # any strides
