@@ -256,3 +256,32 @@ def test_cuda_cell_buckets_run_as_one_direct_launch(partitions):
         torch.testing.assert_close((fmt @ B).double(), A.double().cuda() @ B.double(), rtol=2e-2, atol=2e-2)
     batches = [b for b in runtime._BATCHES.values() if len(b.parts) == len(fmt.widths)]
     assert batches and all(b.direct.enabled and b.direct.compiled for b in batches)
+
+
+@pytest.mark.skipif(CUDA, reason="builds the batch in the interpreter")
+def test_batch_direct_arguments_are_the_bound_signature():
+    from insum import runtime
+    from insum.formats import CELL
+
+    gen = torch.Generator().manual_seed(4)
+    A = torch.zeros(23, 17)
+    for r in range(23):
+        n = (0, 1, 2, 3, 6, 17)[r % 6]
+        A[r, torch.randperm(17, generator=gen)[:n]] = torch.randn(n, generator=gen)
+    fmt = CELL.from_dense(A)
+    B = torch.randn(17, 3, generator=gen)
+    fmt.spmm(B, backend="triton")
+    fmt.spmm(B, backend="triton")
+    (batch,) = [b for b in runtime._BATCHES.values() if len(b.parts) == len(fmt.widths)][-1:]
+    calls = [(dict(t, C=torch.zeros(23, 3), B=B)) for _, t in fmt.statements()]
+    args = []
+    for part, tensors in zip(batch.parts, calls):
+        args += part.args(tensors, tensors["C"])
+    args += batch.ends
+    params = {k: v for k, v in batch.direct.config.items() if k not in LAUNCH_OPTIONS}
+    expected = list(inspect.signature(batch.fn.fn).bind(*args, **params).arguments.values())
+    assert batch.direct.fits
+    got = list(batch.direct.parameters(args))
+    assert len(got) == len(expected)
+    for position, (a, b) in enumerate(zip(got, expected)):
+        assert a is b or (not isinstance(a, torch.Tensor) and a == b), position
