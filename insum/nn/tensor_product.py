@@ -51,9 +51,16 @@ from .cg_tables import (
     normalised_instructions,
     tensor_product_tables,
 )
-from .irreps import Irreps, IrrepsError
+from .irreps import Irrep, Irreps, IrrepsError
 
-__all__ = ["TensorProduct", "FullyConnectedTensorProduct", "Instruction", "STATEMENTS", "tensor_product_tables"]
+__all__ = [
+    "TensorProduct",
+    "FullyConnectedTensorProduct",
+    "Instruction",
+    "STATEMENTS",
+    "tensor_product_tables",
+    "mace_instructions",
+]
 
 _OUTPUTS = ("gather", "views")
 
@@ -371,3 +378,34 @@ class FullyConnectedTensorProduct(TensorProduct):
             if ir_out in ir1 * ir2
         ]
         super().__init__(irreps1, irreps2, irreps_out_, paths, **options)
+
+
+def mace_instructions(irreps_in1: Any, irreps_in2: Any, target: Any) -> tuple[Irreps, list[tuple]]:
+    """The channel-wise ("uvu") paths of a MACE interaction block and their output irreps:
+    every (in1, in2) pair feeds each irrep of `target` that its product contains, one output
+    entry per path (input 1's multiplicity), outputs sorted by irrep as MACE's
+    `tp_out_irreps_with_instructions` (and e3nn's `Irreps.sort`) order them.
+
+    target: irreps (the allowed output irreps) or an int lmax (0e+1o+2e+... up to lmax).
+
+        >>> irreps_out, ins = mace_instructions("4x0e+4x1o", "0e+1o", 1)
+        >>> str(irreps_out), ins[:2]
+        ('4x0e+4x0e+4x1o+4x1o', [(0, 0, 0, 'uvu', True), (0, 1, 2, 'uvu', True)])
+    """
+    irreps1, irreps2 = Irreps(irreps_in1), Irreps(irreps_in2)
+    if isinstance(target, int):
+        allowed = {Irrep(l, (-1) ** l) for l in range(target + 1)}  # noqa: E741
+    else:
+        allowed = {ir for _, ir in Irreps(target)}
+    outs: list[tuple[int, Irrep]] = []
+    paths = []
+    for i, (mul, ir1) in enumerate(irreps1):
+        for j, (_, ir2) in enumerate(irreps2):
+            for ir in ir1 * ir2:
+                if ir in allowed:
+                    paths.append((i, j, len(outs)))
+                    outs.append((mul, ir))
+    order = sorted(range(len(outs)), key=lambda k: (outs[k][1], k, outs[k][0]))  # e3nn's Irreps.sort
+    position = {k: n for n, k in enumerate(order)}
+    irreps_out = Irreps([(outs[k][0], (outs[k][1].l, outs[k][1].p)) for k in order])
+    return irreps_out, [(i, j, position[k], "uvu", True) for i, j, k in paths]
