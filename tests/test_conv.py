@@ -279,15 +279,20 @@ def test_compiles_without_graph_breaks():
     x = torch.randn(coords.shape[0], 3, requires_grad=True)
     w = torch.randn(3, 3, 3, 3, 4, requires_grad=True)
     for form in ("tiles", "pairs"):
-        compiled = torch.compile(lambda x, w, form=form: sparse_conv3d(x, w, km, form=form, tile=16), backend="aot_eager", fullgraph=True)
-        y = compiled(x, w)
-        torch.testing.assert_close(y, sparse_conv3d(x, w, km, form=form, tile=16))
-        y.square().sum().backward()
-        gw = w.grad.clone()
-        w.grad = None
-        sparse_conv3d(x, w, km, form=form, tile=16).square().sum().backward()
-        torch.testing.assert_close(gw, w.grad)
-        w.grad = x.grad = None
+        for b in (None, torch.randn(4, requires_grad=True)):
+            compiled = torch.compile(lambda x, w, b, form=form: sparse_conv3d(x, w, km, b, form=form, tile=16),
+                                     backend="aot_eager", fullgraph=True)
+            y = compiled(x, w, b)
+            torch.testing.assert_close(y, sparse_conv3d(x, w, km, b, form=form, tile=16))
+            y.square().sum().backward()
+            params = [t for t in (x, w, b) if t is not None]
+            grads = [t.grad.clone() for t in params]
+            for t in params:
+                t.grad = None
+            sparse_conv3d(x, w, km, b, form=form, tile=16).square().sum().backward()
+            for got, t in zip(grads, params):
+                torch.testing.assert_close(got, t.grad)
+                t.grad = None
 
 
 # --------------------------------------------------------------------------- generated kernels
