@@ -130,14 +130,16 @@ def count(step) -> dict:
 def host_us(step, repeat: int = 200) -> float:
     """Least wall time of `step` with every statement a no-op (microseconds; the least, not
     the median: the measuring machine may be shared)."""
+    times = []
     with _statements(None, stub=True):
         for _ in range(5):
             step()
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        for _ in range(5):  # rounds apart in time: a busy spell of a shared CPU spans fewer of them
+            for _ in range(repeat // 5):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            time.sleep(0.5)
     return min(times) * 1e6
 
 

@@ -134,16 +134,25 @@ class TensorProduct(nn.Module):
         self.backend, self.precision = backend, precision
         tables = tensor_product_tables(self.irreps_in1, self.irreps_in2, self.irreps_out, self.instructions)
         self.weight_numel = int(tables.pop("weight_numel"))
-        # Whether a padded (channel or weight) position reads the zero appended to x1 / weight.
+        # Whether a padded (channel, weight or output) position reads the zero appended to
+        # x1 / weight / the output gradient, and whether a layout gather is the identity (then
+        # it is a view: the uniform multiplicities of the paper's grid and of MACE's weights).
         self._pad_x = bool((tables["X_INDEX"] == self.irreps_in1.dim).any())
         self._pad_w = bool((tables["W_INDEX"] == self.weight_numel).any())
+        self._pad_dz = bool((tables["OUT_INVERSE"] == self.irreps_out.dim).any())
+        self._identity_w = _is_identity(tables["W_INDEX"], self.weight_numel)
+        self._identity_out = _is_identity(tables["OUT_INDEX"], tables["OUT_INVERSE"].size)
+        # The inverse layout gathers of the backward: the gradients of x1 and of the flat
+        # weight, read from the component-major / slab-major gradients (no zero-fill, no scatter).
+        tables["X_INVERSE"] = _inverse(tables["X_INDEX"], self.irreps_in1.dim)
+        tables["W_INVERSE"] = _inverse(tables["W_INDEX"], self.weight_numel)
         # float64, cast per call: the CG values must stay exact for a float64 product
         self._value_tables = {name: table for name, table in tables.items() if table.dtype == np.float64}
         for name, table in tables.items():
             if table.dtype == np.float64:
                 self.register_buffer(name, torch.from_numpy(table), persistent=False)
             else:
-                gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX", "OUT_INVERSE")  # torch indexing: int64
+                gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX", "OUT_INVERSE", "X_INVERSE", "W_INVERSE")  # torch indexing: int64
                 self.register_buffer(name, torch.from_numpy(table).to(torch.int64 if name in gathers else torch.int32), persistent=False)
         self.statement = STATEMENTS[(self.mode, shared_weights)]
         self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
@@ -194,12 +203,11 @@ class TensorProduct(nn.Module):
         if math.prod(lead) == 0 or not self.instructions:
             dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
             return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
-        t = self.statement_tensors(x1, x2, weight, lead)
-        Y, X, W = t["Y"], t["X"], t["W"]
-        if torch.is_grad_enabled() and (Y.requires_grad or X.requires_grad or W.requires_grad):
-            out = _ProductFunction.apply(self, Y, X, W)
+        x1, x2, weight = self._flat_inputs(x1, x2, weight, lead)
+        if torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or weight.requires_grad):
+            out = _ProductFunction.apply(self, x1, x2, weight)
         else:
-            out = self._product(Y, X, W)  # no autograd node: less host time per call
+            out = self._product(*self._operands(x1, x2, weight))  # no autograd node: less host time per call
         return out.reshape(*lead, self.irreps_out.dim)
 
     def _lead(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
@@ -236,7 +244,8 @@ class TensorProduct(nn.Module):
         if self.output == "views":
             return self._forward_views(Y, X, W)
         Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=self.CGJ, CGI=self.CGI, PW=self.PW)
-        return Z.reshape(Z.shape[0], -1).index_select(1, self.OUT_INDEX)
+        Z = Z.reshape(Z.shape[0], -1)
+        return Z if self._identity_out else Z.index_select(1, self.OUT_INDEX)
 
     def _output_runs(self) -> list[tuple[int, int, int, int, int, int]]:
         """(first component row, entries, mul, dim, output offset, Q) per run of consecutive
@@ -275,13 +284,9 @@ class TensorProduct(nn.Module):
     def _run(self, statement: str, **tensors: torch.Tensor) -> torch.Tensor:
         return insum(statement, backend=self.backend, precision=self.precision, **tensors)
 
-    def statement_tensors(
-        self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None, lead: tuple[int, ...] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The tensors of `self.statement` for these inputs: X gathered component-major, the
-        weight slabs W, input 2 as Y, and the CG tables (Z, the output, is left to insum)."""
-        weight = self.weight if weight is None else weight
-        lead = self._lead(x1, x2, weight) if lead is None else lead
+    def _flat_inputs(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, lead: tuple[int, ...]):
+        """x1 [batch, dim1], x2 [batch, dim2] and the weight (flat, or [batch, numel]) in the
+        product's dtype: views when the shapes and dtypes already agree."""
         batch = math.prod(lead)
         dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
         if x1.shape[:-1] != lead:
@@ -290,23 +295,42 @@ class TensorProduct(nn.Module):
             x2 = x2.expand(*lead, x2.shape[-1])
         x1, x2 = x1.reshape(batch, -1), x2.reshape(batch, -1)
         if self.shared_weights:
-            W = _gather(weight.reshape(-1), self.W_INDEX, self._pad_w)
+            weight = weight.reshape(-1)
         else:
             weight = weight if weight.shape[:-1] == lead else weight.expand(*lead, self.weight_numel)
-            W = _gather(weight.reshape(batch, -1), self.W_INDEX, self._pad_w)
-        X = _gather(x1, self.X_INDEX, self._pad_x)
-        return {"CGV": self._table("CGV", dtype), "Y": x2.to(dtype), "X": X.to(dtype), "W": W.to(dtype),
-                "CGJ": self.CGJ, "CGI": self.CGI, "PW": self.PW}
+            weight = weight.reshape(batch, -1)
+        return x1.to(dtype), x2.to(dtype), weight.to(dtype)
 
+    def _operands(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor):
+        """The statement's (Y, X, W) from flat inputs: input 1 gathered component-major, the
+        weight as slabs (a view when its layout already is)."""
+        if self._identity_w:
+            W = weight.view(*weight.shape[:-1], *self.W_INDEX.shape)
+        else:
+            W = _gather(weight, self.W_INDEX, self._pad_w)
+        return x2, _gather(x1, self.X_INDEX, self._pad_x), W
+
+    def statement_tensors(
+        self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None, lead: tuple[int, ...] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The tensors of `self.statement` for these inputs: X gathered component-major, the
+        weight slabs W, input 2 as Y, and the CG tables (Z, the output, is left to insum)."""
+        weight = self.weight if weight is None else weight
+        lead = self._lead(x1, x2, weight) if lead is None else lead
+        Y, X, W = self._operands(*self._flat_inputs(x1, x2, weight, lead))
+        return {"CGV": self._table("CGV", Y.dtype), "Y": Y, "X": X, "W": W, "CGJ": self.CGJ, "CGI": self.CGI, "PW": self.PW}
 
 
 class _ProductFunction(torch.autograd.Function):
-    """Z from (Y, X, W) by the layer's statement; the backward runs the regrouped
+    """The layer from flat inputs (x1, x2, weight) to e3nn's output layout, the layout gathers
+    included, so that its backward returns the inputs' gradients with one inverse gather each
+    (no zero-filled gradient and scatter per gather). The backward runs the regrouped
     statements of GRADIENT_STATEMENTS (each gradient element owned by one row: no atomics)
     instead of insum's derived ones, which scatter every CG entry into dX and dW."""
 
     @staticmethod
-    def forward(ctx, layer: TensorProduct, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, layer: TensorProduct, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        Y, X, W = layer._operands(x1, x2, weight)
         ctx.layer = layer
         ctx.save_for_backward(Y, X, W)
         return layer._product(Y, X, W)
@@ -315,31 +339,39 @@ class _ProductFunction(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor):
         layer: TensorProduct = ctx.layer
         Y, X, W = ctx.saved_tensors
+        batch = d_out.shape[0]
         # The output gradient, component-major like Z (padded channels read a zero).
         P, channels = layer.CGV.shape[0], (X.shape[2] if layer.mode == "uvu" else W.shape[-1])
-        DZ = _gather(d_out, layer.OUT_INVERSE, True).view(d_out.shape[0], P, channels)
+        if layer._identity_out:
+            DZ = d_out.contiguous().view(batch, P, channels)
+        else:
+            DZ = _gather(d_out, layer.OUT_INVERSE, layer._pad_dz).view(batch, P, channels)
         dtype, stmts = DZ.dtype, layer.gradient_statements
-        need_y, need_x, need_w = ctx.needs_input_grad[1:4]
-        dY = dX = dW = None
-        if need_x:
-            dX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
+        need_x1, need_x2, need_w = ctx.needs_input_grad[1:4]
+        dx1 = dx2 = dweight = None
+        if need_x1:
+            DX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
+            dx1 = DX.reshape(batch, -1).index_select(1, layer.X_INVERSE)
         if need_w:
             tables = {"WV": layer._table("WV", dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
             if layer.shared_weights:
-                groups = _batch_groups(Y.shape[0])
+                groups = _batch_groups(batch)
 
                 def split(t: torch.Tensor) -> torch.Tensor:
                     return t.reshape(groups, t.shape[0] // groups, *t.shape[1:])
 
-                dW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), **tables).sum(0)
+                DW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), **tables)
+                DW = DW[0] if groups == 1 else DW.sum(0)
+                DW = DW.reshape(-1)
             else:
-                dW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, **tables)
-        if need_y and layer.mode == "uvu":
-            dY = layer._run(stmts["Y"], YV=layer._table("YV", dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
-        elif need_y:
+                DW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, **tables).reshape(batch, -1)
+            dweight = DW if layer._identity_w else DW.index_select(DW.dim() - 1, layer.W_INVERSE)
+        if need_x2 and layer.mode == "uvu":
+            dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
+        elif need_x2:
             T = layer._run(stmts["T"], X=X, W=W, RC=layer.RC, RS=layer.RS)
-            dY = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP)
-        return None, dY, dX, dW
+            dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP)
+        return None, dx1, dx2, dweight
 
 
 def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
@@ -349,6 +381,21 @@ def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
         if batch % groups == 0:
             return groups
     return 1
+
+
+def _is_identity(index, size: int) -> bool:
+    """Whether a layout table reads positions 0..size-1 in order (no padding): a view."""
+    return index.size == size and bool((index.reshape(-1) == np.arange(size)).all())
+
+
+def _inverse(index, size: int):
+    """inverse[index[k]] = k over the real (unpadded) positions of a layout table: the table
+    that gathers a gradient back into the flat layout (each flat position is read once)."""
+    flat = index.reshape(-1)
+    real = flat < size
+    inverse = np.zeros(size, dtype=np.int64)
+    inverse[flat[real]] = np.nonzero(real)[0]
+    return inverse
 
 
 def _gather(t: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
