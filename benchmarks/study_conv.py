@@ -1,15 +1,19 @@
 """Sparse 3-D convolution on voxelised indoor scenes: insum.nn.SparseConv3d against the torch
 gather-mm-index_add loop and spconv-triton (when importable), fp16, submanifold 3x3x3.
 
-    python -m benchmarks.study_conv [--sizes 120000,1000000] [--channels 32,64,128] [--out DIR]
+    python -m benchmarks.study_conv [--sizes 120000,1000000] [--channels 32,64,128] [--parts maps,conv] [--out DIR]
+    python -m benchmarks.study_conv --sizes 3000 --channels 8 --parts maps,conv   # CPU smoke (torch backend)
 
 Scenes are rooms (floor, ceiling, walls), boxes (furniture), spheres and slanted planes,
 sampled densely on their surfaces and voxelised at unit size: surface-like sets whose
 voxels have about 9-14 neighbours of 27. Every form is checked against the float32 loop
 (relative error); TFLOP/s count 2 * in * out flops per real (input, output, offset) pair,
-three times that for forward+backward. The kernel-map time is insum's build (sort,
-searchsorted, tiling; plus the transposed tiling and pair groups for training) against
-spconv-triton's first call minus its cached call. Rows go to DIR/conv.json as they finish.
+three times that for forward+backward. The kernel-map part (`maps`, DIR/conv_maps.json) times
+insum's build (sort, searchsorted, tiling; plus the transposed tiling and pair groups for
+training) against spconv-triton's own builder on the same scenes,
+`ops.get_indice_pairs_implicit_gemm` (what its SubMConv3d calls on a tensor without cached
+indices), for inference and for training. Rows go to DIR/conv.json as they finish. On a
+CPU the study runs with the torch backend and wall-clock medians (no spconv-triton).
 """
 
 from __future__ import annotations
@@ -25,12 +29,18 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import median_ms, relative_error, shorten_autotune
+from benchmarks.common import cpu_median_ms, relative_error, shorten_autotune
+from benchmarks.common import median_ms as _gpu_median_ms
 from insum import insum
 from insum.nn.conv import TILED, sparse_conv3d
 from insum.nn.kernel_map import build_kernel_map
 
 BUDGET_S = float(os.environ.get("CONV_BUDGET_S", "300"))
+
+
+def median_ms(fn) -> float:
+    """do_bench's median on a GPU, the host's wall-clock median on a CPU (smoke runs)."""
+    return _gpu_median_ms(fn) if torch.cuda.is_available() else cpu_median_ms(fn)
 
 
 # --------------------------------------------------------------------------- scenes
@@ -159,8 +169,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="120000,1000000")
     parser.add_argument("--channels", default="32,64,128")
+    parser.add_argument("--parts", default="maps,conv", help="maps: kernel-map build times; conv: the layer")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
     started = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     undo = shorten_autotune()
@@ -176,12 +188,19 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
 
     scenes = []
+    map_rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         coords = room_scene(size, seed=size, device=device)
         km = build_kernel_map(coords)
-        scenes.append((coords, km, _pairs_per_offset(km), _map_times(coords)))
+        maps = _map_times(coords) if "maps" in parts else {}
+        if "maps" in parts:
+            map_rows.append({"voxels": coords.shape[0], "pairs": km.pairs, **maps, **_spconv_map_times(spconv, coords)})
+            (out_dir / "conv_maps.json").write_text(json.dumps(map_rows, indent=1))
+            print(json.dumps(map_rows[-1]), flush=True)
+        scenes.append((coords, km, _pairs_per_offset(km), maps))
+    _map_table(map_rows)
     # Widest channels first: the point the issue found worst.
-    for c in sorted((int(s) for s in args.channels.split(",")), reverse=True):
+    for c in sorted((int(s) for s in args.channels.split(",")), reverse=True) if "conv" in parts else ():
         for coords, km, (ins, outs), maps in scenes:
             if time.perf_counter() - started > BUDGET_S:
                 print(f"budget spent: skipping N={coords.shape[0]} C={c}", flush=True)
@@ -190,8 +209,9 @@ def main(argv=None) -> int:
                 add({**maps, **_case(km, coords, ins, outs, c, spconv)})
             except Exception:  # noqa: BLE001 - one failed case must not lose the others
                 traceback.print_exc()
-    _table(rows)
-    if time.perf_counter() - started < BUDGET_S + 30:
+    if rows:
+        _table(rows)
+    if "conv" in parts and device.type == "cuda" and time.perf_counter() - started < BUDGET_S + 30:
         checks = gpu_checks(device)
         (out_dir / "conv_checks.json").write_text(json.dumps(checks, indent=1))
     undo()
@@ -205,6 +225,42 @@ def _map_times(coords) -> dict:
         km.tiles(128), km.transpose().tiles(128), km.pair_groups()
 
     return {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles(128)), "map_train_ms": median_ms(build_train)}
+
+
+def _spconv_map_times(spconv, coords) -> dict:
+    """spconv-triton's kernel-map build for a submanifold 3x3x3 layer, inference and training
+    (what its SubMConv3d runs when the input tensor has no cached indices)."""
+    if spconv is None:
+        return {}
+    from spconv_triton.pytorch import ops
+
+    shape = (coords[:, 1:].max(0).values + 1).tolist()
+    algo = spconv.SubMConv3d(8, 8, 3, bias=False).algo
+
+    def build(train: bool):
+        return ops.get_indice_pairs_implicit_gemm(coords, 1, shape, algo, ksize=[3, 3, 3], stride=[1, 1, 1],
+                                                  padding=[1, 1, 1], dilation=[1, 1, 1], out_padding=[0, 0, 0],
+                                                  subm=True, is_train=train)
+
+    try:
+        return {"spconv_map_fwd_ms": median_ms(lambda: build(False)), "spconv_map_train_ms": median_ms(lambda: build(True))}
+    except Exception as e:  # noqa: BLE001 - keep insum's numbers when the anchor fails
+        return {"spconv_map_error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def _map_table(rows) -> None:
+    if not rows:
+        return
+    print("\nkernel-map build, ms (median): insum (map + tiles | + transposed tiles, pair groups) vs spconv-triton "
+          "(get_indice_pairs_implicit_gemm, inference | training)")
+    for r in rows:
+        def f(key, r=r):
+            v = r.get(key)
+            return f"{v:8.3f}" if isinstance(v, (int, float)) else f"{'-':>8}"
+
+        ratio = r["spconv_map_fwd_ms"] / r["map_fwd_ms"] if "spconv_map_fwd_ms" in r else None
+        print(f"{r['voxels']:>8} voxels | insum {f('map_fwd_ms')} {f('map_train_ms')} | spconv-triton {f('spconv_map_fwd_ms')}"
+              f" {f('spconv_map_train_ms')} | spconv/insum inference {ratio if ratio is None else f'{ratio:.2f}x'}")
 
 
 def _case(km, coords, ins, outs, c, spconv) -> dict:
