@@ -177,6 +177,7 @@ def test_all_gradients_equal_e3nn(case):
     layer = TensorProduct.from_e3nn(ref, backend="torch")
     assert layer._identity_w == (case in ("uvw uniform", "uvw broadcast", "uvu per-edge"))
     assert layer._pad_x == layer._pad_dz == (case in ("uvw padded", "uvu second multiplicity"))
+    assert ("PR[p]" in layer.statement) == (case == "uvu per-edge")  # one weight slab per output component
     lead1, lead2 = ((2, 1), (1, 3)) if case == "uvw broadcast" else ((4,), (4,))
     x1 = torch.randn(*lead1, ref.irreps_in1.dim, requires_grad=True)
     x2 = torch.randn(*lead2, ref.irreps_in2.dim, requires_grad=True)
@@ -217,6 +218,19 @@ def test_generated_kernel_in_the_interpreter():
     (grad,) = torch.autograd.grad(out, [x1], torch.ones_like(out))
     (expected,) = torch.autograd.grad(ref(x1.double(), x2.double()).sum(), [x1])
     _close(grad.double(), expected.double(), 1e-5)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter is chosen before triton is imported")
+def test_channel_wise_generated_kernel_in_the_interpreter():
+    """The MACE-like product (one weight slab per output component) through the generated kernel."""
+    torch.manual_seed(8)
+    irreps_out, ins = _mace(o3.Irreps("3x0e+3x1o"), o3.Irreps("0e+1o"), 1)
+    ref = o3.TensorProduct("3x0e+3x1o", "0e+1o", irreps_out, ins, shared_weights=False, internal_weights=False)
+    layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee").float()
+    assert "PR[p]" in layer.statement
+    x1, x2, w = torch.randn(5, 12), torch.randn(5, 4), torch.randn(5, ref.weight_numel)
+    _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
 
 
 def test_empty_batch_and_no_internal_weights():

@@ -17,6 +17,7 @@ __all__ = [
     "IRREP_NORMALIZATIONS",
     "MODES",
     "PATH_NORMALIZATIONS",
+    "ROW_SLAB_STATEMENTS",
     "RUN_STATEMENTS",
     "STATEMENTS",
     "Instruction",
@@ -31,6 +32,13 @@ STATEMENTS = {
     ("uvw", False): "Z[b,p,w] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u,w]",
     ("uvu", True): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u]",
     ("uvu", False): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u]",
+}
+# Channel-wise products whose every output component is fed by one weight slab (each output
+# entry has one path with one input-2 channel, as in MACE): the weight is read once per
+# (component, channel) through PR[p] instead of once per CG entry.
+ROW_SLAB_STATEMENTS = {
+    ("uvu", True): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PR[p],u]",
+    ("uvu", False): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PR[p],u]",
 }
 # The same products writing straight into e3nn's layout: one launch per run of consecutive
 # output entries of one multiplicity and dimension, Z a strided view [batch, entry, m, channel].

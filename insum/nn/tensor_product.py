@@ -44,6 +44,7 @@ from .cg_tables import (
     GRADIENT_STATEMENTS,
     IRREP_NORMALIZATIONS,
     PATH_NORMALIZATIONS,
+    ROW_SLAB_STATEMENTS,
     RUN_STATEMENTS,
     STATEMENTS,
     Instruction,
@@ -155,6 +156,10 @@ class TensorProduct(nn.Module):
                 gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX", "OUT_INVERSE", "X_INVERSE", "W_INVERSE")  # torch indexing: int64
                 self.register_buffer(name, torch.from_numpy(table).to(torch.int64 if name in gathers else torch.int32), persistent=False)
         self.statement = STATEMENTS[(self.mode, shared_weights)]
+        row_slab = _row_slab(tables["CGV"], tables["PW"])
+        if row_slab is not None and (self.mode, shared_weights) in ROW_SLAB_STATEMENTS and output == "gather":
+            self.statement = ROW_SLAB_STATEMENTS[(self.mode, shared_weights)]
+            self.register_buffer("PR", torch.from_numpy(row_slab).to(torch.int32), persistent=False)
         self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
         self.run_statement = RUN_STATEMENTS[(self.mode, shared_weights)]
         self._runs = self._output_runs()
@@ -243,7 +248,8 @@ class TensorProduct(nn.Module):
         """The e3nn-layout output [batch, irreps_out.dim] of the forward statement(s)."""
         if self.output == "views":
             return self._forward_views(Y, X, W)
-        Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=self.CGJ, CGI=self.CGI, PW=self.PW)
+        Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=self.CGJ, CGI=self.CGI,
+                      **self._weight_tables())
         Z = Z.reshape(Z.shape[0], -1)
         return Z if self._identity_out else Z.index_select(1, self.OUT_INDEX)
 
@@ -318,7 +324,13 @@ class TensorProduct(nn.Module):
         weight = self.weight if weight is None else weight
         lead = self._lead(x1, x2, weight) if lead is None else lead
         Y, X, W = self._operands(*self._flat_inputs(x1, x2, weight, lead))
-        return {"CGV": self._table("CGV", Y.dtype), "Y": Y, "X": X, "W": W, "CGJ": self.CGJ, "CGI": self.CGI, "PW": self.PW}
+        return {"CGV": self._table("CGV", Y.dtype), "Y": Y, "X": X, "W": W, "CGJ": self.CGJ, "CGI": self.CGI,
+                **self._weight_tables()}
+
+    def _weight_tables(self) -> dict[str, torch.Tensor]:
+        """The weight's index table of `self.statement`: PW [P, Q] per CG entry, or PR [P]
+        per output component (ROW_SLAB_STATEMENTS)."""
+        return {"PR": self.PR} if "PR" in self._buffers else {"PW": self.PW}
 
 
 class _ProductFunction(torch.autograd.Function):
@@ -381,6 +393,16 @@ def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
         if batch % groups == 0:
             return groups
     return 1
+
+
+def _row_slab(cgv, pw):
+    """PR[p], the one weight slab every CG entry of output component p reads, or None when
+    some component reads two (rows without entries read slab 0)."""
+    real = cgv != 0
+    first = np.where(real.any(1), pw[np.arange(len(pw)), real.argmax(1)], 0)
+    if (real & (pw != first[:, None])).any():
+        return None
+    return first.astype(np.int64)
 
 
 def _is_identity(index, size: int) -> bool:
