@@ -218,6 +218,7 @@ def main(argv=None) -> int:
               f"{row['host_us']:>8.1f}  {ops}", flush=True)
     if args.profile and device.type == "cuda":
         rows.append({"case": "profile", "table": profile_layers(device)})
+        print(rows[-1]["table"], flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "layer_overhead.json").write_text(json.dumps(rows, indent=1))
@@ -225,29 +226,63 @@ def main(argv=None) -> int:
 
 
 def profile_layers(device) -> str:
-    """CUDA time per kernel of the conv layer (1.2M-voxel room, fp16, 32 and 128 channels,
-    tiled form) and of the product layers: what runs besides insum's kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """The conv layer (1.2M-voxel room, fp16, 32 and 128 channels, tiled form) taken apart on
+    the GPU: do_bench of the layer, of its statements alone, of each op around them alone,
+    and the layer's host time per call; then a profile of 10 calls by CUDA time and by CPU
+    time (a blocking runtime call, cudaFree or a synchronize, shows in the second)."""
     from benchmarks.study_conv import room_scene
 
-    tables = []
     coords = room_scene(1_000_000, seed=1_000_000, device=device)
     km = build_kernel_map(coords).prepare()
+    lines = []
     for c in (32, 128):
-        x = torch.randn(coords.shape[0], c, device=device, dtype=torch.float16)
-        w = torch.randn(3, 3, 3, c, c, device=device, dtype=torch.float16) / math.sqrt(27 * c)
-        for _ in range(3):
-            sparse_conv3d(x, w, km, form="tiles")
+        lines += _conv_breakdown(km, c, device)
+        print("\n".join(lines), flush=True)
+    return "\n".join(lines)
+
+
+def _conv_breakdown(km, c: int, device) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.common import host_us_per_call, median_ms
+    from insum.nn.conv import TILED
+
+    tiled = km.tiles(128)
+    x = torch.randn(km.n_in, c, device=device, dtype=torch.float16)
+    w = torch.randn(3, 3, 3, c, c, device=device, dtype=torch.float16) / math.sqrt(27 * c)
+    w3 = w.reshape(27, c, c)
+    x0 = torch.cat([x, x.new_zeros(1, c)])
+    y = x.new_empty(tiled.n_tiles, tiled.tile, c)
+
+    def layer():
+        sparse_conv3d(x, w, km, form="tiles")
+
+    def statements():
+        for start, end, nb, tw in tiled.buckets:
+            real_insum(TILED, O=y[start:end], X=x0, NB=nb, TW=tw, W=w3, check_indices=False)
+
+    parts = {
+        "layer": layer,
+        "statements": statements,
+        "zero-row cat": lambda: torch.cat([x, x.new_zeros(1, c)]),
+        "gather back (index_select)": lambda: torch.index_select(y.view(-1, c), 0, tiled.inverse),
+        "gather back (advanced indexing)": lambda: y.view(-1, c)[tiled.inverse],
+        "new_empty tiles": lambda: x.new_empty(tiled.n_tiles, tiled.tile, c),
+    }
+    layer()
+    lines = [f"conv tiles C={c} N={km.n_in}: do_bench medians, ms"]
+    for name, fn in parts.items():
+        lines.append(f"  {name:<34} {median_ms(fn):8.3f}")
+    lines.append(f"  layer host time per call (us)      {host_us_per_call(layer, calls=200):8.1f}")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            layer()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                sparse_conv3d(x, w, km, form="tiles")
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
-        tables.append(f"conv tiles C={c} N={coords.shape[0]} (10 calls)\n{table}")
-        print(tables[-1], flush=True)
-    return "\n".join(tables)
+    averages = prof.key_averages()
+    lines.append(averages.table(sort_by="cuda_time_total", row_limit=12))
+    lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=12))
+    return lines
 
 
 if __name__ == "__main__":
