@@ -147,26 +147,26 @@ def host_us(step, repeat: int = 200) -> float:
 
 
 def conv_cases(device, n: int = 2000, channels: int = 32, dtype=torch.float32):
-    """SparseConv3d at one small scene, both forms, with and without bias."""
+    """SparseConv3d at one small scene, both forms, with and without bias, and absent="mask"."""
     gen = torch.Generator().manual_seed(0)
     coords = torch.unique(torch.randint(0, 24, (n, 3), generator=gen), dim=0).to(device)
-    km = build_kernel_map(coords).prepare(tile=64)
+    km = build_kernel_map(coords).prepare(tile=64, mask_dtype=dtype)
     x = torch.randn(coords.shape[0], channels, generator=gen).to(device, dtype)
     w = (torch.randn(3, 3, 3, channels, channels, generator=gen) / math.sqrt(27 * channels)).to(device, dtype)
     b = torch.randn(channels, generator=gen).to(device, dtype)
     g = torch.randn(coords.shape[0], channels, generator=gen).to(device, dtype)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     for form in ("tiles", "pairs"):
-        for bias in (None, b):
-            name = f"conv {form}{' bias' if bias is not None else ''}"
+        for bias, absent in ((None, "zero_row"), (b, "zero_row"), (None, "mask")):
+            name = f"conv {form}{' bias' if bias is not None else ''}{' mask' if absent == 'mask' else ''}"
 
-            def forward(form=form, bias=bias):
+            def forward(form=form, bias=bias, absent=absent):
                 with torch.no_grad():
-                    sparse_conv3d(x, w, km, bias, form=form, tile=64)
+                    sparse_conv3d(x, w, km, bias, form=form, tile=64, absent=absent)
 
-            def train(form=form, bias=bias):
+            def train(form=form, bias=bias, absent=absent):
                 xg.grad = wg.grad = None
-                sparse_conv3d(xg, wg, km, bias, form=form, tile=64).backward(g)
+                sparse_conv3d(xg, wg, km, bias, form=form, tile=64, absent=absent).backward(g)
 
             yield f"{name} fwd", forward
             yield f"{name} fwd+bwd", train

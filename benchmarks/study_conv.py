@@ -273,11 +273,14 @@ def _case(km, coords, ins, outs, c, spconv) -> dict:
     ref = torch_loop(x32, w32.reshape(27, c, c), ins, outs)
     flops = 2 * pairs * c * c
     row = {"voxels": n, "pairs": pairs, "pairs_per_voxel": pairs / n, "channels": c}
-    for form, tile in (("tiles", 128), ("tiles", 64), ("pairs", 128)):
-        got = sparse_conv3d(x, w, km, form=form, tile=tile)
-        name = f"{form}{tile}"
+    # absent="mask" (no zero-row copy; a 0/1 factor in the statement) beside the default
+    for form, tile, absent in (("tiles", 128, "zero_row"), ("tiles", 64, "zero_row"), ("pairs", 128, "zero_row"),
+                               ("tiles", 128, "mask"), ("pairs", 128, "mask")):
+        got = sparse_conv3d(x, w, km, form=form, tile=tile, absent=absent)
+        name = f"{form}{tile}" + ("_mask" if absent == "mask" else "")
         row[f"{name}_err"] = relative_error(got.float(), ref)
-        row[f"{name}_fwd_ms"] = median_ms(lambda form=form, tile=tile: sparse_conv3d(x, w, km, form=form, tile=tile))
+        row[f"{name}_fwd_ms"] = median_ms(
+            lambda form=form, tile=tile, absent=absent: sparse_conv3d(x, w, km, form=form, tile=tile, absent=absent))
         if form == "tiles":
             t = km.tiles(tile)
             row[f"{name}_padding"] = t.padded_pairs / max(1, t.real_pairs)
@@ -294,6 +297,8 @@ def _case(km, coords, ins, outs, c, spconv) -> dict:
     row["tiles128_kernels_ms"] = median_ms(kernels_only)
     row["tiles128_kernels_padded_tflops"] = 2 * tiled.padded_pairs * c * c / row["tiles128_kernels_ms"] * 1e-9
     row["loop_fwd_ms"] = median_ms(lambda: torch_loop(x, w.reshape(27, c, c), ins, outs))
+    for form in ("tiles128", "pairs128"):
+        row[f"{form}_mask_speedup"] = row[f"{form}_fwd_ms"] / row[f"{form}_mask_fwd_ms"]
     best = min(("tiles128", "tiles64", "pairs128"), key=lambda f: row[f"{f}_fwd_ms"])
     row["best_fwd"] = best
     row["best_fwd_tflops"] = flops / row[f"{best}_fwd_ms"] * 1e-9
@@ -302,12 +307,15 @@ def _case(km, coords, ins, outs, c, spconv) -> dict:
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_()
     g = torch.randn(n, c, device=device, dtype=torch.float16, generator=gen)
-    for tile in (128, 64):
-        def step(tile=tile):
+    for tile, absent in ((128, "zero_row"), (64, "zero_row"), (128, "mask")):
+        def step(tile=tile, absent=absent):
             xg.grad = wg.grad = None
-            sparse_conv3d(xg, wg, km, tile=tile).backward(g)
+            sparse_conv3d(xg, wg, km, tile=tile, absent=absent).backward(g)
 
         step()
+        if absent == "mask":
+            row["tiles128_mask_fwdbwd_ms"] = median_ms(step)
+            continue
         if tile == 128:
             x32g, w32g = x32.clone().requires_grad_(), w32.clone().requires_grad_()
             torch_loop(x32g, w32g.reshape(27, c, c), ins, outs).backward(g.float())
@@ -379,7 +387,9 @@ def _table(rows):
               f" {f('pairs128_fwd_ms')} {f('loop_fwd_ms')} {f('spconv_fwd_ms')} | {f('speedup_fwd', '6.2f')}"
               f" {f('best_fwd_tflops', '6.1f')} | {f('best_fwdbwd_ms')} {f('loop_fwdbwd_ms')} {f('spconv_fwdbwd_ms')}"
               f" {f('speedup_fwdbwd', '6.2f')} | {f('map_fwd_ms', '6.2f')} {f('spconv_map_ms', '7.2f')}"
-              f" | {f('tiles128_err', '7.1e')} {f('tiles128_padding', '5.2f')}")
+              f" | {f('tiles128_err', '7.1e')} {f('tiles128_padding', '5.2f')}"
+              f" | mask: fwd x {f('tiles128_mask_speedup', '5.2f')} (tiles) {f('pairs128_mask_speedup', '5.2f')} (pairs),"
+              f" fb {f('tiles128_mask_fwdbwd_ms')}")
 
 
 if __name__ == "__main__":

@@ -183,14 +183,19 @@ class KernelMap:
         """Real (input, output, offset) triples: the work of the convolution."""
         return self.cached("pairs", lambda: int((self.nbr >= 0).sum()))
 
-    def prepare(self, tile: int = 128, training: bool = True) -> KernelMap:
+    def prepare(self, tile: int = 128, training: bool = True, mask_dtype: torch.dtype | None = None) -> KernelMap:
         """Build the packings a forward (either form) and, with `training`, a backward pass
         read, so that a function compiled with `torch.compile(fullgraph=True)` only looks
-        them up."""
+        them up. mask_dtype: also the masked packings (`absent="mask"`) for that dtype."""
         self.pairs, self.tiles(tile), self.pair_groups(tile)
         if training:
             self.transpose().tiles(tile)
             self.pair_groups()
+        if mask_dtype is not None:
+            self.masked_tiles(tile, mask_dtype), self.masked_pairs(tile, mask_dtype)
+            if training:
+                self.transpose().masked_tiles(tile, mask_dtype)
+                self.masked_pairs(None, mask_dtype)
         return self
 
     def transpose(self) -> KernelMap:
@@ -202,6 +207,25 @@ class KernelMap:
 
     def pair_groups(self, group: int | None = None) -> PairGroups:
         return self.cached(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group))
+
+    def masked_tiles(self, tile: int, dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The tiled buckets without the zero row: (first tile, last tile + 1, NB, V, TW) with
+        absent neighbours reading row 0 and V = 0 there (1 elsewhere), V in `dtype`."""
+
+        def make():
+            return [(start, end, torch.where(nb == self.n_in, 0, nb), (nb != self.n_in).to(dtype), tw)
+                    for start, end, nb, tw in self.tiles(tile).buckets]
+
+        return self.cached(("masked tiles", tile, dtype), make)
+
+    def masked_pairs(self, group: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(PI, V) of the grouped pairs without the zero row: padding reads row 0, V = 0 there."""
+
+        def make():
+            real = self.pair_groups(group).PI != self.n_in
+            return torch.where(real, self.pair_groups(group).PI, 0), real.to(dtype)
+
+        return self.cached(("masked pairs", group, dtype), make)
 
     def cached(self, key, make):
         """`make()` once per key, kept on the map (packings, derived coordinates)."""
