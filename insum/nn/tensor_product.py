@@ -206,14 +206,13 @@ class TensorProduct(nn.Module):
             raise InsumShapeError(f"weight has {weight.shape[-1]} entries (shape {tuple(weight.shape)}), the paths need {self.weight_numel}")
         lead = self._lead(x1, x2, weight)
         if math.prod(lead) == 0 or not self.instructions:
-            dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
-            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
+            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=_promoted(x1, x2, weight))
         x1, x2, weight = self._flat_inputs(x1, x2, weight, lead)
         if torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or weight.requires_grad):
             out = _ProductFunction.apply(self, x1, x2, weight)
         else:
             out = self._product(*self._operands(x1, x2, weight))  # no autograd node: less host time per call
-        return out.reshape(*lead, self.irreps_out.dim)
+        return out if len(lead) == 1 else out.reshape(*lead, self.irreps_out.dim)
 
     def _lead(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
         """The broadcast leading shape (torch.broadcast_shapes only when the shapes differ)."""
@@ -224,13 +223,11 @@ class TensorProduct(nn.Module):
 
     def _table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A value table (kept in float64) in the product's dtype, converted once per dtype."""
-        table = getattr(self, name)
         if torch.compiler.is_compiling():
-            return table.to(dtype)  # a traced graph converts once anyway; no cache mutation in it
-        key = (name, dtype, table.device)
-        cached = self._cast.get(key)
+            return self._buffers[name].to(dtype)  # a traced graph converts once anyway; no cache mutation in it
+        cached = self._cast.get((name, dtype))  # emptied by _apply (a move to another device)
         if cached is None:
-            cached = self._cast[key] = table.to(dtype)
+            cached = self._cast[(name, dtype)] = self._buffers[name].to(dtype)
         return cached
 
     def _apply(self, fn, *args, **kwargs):
@@ -248,10 +245,11 @@ class TensorProduct(nn.Module):
         """The e3nn-layout output [batch, irreps_out.dim] of the forward statement(s)."""
         if self.output == "views":
             return self._forward_views(Y, X, W)
-        Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=self.CGJ, CGI=self.CGI,
-                      **self._weight_tables())
+        tables = self._buffers
+        Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=tables["CGJ"],
+                      CGI=tables["CGI"], **self._weight_tables())
         Z = Z.reshape(Z.shape[0], -1)
-        return Z if self._identity_out else Z.index_select(1, self.OUT_INDEX)
+        return Z if self._identity_out else Z.index_select(1, tables["OUT_INDEX"])
 
     def _output_runs(self) -> list[tuple[int, int, int, int, int, int]]:
         """(first component row, entries, mul, dim, output offset, Q) per run of consecutive
@@ -294,27 +292,30 @@ class TensorProduct(nn.Module):
         """x1 [batch, dim1], x2 [batch, dim2] and the weight (flat, or [batch, numel]) in the
         product's dtype: views when the shapes and dtypes already agree."""
         batch = math.prod(lead)
-        dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
+        dtype = _promoted(x1, x2, weight)
         if x1.shape[:-1] != lead:
             x1 = x1.expand(*lead, x1.shape[-1])
         if x2.shape[:-1] != lead:
             x2 = x2.expand(*lead, x2.shape[-1])
-        x1, x2 = x1.reshape(batch, -1), x2.reshape(batch, -1)
+        if len(lead) != 1:
+            x1, x2 = x1.reshape(batch, -1), x2.reshape(batch, -1)
         if self.shared_weights:
-            weight = weight.reshape(-1)
+            weight = weight if weight.dim() == 1 else weight.reshape(-1)
         else:
             weight = weight if weight.shape[:-1] == lead else weight.expand(*lead, self.weight_numel)
-            weight = weight.reshape(batch, -1)
-        return x1.to(dtype), x2.to(dtype), weight.to(dtype)
+            weight = weight if len(lead) == 1 else weight.reshape(batch, -1)
+        # (a .to() that changes nothing still costs a dispatch per call)
+        return tuple(t if t.dtype == dtype else t.to(dtype) for t in (x1, x2, weight))
 
     def _operands(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor):
         """The statement's (Y, X, W) from flat inputs: input 1 gathered component-major, the
         weight as slabs (a view when its layout already is)."""
+        tables = self._buffers
         if self._identity_w:
-            W = weight.view(*weight.shape[:-1], *self.W_INDEX.shape)
+            W = weight.view(*weight.shape[:-1], *tables["W_INDEX"].shape)
         else:
-            W = _gather(weight, self.W_INDEX, self._pad_w)
-        return x2, _gather(x1, self.X_INDEX, self._pad_x), W
+            W = _gather(weight, tables["W_INDEX"], self._pad_w)
+        return x2, _gather(x1, tables["X_INDEX"], self._pad_x), W
 
     def statement_tensors(
         self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None, lead: tuple[int, ...] | None = None
@@ -330,7 +331,8 @@ class TensorProduct(nn.Module):
     def _weight_tables(self) -> dict[str, torch.Tensor]:
         """The weight's index table of `self.statement`: PW [P, Q] per CG entry, or PR [P]
         per output component (ROW_SLAB_STATEMENTS)."""
-        return {"PR": self.PR} if "PR" in self._buffers else {"PW": self.PW}
+        tables = self._buffers
+        return {"PR": tables["PR"]} if "PR" in tables else {"PW": tables["PW"]}
 
 
 class _ProductFunction(torch.autograd.Function):
@@ -393,6 +395,13 @@ def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
         if batch % groups == 0:
             return groups
     return 1
+
+
+def _promoted(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The product's dtype (promote_types only when the three differ)."""
+    if x1.dtype == x2.dtype == weight.dtype:
+        return x1.dtype
+    return torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
 
 
 def _row_slab(cgv, pw):
