@@ -159,7 +159,8 @@ def test_gradients_equal_e3nn_and_gradcheck():
     assert torch.autograd.gradcheck(external, (x1, x2, weight))
 
 
-@pytest.mark.parametrize("case", ["uvw uniform", "uvw padded", "uvu per-edge", "uvu second multiplicity", "uvw broadcast"])
+@pytest.mark.parametrize("case", ["uvw uniform", "uvw padded", "uvu per-edge", "uvu second multiplicity", "uvw broadcast",
+                                  "uvu buckets", "uvw buckets"])
 def test_all_gradients_equal_e3nn(case):
     """Every input's gradient against e3nn's, over the layouts the layer treats apart: a
     weight already in slab order (a view) or gathered, padded channels and outputs, per-edge
@@ -168,16 +169,19 @@ def test_all_gradients_equal_e3nn(case):
     if case.startswith("uvw"):
         args = ("3x0e+3x1o", "0e+1o", "3x0e+3x1o") if case != "uvw padded" else ("2x0e+1x1o", "0e+1o", "1x0e+2x1o")
         ref = o3.FullyConnectedTensorProduct(*args)
-    elif case == "uvu per-edge":
+    elif case in ("uvu per-edge", "uvu buckets"):
         irreps_out, ins = _mace(o3.Irreps("4x0e+4x1o"), o3.Irreps("0e+1o+2e"), 2)
         ref = o3.TensorProduct("4x0e+4x1o", "0e+1o+2e", irreps_out, ins, shared_weights=False, internal_weights=False)
     else:
         ins = [(0, 1, 0, "uvu", True), (1, 1, 1, "uvu", True), (1, 0, 2, "uvu", True)]
         ref = o3.TensorProduct("3x0e+2x1o", "2x0e+2x1o", "3x1o+2x0e+2x1o", ins)
-    layer = TensorProduct.from_e3nn(ref, backend="torch")
-    assert layer._identity_w == (case in ("uvw uniform", "uvw broadcast", "uvu per-edge"))
-    assert layer._pad_x == layer._pad_dz == (case in ("uvw padded", "uvu second multiplicity"))
-    assert ("PR[p]" in layer.statement) == (case == "uvu per-edge")  # one weight slab per output component
+    if case == "uvw buckets":
+        ref = o3.FullyConnectedTensorProduct("2x0e+2x1o+1x2e", "0e+1o+2e", "2x0e+3x1o+1x2e")
+    layer = TensorProduct.from_e3nn(ref, backend="torch", row_buckets=3 if case.endswith("buckets") else 1)
+    assert bool(layer._buckets) == case.endswith("buckets")  # rows of unequal entry counts: several launches
+    assert layer._identity_w == (case in ("uvw uniform", "uvw broadcast", "uvu per-edge", "uvu buckets"))
+    assert layer._pad_x == layer._pad_dz == (case in ("uvw padded", "uvu second multiplicity", "uvw buckets"))
+    assert ("PR[p]" in layer.statement) == (case in ("uvu per-edge", "uvu buckets"))  # one weight slab per output component
     lead1, lead2 = ((2, 1), (1, 3)) if case == "uvw broadcast" else ((4,), (4,))
     x1 = torch.randn(*lead1, ref.irreps_in1.dim, requires_grad=True)
     x2 = torch.randn(*lead2, ref.irreps_in2.dim, requires_grad=True)
@@ -227,10 +231,11 @@ def test_channel_wise_generated_kernel_in_the_interpreter():
     torch.manual_seed(8)
     irreps_out, ins = _mace(o3.Irreps("3x0e+3x1o"), o3.Irreps("0e+1o"), 1)
     ref = o3.TensorProduct("3x0e+3x1o", "0e+1o", irreps_out, ins, shared_weights=False, internal_weights=False)
-    layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee").float()
-    assert "PR[p]" in layer.statement
     x1, x2, w = torch.randn(5, 12), torch.randn(5, 4), torch.randn(5, ref.weight_numel)
-    _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
+    for row_buckets in (1, 2):  # one launch; two, each writing its rows of Z through a strided view
+        layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", row_buckets=row_buckets).float()
+        assert "PR[p]" in layer.statement and len(layer._buckets) == (0 if row_buckets == 1 else 2)
+        _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
 
 
 def test_empty_batch_and_no_internal_weights():
@@ -253,6 +258,7 @@ def test_empty_batch_and_no_internal_weights():
         (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uuu")]), "connection mode"),
         (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uvw", False)]), "without weights"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", path_normalization="x"), "path_normalization"),
+        (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="views", row_buckets=2), "row_buckets"),
     ],
 )
 def test_bad_irreps_raise(make, match):
@@ -314,10 +320,12 @@ def test_shared_weight_gradient_split_over_batch_groups():
     _close(mine, theirs)
 
 
-def test_torch_compile_fullgraph_forward_and_backward():
+@pytest.mark.parametrize("row_buckets", [1, 2])
+def test_torch_compile_fullgraph_forward_and_backward(row_buckets):
     torch.manual_seed(9)
     ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o")
-    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch", row_buckets=row_buckets)
+    assert len(layer._buckets) == (0 if row_buckets == 1 else 2)
     compiled = torch.compile(layer, fullgraph=True)
     x1 = torch.randn(5, 8, requires_grad=True)
     x2 = torch.randn(5, 4, requires_grad=True)

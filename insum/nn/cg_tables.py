@@ -136,9 +136,13 @@ def check_instruction(irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, ins:
 
 
 def tensor_product_tables(
-    irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, instructions: list[Instruction]
+    irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, instructions: list[Instruction], sort_rows: bool = False
 ) -> dict[str, np.ndarray]:
     """The index and value tables of the layer's statement (numpy, built once per layer).
+
+    sort_rows: order the output components p by their number of CG entries (fewest first,
+    stable), so that runs of rows with similar counts can run with their own Q; OUT_INDEX
+    and the gradient tables follow the new order.
 
     CGV, CGJ, CGI, PW [P, Q]: the CG entries grouped by output component p (padded with
     zero entries); X_INDEX [C1, U]: input 1's flat position of (component, channel);
@@ -180,6 +184,11 @@ def tensor_product_tables(
                 )
         weight_offset += size
         weight_numel += size
+    row_of = np.arange(len(rows))  # component (e3nn order) -> row p
+    if sort_rows:
+        order = sorted(range(len(rows)), key=lambda p: len(rows[p]))
+        rows = [rows[p] for p in order]
+        row_of[order] = np.arange(len(rows))
     Q = max((len(r) for r in rows), default=1) or 1
     P = len(rows)
     cgv, cgj, cgi, pw = np.zeros((P, Q)), np.zeros((P, Q), np.int64), np.zeros((P, Q), np.int64), np.zeros((P, Q), np.int64)
@@ -193,7 +202,7 @@ def tensor_product_tables(
     out_index = np.zeros(irreps_out.dim, dtype=np.int64)
     for e, (mul, ir) in enumerate(irreps_out):
         w, k = np.meshgrid(np.arange(mul), np.arange(ir.dim), indexing="ij")
-        out_index[offsets_out[e] + w * ir.dim + k] = (comp_out[e] + k) * Wd + w
+        out_index[offsets_out[e] + w * ir.dim + k] = row_of[comp_out[e] + k] * Wd + w
     out_inverse = np.full(P * Wd, irreps_out.dim, dtype=np.int64)  # Z position -> e3nn position
     out_inverse[out_index] = np.arange(irreps_out.dim)
     tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index, "OUT_INVERSE": out_inverse,

@@ -38,6 +38,7 @@ __all__ = [
     "output_coords",
     "tile_map",
     "pair_groups",
+    "bucket_bounds",
     "default_cache",
 ]
 
@@ -286,9 +287,10 @@ def build_kernel_map(
     return KernelMap(nbr, coords.shape[0], out, kernel_size)
 
 
-def _bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
-    """Split tiles sorted by offset count into at most `max_buckets` runs minimising the
-    padded work sum(run length * run maximum). Returns the run ends."""
+def bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
+    """Split items sorted by count (tiles by offsets, tensor-product rows by CG entries) into
+    at most `max_buckets` runs minimising the padded work sum(run length * run maximum).
+    Returns the run ends."""
     n = len(counts)
     if n == 0:
         return []
@@ -334,7 +336,7 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
     host_counts = counts.tolist()
     buckets = []
     start = 0
-    for end in _bucket_bounds(host_counts, max_buckets):
+    for end in bucket_bounds(host_counts, max_buckets):
         width = max(1, host_counts[end - 1])
         # The tile's active offsets first, in offset order.
         tw = torch.argsort((~active[start:end]).to(torch.int8), dim=1, stable=True)[:, :width]
