@@ -81,7 +81,7 @@ class TensorProduct(nn.Module):
     strided view of the e3nn-layout output: no gather pass, more launches).
     row_buckets: with "gather", the output components sorted by their number of CG entries
     and run in up to this many launches, each with its own entry count Q (less padded work
-    where counts differ, as in MACE's channel-wise product: 568 -> 260 entry slots per edge
+    where counts differ, as in MACE's channel-wise product: 568 -> 239 entry slots per edge
     with 4 buckets; one launch more per bucket). Default 1: one launch (not yet measured).
     """
 
