@@ -19,14 +19,16 @@ CGI the component of input 1, and PW the weight slab of the entry's (path, v). T
 generator runs it as a `tl.dot` over the channels u (M = batch, N = output channels) with
 the CG entries as the loop: no dense CG tensor, no zero entries. The channel-wise ("uvu")
 product of MACE-style models keeps the channel: `Z[b,p,u] = ... X[b,CGI[p,q],u] * W[PW[p,q],u]`
-(or `W[b,PW[p,q],u]` with one weight vector per edge), a broadcast-multiply-and-sum.
+(or `W[b,PW[p,q],u]` with one weight vector per edge), a broadcast-multiply-and-sum; when each
+output component reads one weight slab (MACE: one path per output entry), `W[b,PR[p],u]`.
 
 Layouts and normalisation are e3nn's (`irrep_normalization="component"`,
 `path_normalization="element"` by default), and so is the flat weight vector (paths in
 instruction order, each `[mul1, mul2, mul_out]` or `[mul1, mul2]`), so `from_e3nn(tp)`
 copies an e3nn module's weights. Input 1 is permuted once into component-major
-`[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks (two gathers).
-Gradients are insum's derived statements; the layer runs under `torch.compile`.
+`[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks (two gathers, inside
+the autograd function: its backward returns each input's gradient by one inverse gather).
+Gradients are regrouped statements (`GRADIENT_STATEMENTS`); the layer runs under `torch.compile`.
 """
 
 from __future__ import annotations
