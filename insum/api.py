@@ -7,6 +7,8 @@ while torch.compile traces or when a tensor requires grad; `compile()` to the ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .bind import bind
@@ -19,6 +21,7 @@ from .execute import (
     Precision,
     check_names,
     check_options,
+    length_facts,
     run,
     sorted_facts,
 )
@@ -37,6 +40,8 @@ def insum(
     autotune: bool | None = None,
     check_indices: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: Mapping[str, torch.Tensor] | None = None,
     **tensors: torch.Tensor,
 ) -> torch.Tensor:
     """Evaluate one indirect Einsum and return its output.
@@ -57,6 +62,19 @@ def insum(
     (`C[AM[p], n]` with AM sorted) then sums adjacent contributions to one row in
     registers and writes once per row and tile. Unchecked: a wrong claim gives wrong
     sums. Used by the direct call; under autograd or torch.compile it is ignored.
+    unique_indices: names of index tensors whose values the caller guarantees distinct
+    (no value twice), such as the row index of a format with one group per row. A scatter
+    whose output coordinates then determine every output-side variable (`C[RI[r], n]`
+    with RI unique) has one writer per element: plain stores replace the atomics (and
+    their float32 scratch buffer for half outputs). Unchecked: a duplicate value makes two
+    programs race on one row and loses a contribution. Ignored as sorted_indices is.
+    lengths: declared lengths of reduced variables, `{"q[p]": AL}`: for each p, entries
+    with q >= AL[p] are padding that contributes zero (value 0 at a valid index, as the
+    formats pad), so the generated kernel stops its loop over q there (the longest row of
+    a tile when p is tiled) and masks their loads (a K tile loaded through a tensor
+    descriptor is still read whole: padding must be zero). Unchecked beyond shapes; a length
+    above q's extent is clamped. A hint: ignored where it does not apply, under autograd
+    and torch.compile, and by the torch backend, which all give the same result.
 
     >>> import torch
     >>> AV = torch.ones(2, 3); AK = torch.tensor([[0, 1, 2], [2, 2, 0]]); B = torch.eye(3)
@@ -74,7 +92,11 @@ def insum(
         return call(expr, tensors, stmt=stmt, **options)
     bound = bind(stmt, tensors)
     facts = sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
-    return run(bound, bound.output(), sorted_indices=facts, **options)
+    unique = sorted_facts(bound, unique_indices, "unique_indices") if unique_indices else frozenset()
+    declared = ()
+    if lengths:
+        bound, declared = length_facts(bound, lengths)
+    return run(bound, bound.output(), sorted_indices=facts, unique_indices=unique, lengths=declared, **options)
 
 
 def _any_requires_grad(tensors: dict) -> bool:
@@ -102,12 +124,23 @@ def compile(expr: str, /, *, precision: Precision = "tf32", autotune: bool | Non
 
 
 def explain(
-    expr: str, /, *, precision: Precision = "tf32", sorted_indices: frozenset[str] = frozenset(), **tensors: torch.Tensor
+    expr: str,
+    /,
+    *,
+    precision: Precision = "tf32",
+    sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: Mapping[str, torch.Tensor] | None = None,
+    **tensors: torch.Tensor,
 ) -> str:
-    """Describe how a statement is understood and compiled: IR, extents, roles, plan, source
-    (sorted_indices as for `insum()`)."""
+    """Describe how a statement is understood and compiled: IR, extents, roles, ranked
+    candidate plans, plan, source (sorted_indices, unique_indices and lengths as for
+    `insum()`)."""
     check_options(precision=precision)
     bound = bind(parse(expr), tensors)
+    declared = ()
+    if lengths:
+        bound, declared = length_facts(bound, lengths)
     lines = [f"statement: {bound.stmt}", f"ir: {bound.stmt!r}", "variables:"]
     for var in bound.stmt.variables():
         lines.append(f"  {var}: extent {bound.extents[var]}, {bound.roles[var]}")
@@ -117,10 +150,20 @@ def explain(
     from .runtime import kernel_for
 
     try:
-        kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_facts(bound, sorted_indices))
+        kernel = kernel_for(
+            bound,
+            precision=precision,
+            sorted_indices=sorted_facts(bound, sorted_indices),
+            unique_indices=sorted_facts(bound, unique_indices, "unique_indices"),
+            lengths=declared,
+        )
     except UnsupportedStatement as e:
         lines.append(f"generated kernel: none ({e})")
     else:
+        from .codegen.schedule import rank
+
+        lines.append("candidates (cost model, cheapest first; see insum.codegen.schedule):")
+        lines.extend(f"  {candidate}" for candidate in rank(kernel.spec))
         lines.append("plan:")
         lines.extend("  " + line for line in str(kernel.plan).splitlines())
         lines.append("source:")

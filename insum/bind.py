@@ -53,11 +53,15 @@ class Bound:
     def variables(self, role: Role) -> tuple[str, ...]:
         return tuple(v for v in self.stmt.variables() if self.roles[v] == role)
 
-    def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> Bound:
-        """The same binding for other tensors of the same signature (no checks repeated)."""
+    def with_tensors(self, tensors: Mapping[str, torch.Tensor], signature_extra: tuple = ()) -> Bound:
+        """The same binding for other tensors of the same signature (no checks repeated);
+        signature_extra: the signature of tensors added beside the statement's (declared
+        lengths), appended to the cache key."""
         new = object.__new__(Bound)
         new.__dict__.update(self.__dict__)
         new.__dict__["tensors"] = dict(tensors)
+        if signature_extra and self.signature is not None:
+            new.__dict__["signature"] = self.signature + signature_extra
         return new
 
 

@@ -345,7 +345,7 @@ def _accumulate(fmt: SparseFormat, C: torch.Tensor, B: torch.Tensor, backend: st
     facts = fmt.sorted_indices & fmt.tensors.keys()  # a sorted row index: segment reduction
     insum(
         expression, backend=backend, precision=precision, check_indices=False, sorted_indices=facts,
-        C=C, B=B, **fmt.tensors,
+        unique_indices=fmt.unique_in(fmt.tensors), C=C, B=B, **fmt.tensors,
     )
 
 

@@ -32,7 +32,7 @@ from .arith import cdiv, next_power_of_2
 from .bind import Bound, bind
 from .cache import BoundedCache
 from .codegen import KERNEL_NAME, KernelSpec, Plan, configs_for, emit, prune_configs, schedule
-from .codegen.schedule import NARROW, box_layout
+from .codegen.schedule import NARROW, SIZE_CAP, box_layout
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
 from .settings import flag
@@ -98,11 +98,15 @@ def spec_for(
     precision: str = "tf32",
     descriptors: bool | None = None,
     sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: tuple = (),
 ) -> KernelSpec:
     """The parts of a bound statement that a kernel depends on (and the caller's facts).
 
     descriptors: allow tensor-descriptor loads (default: `descriptors_supported` on the
-    tensors' device). sorted_indices: index tensors the caller guarantees sorted."""
+    tensors' device). sorted_indices / unique_indices: index tensors the caller guarantees
+    sorted / free of duplicate values. lengths: declared lengths (`insum.execute.length_facts`),
+    their tensors in `bound`."""
     dtypes = {name: DTYPE_NAMES[t.dtype] for name, t in bound.tensors.items()}
     dtypes[bound.output_name] = DTYPE_NAMES[bound.out_dtype]
     wide = {
@@ -122,6 +126,9 @@ def spec_for(
         narrow=frozenset(narrow),
         boxes=box_tensors(bound, descriptors_supported(bound.device) if descriptors is None else descriptors),
         sorted_indices=frozenset(sorted_indices),
+        unique_indices=frozenset(unique_indices),
+        sizes=tuple((v, min(next_power_of_2(int(e)), SIZE_CAP)) for v, e in bound.extents.items()),
+        lengths=tuple(lengths),
     )
 
 
@@ -167,7 +174,9 @@ class Kernel:
         """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents."""
         bound = bind(self.spec.stmt, tensors)
         _check_device(bound)
-        spec = spec_for(bound, self.spec.precision, sorted_indices=self.spec.sorted_indices)
+        spec = spec_for(
+            bound, self.spec.precision, sorted_indices=self.spec.sorted_indices, unique_indices=self.spec.unique_indices
+        )
         if spec.dtypes != self.spec.dtypes:
             compiled, given = dict(self.spec.dtypes), dict(spec.dtypes)
             wrong = [f"{n} is {given[n]}, compiled for {compiled[n]}" for n in compiled if given[n] != compiled[n]]
@@ -197,6 +206,8 @@ class Kernel:
                 target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
             elif not self.plan.stmt.accumulate:
                 out.zero_()
+        elif not self.plan.covers_output and not self.plan.stmt.accumulate:
+            out.zero_()  # an owned scatter writes only the elements it reaches
         if self.plan.boxes:
             _ensure_descriptor_allocator()
         if launcher.launched:
@@ -227,7 +238,9 @@ class Kernel:
 
     def _first_run(self, launcher: _Launcher, args: list, device: torch.device, autotune: bool | None) -> None:
         """Find the configuration for a new signature (tuning if needed) and run once."""
-        bucket = tuple(next_power_of_2(launcher.extents[v]) for _, v in self.plan.tiles)
+        bucket = tuple(
+            next_power_of_2(math.prod(launcher.extents[v] for v in self.plan.axis_vars(a))) for a, _ in self.plan.tiles
+        )
         config = self.tuned.get(bucket)
         if config is None:
             config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device, autotune)
@@ -338,16 +351,15 @@ class _Launcher:
             else:
                 self.template.append(bound.tensors[arg[1]].stride(arg[2]))
         self.out_name = out_name
-        launched_vars = [v for a, v in plan.tiles if a != "K"] + list(plan.grid)
+        launched_vars = [v for a, _ in plan.tiles if a != "K" for v in plan.axis_vars(a)] + list(plan.grid)
         self.launched = all(self.extents[v] > 0 for v in launched_vars)
-        tiles = [(v, f"BLOCK_{a}") for a, v in plan.tiles if a != "K"]
+        tiles = [(math.prod(self.extents[v] for v in plan.axis_vars(a)), f"BLOCK_{a}") for a, _ in plan.tiles if a != "K"]
         fixed = math.prod(self.extents[v] for v in plan.grid)
-        extents = self.extents
 
         slots = _program_slots(bound.device) if plan.persistent else None
 
         def grid_fn(meta):
-            programs = fixed * math.prod(cdiv(extents[v], meta[b]) for v, b in tiles)
+            programs = fixed * math.prod(cdiv(extent, meta[b]) for extent, b in tiles)
             return (min(programs, slots) if slots else programs,)
 
         self.grid_fn = grid_fn
@@ -457,20 +469,28 @@ def _triton_imported_interpreting() -> bool:
     return type(tl.cdiv).__name__ == "InterpretedFunction"
 
 
-def kernel_for(bound: Bound, precision: str = "tf32", sorted_indices: frozenset[str] = frozenset()) -> Kernel:
+def kernel_for(
+    bound: Bound,
+    precision: str = "tf32",
+    sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: tuple = (),
+) -> Kernel:
     """The cached kernel for a bound statement, compiled on first use.
 
-    sorted_indices: index tensors the caller guarantees sorted (see `insum()`).
+    sorted_indices / unique_indices: index tensors the caller guarantees sorted / free of
+    duplicate values (see `insum()`); lengths: see `insum.execute.length_facts`.
     """
     _check_device(bound)
+    facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices, "lengths": lengths}
     if bound.signature is None:
-        return cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
-    key = (bound.stmt, bound.signature, precision, sorted_indices)
+        return cached_kernel(spec_for(bound, precision, **facts))
+    key = (bound.stmt, bound.signature, precision, sorted_indices, unique_indices, lengths)
     if descriptors_supported(bound.device):  # descriptors need 16-byte aligned starts
         key += tuple(bound.tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
     kernel = _BY_SIGNATURE.get(key)
     if kernel is None:
-        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision, sorted_indices=sorted_indices))
+        kernel = _BY_SIGNATURE[key] = cached_kernel(spec_for(bound, precision, **facts))
     return kernel
 
 

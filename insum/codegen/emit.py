@@ -66,14 +66,20 @@ class _Emitter:
         self.ptr = {n: self.fresh(f"{n}_ptr") for n in self._tensor_names()}
         self.size = {v: self.fresh(f"size_{v}") for v in self.stmt.variables()}
         self.level_of.update({v: 1 for v in plan.folded})
+        self.level_of.update({v: 0 for v in plan.stacked})
         self.offs = {v: self.fresh(f"offs_{v}") for _, v in plan.tiles}
-        self.offs.update({v: self.fresh(f"offs_{v}") for v in plan.folded})
+        self.offs.update({v: self.fresh(f"offs_{v}") for v in (*plan.folded, *plan.stacked)})
+        # A stacked M axis: one flat lane index over its variables (the last fastest).
+        self.flat_m = self.fresh(f"offs_{''.join(plan.axis_vars('M'))}") if plan.stacked else None
         self.mask = {v: self.fresh(f"mask_{v}") for _, v in plan.tiles}
         self.scalar = {v: self.fresh(f"i_{v}") for v in (*plan.grid, *plan.loops)}
         self.tile_pid = {v: self.fresh(f"pid_{v}") for a, v in plan.tiles if a != "K"}
         k = plan.axis_var("K")
         self.start_k = self.fresh(f"start_{k}") if k else None
         self.steps_k = self.fresh(f"steps_{k}") if k else None
+        # Reduction loop counts: the extent, or the declared length loaded per program.
+        self.count = dict(self.size)
+        self.length_masks: list[Value] = []  # lanes past their row's length, K-tiled loads only
         # The K axis's extent: a product when variables are folded onto it.
         self.extent_k = " * ".join(self.size[v] for v in plan.axis_vars("K")) if k else None
         self.flat_k = self.fresh(f"offs_{''.join(plan.axis_vars('K'))}") if plan.folded else None
@@ -91,7 +97,8 @@ class _Emitter:
         return name
 
     def _tensor_names(self) -> list[str]:
-        return list(dict.fromkeys(access.name for access, _ in self.stmt.walk()))
+        names = [access.name for access, _ in self.stmt.walk()] + [t for _, t, _ in self.plan.lengths]
+        return list(dict.fromkeys(names))
 
     def stride(self, tensor: str, dim: int) -> str:
         key = (tensor, dim)
@@ -104,6 +111,10 @@ class _Emitter:
         if key not in self.shapes:
             self.shapes[key] = self.fresh(f"shape_{tensor}_{dim}")
         return self.shapes[key]
+
+    def extent(self, axis: str) -> str:
+        """The number of lanes along a tile axis: a product when variables share it."""
+        return " * ".join(self.size[v] for v in self.plan.axis_vars(axis))
 
     def tile_start(self, axis: str) -> str:
         """The first index of this program's (or this step's) tile along an axis."""
@@ -157,7 +168,27 @@ class _Emitter:
     def mask_for(self, axes: tuple[str, ...]) -> str | None:
         if not axes:
             return None
-        return " & ".join(broadcast(Value(self.mask[self.plan.axis_var(a)], (a,), 0), axes) for a in axes)
+        masks = [broadcast(Value(self.mask[self.plan.axis_var(a)], (a,), 0), axes) for a in axes]
+        masks += [f"({broadcast(m, axes)})" for m in self.length_masks if set(m.axes) <= set(axes)]
+        return " & ".join(masks)
+
+    def lengths(self) -> None:
+        """Load each applied declared length once per program (before the reduction loop):
+        the loop stops at it, the longest of the tile's rows when its index is tiled, where
+        K-tiled loads also mask each row's lanes past its own length (no bytes moved there).
+        Clamped to the extent, so that a too-long length reads nothing out of bounds."""
+        for var, tensor, index in self.plan.lengths:
+            value = self.gather(Access(tensor, tuple(Index.of(Var(v)) for v in index)))
+            name = self.fresh(f"len_{var}")
+            longest = f"tl.max({value.expr}, axis=0)" if value.axes else value.expr
+            self.put(0, f"{name} = tl.minimum({longest}, {self.size[var]})  # []")
+            self.count[var] = name
+            if value.axes and self.plan.axis_var("K") == var:
+                lanes = Value(self.offs[var], ("K",), 1)
+                axes = union(value.axes, ("K",))
+                self.length_masks.append(Value(f"{broadcast(lanes, axes)} < {broadcast(value, axes)}", axes, 1))
+        if self.plan.axis_var("K") in self.count and not self.plan.folded:
+            self.extent_k = self.count[self.plan.axis_var("K")]
 
     def gather(self, access: Access) -> Value:
         """Load an access (an indirect index or a factor) once, at the shallowest level."""
@@ -237,13 +268,13 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
     for position, (kind, axis, var) in enumerate(order):
         last = position == len(order) - 1
         if kind == "tile":
-            count = f"tl.cdiv({em.size[var]}, BLOCK_{axis})"
+            extent = em.extent(axis)
+            count = f"tl.cdiv({extent}, BLOCK_{axis})"
             tile = em.tile_pid[var]
             lines.append(f"{tile} = pid" if last else f"{tile} = pid % {count}")
             if not last:
                 lines.append(f"pid = pid // {count}")
-            lines.append(f"{em.offs[var]} = {tile} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
-            lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
+            lines.extend(_tile_offset_lines(em, axis))
         else:
             lines.append(f"{em.scalar[var]} = pid" if last else f"{em.scalar[var]} = pid % {em.size[var]}")
             if not last:
@@ -259,8 +290,8 @@ def _grouped_tile_lines(em: _Emitter) -> list[str]:
     tiles_m, tiles_n, tile = em.fresh(f"tiles_{m}"), em.fresh(f"tiles_{n}"), em.fresh("tile")
     group, first_m, rows = em.fresh("group"), em.fresh(f"first_{m}"), em.fresh("group_rows")
     lines = [
-        f"{tiles_m} = tl.cdiv({em.size[m]}, BLOCK_M)",
-        f"{tiles_n} = tl.cdiv({em.size[n]}, BLOCK_N)",
+        f"{tiles_m} = tl.cdiv({em.extent('M')}, BLOCK_M)",
+        f"{tiles_n} = tl.cdiv({em.extent('N')}, BLOCK_N)",
     ]
     if plan.grid:
         lines.append(f"{tile} = pid % ({tiles_m} * {tiles_n})")
@@ -274,10 +305,42 @@ def _grouped_tile_lines(em: _Emitter) -> list[str]:
         f"{em.tile_pid[m]} = {first_m} + ({tile} % {group}) % {rows}",
         f"{em.tile_pid[n]} = ({tile} % {group}) // {rows}",
     ]
-    for axis, var in (("M", m), ("N", n)):
-        lines.append(f"{em.offs[var]} = {em.tile_pid[var]} * BLOCK_{axis} + tl.arange(0, BLOCK_{axis})  # [{var}]")
-        lines.append(f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]")
+    for axis in ("M", "N"):
+        lines.extend(_tile_offset_lines(em, axis))
     lines.extend(_unflatten("pid", [(em.scalar[v], em.size[v]) for v in reversed(plan.grid)]))
+    return lines
+
+
+def _tile_offset_lines(em: _Emitter, axis: str) -> list[str]:
+    """Offsets and mask of this program's tile along M or N; on a stacked axis, every
+    variable's offsets from one flat lane index (the axis's own variable fastest)."""
+    var = em.plan.axis_var(axis)
+    start = f"{em.tile_pid[var]} * BLOCK_{axis}"
+    names = em.plan.axis_vars(axis)
+    if len(names) == 1:
+        return [
+            f"{em.offs[var]} = {start} + tl.arange(0, BLOCK_{axis})  # [{var}]",
+            f"{em.mask[var]} = {em.offs[var]} < {em.size[var]}  # [{var}]",
+        ]
+    shape = f"  # [({', '.join(names)})]"
+    flat = em.flat_m
+    lines = [
+        f"{flat} = {start} + tl.arange(0, BLOCK_{axis})" + shape,
+        f"{em.mask[var]} = {flat} < {em.extent(axis)}" + shape,
+    ]
+    return lines + _split_flat_lines(em, flat, names, shape)
+
+
+def _split_flat_lines(em: _Emitter, flat: str, names: tuple[str, ...], shape: str) -> list[str]:
+    """`offs_v` of each variable in `names` (outermost first) from the flat index `flat`."""
+    lines = [f"{em.offs[names[-1]]} = {flat} % {em.size[names[-1]]}" + shape]
+    divisor = [em.size[names[-1]]]
+    for position, var in enumerate(reversed(names[:-1])):
+        expr = f"{flat} // {divisor[0]}" if len(divisor) == 1 else f"{flat} // ({' * '.join(divisor)})"
+        if position < len(names) - 2:
+            expr = f"({expr}) % {em.size[var]}"
+        lines.append(f"{em.offs[var]} = {expr}" + shape)
+        divisor.append(em.size[var])
     return lines
 
 
@@ -304,9 +367,9 @@ def _loop_lines(em: _Emitter) -> list[str]:
         lines.append(f"for {em.start_k} in range(0, {em.extent_k}, BLOCK_K):")
     elif k is None and len(plan.loops) == 1:
         var = plan.loops[0]
-        lines.append(f"for {em.scalar[var]} in range(0, {em.size[var]}):")
+        lines.append(f"for {em.scalar[var]} in range(0, {em.count[var]}):")
     else:
-        counts = [em.size[v] for v in plan.loops]
+        counts = [em.count[v] for v in plan.loops]
         if k is not None:
             lines.append(f"{em.steps_k} = tl.cdiv({em.extent_k}, BLOCK_K)")
             counts.append(em.steps_k)
@@ -316,7 +379,7 @@ def _loop_lines(em: _Emitter) -> list[str]:
         if k is not None:
             lines.append(f"    {em.start_k} = (rest % {em.steps_k}) * BLOCK_K")
             lines.append(f"    rest = rest // {em.steps_k}")
-        lines.extend("    " + line for line in _unflatten("rest", [(em.scalar[v], em.size[v]) for v in reversed(plan.loops)]))
+        lines.extend("    " + line for line in _unflatten("rest", [(em.scalar[v], em.count[v]) for v in reversed(plan.loops)]))
     if k is not None and plan.folded:
         lines.extend("    " + line for line in _folded_k_lines(em))
     elif k is not None:
@@ -325,8 +388,8 @@ def _loop_lines(em: _Emitter) -> list[str]:
         masked = re.search(rf"\b{em.mask[k]}\b", body) is not None
         if masked or re.search(rf"\b{em.offs[k]}\b", body):
             lines.append(f"    {em.offs[k]} = {em.start_k} + tl.arange(0, BLOCK_K)  # [{k}]")
-        if masked:
-            lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.size[k]}  # [{k}]")
+        if masked:  # a declared length ends the last tile early too
+            lines.append(f"    {em.mask[k]} = {em.offs[k]} < {em.count[k]}  # [{k}]")
     lines.extend("    " + line for line in em.levels[1])
     return lines
 
@@ -383,16 +446,8 @@ def _folded_k_lines(em: _Emitter) -> list[str]:
     lines = [
         f"{flat} = {em.start_k} + tl.arange(0, BLOCK_K)" + shape,
         f"{em.mask[k]} = {flat} < {em.extent_k}" + shape,
-        f"{em.offs[k]} = {flat} % {em.size[k]}" + shape,
     ]
-    divisor = [em.size[k]]
-    for position, var in enumerate(reversed(names[:-1])):
-        expr = f"{flat} // {divisor[0]}" if len(divisor) == 1 else f"{flat} // ({' * '.join(divisor)})"
-        if position < len(names) - 2:
-            expr = f"({expr}) % {em.size[var]}"
-        lines.append(f"{em.offs[var]} = {expr}" + shape)
-        divisor.append(em.size[var])
-    return lines
+    return lines + _split_flat_lines(em, flat, names, shape)
 
 
 def emit(plan: Plan) -> Source:
@@ -404,6 +459,7 @@ def emit(plan: Plan) -> Source:
     acc_shape = ", ".join(f"BLOCK_{a}" for a in acc_axes) if len(acc_axes) > 1 else f"BLOCK_{acc_axes[0]}," if acc_axes else "1,"
     accesses = tuple(i for i, f in enumerate(stmt.factors) if isinstance(f, Access))
 
+    em.lengths()
     # Body: the contribution of one step of the innermost loop, added into `acc`.
     if plan.kind == "dot":
         lhs = em.product(plan.left, plan.dot_dtype, "lhs")
@@ -411,7 +467,7 @@ def emit(plan: Plan) -> Source:
         lhs_expr = lhs.expr if lhs.axes == ("M", "K") else f"tl.broadcast_to({broadcast(lhs, ('M', 'K'))}, (BLOCK_M, BLOCK_K))"
         rhs_expr = rhs.expr if rhs.axes == ("K", "N") else f"tl.broadcast_to({broadcast(rhs, ('K', 'N'))}, (BLOCK_K, BLOCK_N))"
         precision = f', input_precision="{plan.spec.precision}"' if plan.dot_dtype == "fp32" else ""
-        em.put(em.depth, f"acc = tl.dot({lhs_expr}, {rhs_expr}, acc{precision})  # [{plan.axis_var('M')}, {plan.axis_var('N')}]")
+        em.put(em.depth, f"acc = tl.dot({lhs_expr}, {rhs_expr}, acc{precision})" + em.shape_comment(("M", "N")))
     elif accesses:
         prod = em.product(accesses, None, "prod")
         if "K" in prod.axes:
@@ -491,7 +547,7 @@ def emit(plan: Plan) -> Source:
     tile.extend(em.epilogue)
     if plan.persistent:
         # Programs stride over the tiles; flattening lets the pipeline run across tiles.
-        counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.size[v]}, BLOCK_{a})" for a, v in plan.tiles if a != "K"]
+        counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.extent(a)}, BLOCK_{a})" for a, _ in plan.tiles if a != "K"]
         body = [*em.setup, f"for task in tl.range(tl.program_id(0), {' * '.join(counts) or '1'}, tl.num_programs(0), flatten=True):"]
         body += ["    " + ("pid = task" if line == "pid = tl.program_id(0)" else line) for line in tile]
     else:

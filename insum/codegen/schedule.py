@@ -7,7 +7,18 @@ variable and a right part without the M variable that share K: the inner loop is
 factors by broadcasting over (M, K, N) and sums K with `tl.sum`. Other output variables go
 to the grid (one value per program); other reduced variables become scalar outer loops.
 
-A tile axis may carry several variables: `schedule(spec, fold_k=True)` folds the innermost
+Which variable goes on M, N and K (and which become grid or loop variables) is ranked, not
+read off the index order: `rank` enumerates every valid tiling of the plan's kind and
+scores it with a cost model of tile fill, loop steps, operand contiguity, programs against
+SMs and output writes (atomics cost more than owned stores); `schedule` takes the cheapest,
+but keeps the conventional tiling (innermost output variable on N, ...) unless another
+costs less than KEEP times as much, so that GPU-tuned defaults move only for a clear reason.
+`insum.explain` prints the ranked candidates.
+
+A tile axis may carry several variables. M is *stacked* when the model prefers it: a grid
+variable flattened onto M outside M's own variable (M = (b, q): 48 batches of 16 rows fill
+128-row tiles that q alone cannot), offered by `rank` wherever M's extent is below NARROW.
+And `schedule(spec, fold_k=True)` folds the innermost
 scalar loop onto K, which then runs over (q, k) flattened, k fastest, so one `tl.dot`
 consumes several 32-wide blocks at once. It is not the default: on an H200 the pointer
 gathers it needs lost to one block per step with tensor descriptors
@@ -20,13 +31,14 @@ they measured faster; with pointer gathers or per-step index loads they measured
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from ..dtypes import HALF_NAMES, DtypeName
-from ..ir import Access, Role, Statement
+from ..ir import Access, Index, Role, Statement, Var
 
-__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "AXES"]
+__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "single_owner", "rank", "choose", "plan_of", "Candidate", "AXES", "SIZE_CAP"]
 
 AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
 #: "dot": a tl.dot of an (M, K) block by a (K, N) block; "reduce": broadcast multiply, tl.sum.
@@ -36,6 +48,8 @@ OutputMode = Literal["store", "atomic", "segment"]
 # Hopper's warp-group MMA needs 64 rows of M per tile: a variable with a smaller extent (the
 # rows of one 32 x 32 block) goes on N instead when the statement allows it.
 NARROW = 64
+# Extent buckets stop here: larger extents fill every tile size the tuner offers.
+SIZE_CAP = 256
 # Tensor descriptors (Triton's `tl.make_tensor_descriptor`) take 2 to 5 dimensions.
 BOX_RANKS = range(2, 6)
 
@@ -66,12 +80,29 @@ class KernelSpec:
     # Index tensors the caller declares sorted (equal values adjacent), e.g. a format's
     # row index: a facts channel from formats to the code generator through the call.
     sorted_indices: frozenset[str] = frozenset()
+    # Index tensors the caller declares unique (no value twice), e.g. the row index of a
+    # format with one group per row: a scatter through one can have a single writer.
+    unique_indices: frozenset[str] = frozenset()
+    # Variable extents rounded up to a power of two and capped at SIZE_CAP (a bucket, so
+    # that one kernel serves a family of sizes): upper bounds for ownership proofs and the
+    # tile-fill term of the cost model. A variable absent here is taken as large.
+    sizes: tuple[tuple[str, int], ...] = ()
+    # Declared lengths of reduced variables, (variable, tensor, index variables): entries
+    # with `var >= tensor[index variables]` contribute zero (a format's padding), so the
+    # kernel may stop there. See `Plan.lengths`.
+    lengths: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     def role(self, var: str) -> Role:
         return dict(self.roles)[var]
 
     def dtype(self, tensor: str) -> DtypeName:
         return dict(self.dtypes)[tensor]
+
+    def size(self, var: str) -> int | None:
+        """The variable's extent bucket (an upper bound below SIZE_CAP), None when unknown or
+        at least SIZE_CAP."""
+        size = dict(self.sizes).get(var)
+        return size if size is not None and size < SIZE_CAP else None
 
 
 @dataclass(frozen=True)
@@ -90,7 +121,14 @@ class Plan:
     dot_dtype: DtypeName | None  # operand dtype of tl.dot
     boxes: tuple[int, ...] = ()  # factor positions loaded through a tensor descriptor
     folded: tuple[str, ...] = ()  # reduced variables flattened onto K outside its variable, outermost first
+    # Output-side variables flattened onto M outside its variable, outermost first (M = (b, q):
+    # several short rows side by side fill one tall tile).
+    stacked: tuple[str, ...] = ()
     persistent: bool = False  # one program per SM loops over the tiles (`tl.range(..., flatten=True)`)
+    # The declared lengths this plan applies (see `_applied_lengths`): the reduction loop of
+    # each variable stops at its length (the largest over the program's tile), and K-tiled
+    # loads mask the lanes past each row's own length.
+    lengths: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     @property
     def stmt(self) -> Statement:
@@ -100,14 +138,24 @@ class Plan:
         return dict(self.tiles).get(axis)
 
     def var_axis(self, var: str) -> str | None:
-        return "K" if var in self.folded else {v: a for a, v in self.tiles}.get(var)
+        if var in self.folded:
+            return "K"
+        return "M" if var in self.stacked else {v: a for a, v in self.tiles}.get(var)
 
     def axis_vars(self, axis: str) -> tuple[str, ...]:
         """Every variable the axis carries, outermost first (the last one varies fastest)."""
         var = self.axis_var(axis)
         if var is None:
             return ()
-        return (*self.folded, var) if axis == "K" else (var,)
+        return (*self.folded, var) if axis == "K" else (*self.stacked, var) if axis == "M" else (var,)
+
+    @property
+    def covers_output(self) -> bool:
+        """Whether the kernel writes every output element: the output's indices are distinct
+        plain variables. An owned scatter (`output == "store"` otherwise) leaves the rest, so
+        an `=` statement zero-fills the output first."""
+        out_vars = [i.variable for i in self.stmt.output.indices]
+        return all(v is not None for v in out_vars) and len(set(out_vars)) == len(out_vars)
 
     @property
     def grouped(self) -> bool:
@@ -134,13 +182,17 @@ class Plan:
                 lines.append(f"tensor descriptors: {', '.join(str(factors[i]) for i in self.boxes)}")
         if self.persistent:
             lines.append("programs: persistent (one per SM, striding over the tiles)")
+        for var, tensor, index in self.lengths:
+            lines.append(f"length: {var} < {tensor}[{', '.join(index)}] (declared: later entries are padding)")
         lines.append(f"accumulator: {self.acc_dtype}")
-        lines.append(f"output: {self.output}" + _OUTPUT_NOTES[self.output])
+        note = "owned" if self.output == "store" and not self.covers_output else self.output
+        lines.append(f"output: {self.output}" + _OUTPUT_NOTES[note])
         return "\n".join(lines)
 
 
 _OUTPUT_NOTES = {
     "store": " (one owner per element)",
+    "owned": " (scattered, but one writer per element: plain stores)",
     "atomic": " (tl.atomic_add: scattered contributions may collide)",
     "segment": " (sorted scatter index: equal rows summed in registers, one tl.atomic_add per segment)",
 }
@@ -178,6 +230,62 @@ def _sorted_scatter(spec: KernelSpec, tiles: dict[str, str]) -> Access | None:
     return access
 
 
+def single_owner(spec: KernelSpec) -> bool:
+    """Whether every output element provably has at most one writer, from the statement and
+    the caller's facts alone (no data read).
+
+    Programs never split a reduction (reduced variables loop inside one program), so this
+    holds when the output coordinates determine every non-reduced variable: each output
+    index *recovers* variables (`_recovered`), and together they must recover all of them.
+    A duplicate value in a tensor declared unique breaks the proof: the caller's fault
+    (two writers race and one contribution is lost), as a wrong sorted claim is.
+
+    >>> from insum.parser import parse
+    >>> from insum.bind import _roles
+    >>> def owned(text, **facts):
+    ...     stmt = parse(text)
+    ...     return single_owner(KernelSpec(stmt, tuple(_roles(stmt).items()), (), **facts))
+    >>> owned("C[AM[p], n] += A[p, n]"), owned("C[AM[p], n] += A[p, n]", unique_indices=frozenset({"AM"}))
+    (False, True)
+    >>> owned("C[2*i + 1] += A[i]"), owned("C[i + j] += A[i] * E[j]")
+    (True, False)
+    """
+    stmt = spec.stmt
+    needed = {v for v, role in spec.roles if role != "reduced"}
+    recovered: set[str] = set()
+    for index in stmt.output.indices:
+        recovered |= _recovered(index, spec)
+    return needed <= recovered
+
+
+def _recovered(index: Index, spec: KernelSpec) -> set[str]:
+    """The variables whose values one value of `index` determines.
+
+    A plain or scaled variable recovers itself; an access to a tensor declared unique
+    recovers what its own indices recover; a sum of terms recovers all of theirs when it is
+    a mixed-radix number: sorted by |coefficient|, each coefficient exceeds the largest
+    value the smaller terms can add up to (from the extent buckets, which bound extents from
+    above), and only the largest term may be an access (its range is unknown)."""
+    terms = sorted(index.terms, key=lambda t: abs(t.coef))
+    reach = 0  # the most the smaller terms can add, in absolute value
+    out: set[str] = set()
+    for position, term in enumerate(terms):
+        if abs(term.coef) <= reach:
+            return set()
+        if isinstance(term.atom, Var):
+            out.add(term.atom.name)
+            size = spec.size(term.atom.name)
+            if size is None and position < len(terms) - 1:
+                return set()
+            reach += abs(term.coef) * ((size or 1) - 1)
+        else:
+            if position < len(terms) - 1 or term.atom.name not in spec.unique_indices:
+                return set()
+            for inner in term.atom.indices:
+                out |= _recovered(inner, spec)
+    return out
+
+
 def _direct_in(var: str, accesses: list[Access]) -> bool:
     """Whether every access that depends on `var` indexes a dimension with it directly."""
     using = [a for a in accesses if var in a.variables()]
@@ -191,15 +299,16 @@ def _output_candidates(stmt: Statement, roles: dict[str, Role]) -> list[str]:
     return list(dict.fromkeys(direct + scattered))
 
 
-def _dot_split(stmt: Statement, outside: list[str], reduced: list[str], narrow: frozenset[str]):
-    """Find (M, N, K, left, right) such that left factors lack N and right factors lack M.
-
-    Among the splits, the first whose M variable is not narrow wins: tensor cores want tall
-    tiles, and N takes any width."""
+def _dot_splits(stmt: Statement, outside: list[str], reduced: list[str], narrow: frozenset[str]):
+    """Every (M, N, K, left, right) such that left factors lack N and right factors lack M,
+    and the index of the *conventional* one: for each N (innermost output variable first),
+    each M (directly indexed first) with the first directly indexed K; the first whose M is
+    not narrow (tensor cores want tall tiles; N takes any width). The cost model ranks them
+    all (`rank`), and keeps the conventional split unless another is clearly cheaper."""
     accesses = [(i, f) for i, f in enumerate(stmt.factors) if isinstance(f, Access)]
     ms = sorted(outside, key=lambda v: not _direct_in(v, [f for _, f in accesses]))
     ks = sorted(reduced, key=lambda v: not _direct_in(v, [f for _, f in accesses]))
-    splits = []
+    splits, firsts = [], []
     for n in outside:
         right = [i for i, f in accesses if n in f.variables()]
         left = [i for i, f in accesses if n not in f.variables()]
@@ -210,10 +319,247 @@ def _dot_split(stmt: Statement, outside: list[str], reduced: list[str], narrow: 
         for m in ms:
             if m == n or m in right_vars or m not in left_vars:
                 continue
-            k = next((k for k in ks if k in left_vars and k in right_vars), None)
-            if k is not None:
-                splits.append((m, n, k, tuple(left), tuple(right)))
-    return next((s for s in splits if s[0] not in narrow), splits[0] if splits else None)
+            shared = [k for k in ks if k in left_vars and k in right_vars]
+            if shared:
+                firsts.append(len(splits))
+            splits.extend((m, n, k, tuple(left), tuple(right)) for k in shared)
+    conventional = next((i for i in firsts if splits[i][0] not in narrow), firsts[0] if firsts else None)
+    return splits, conventional
+
+
+def _reduce_tilings(outside: list[str], reduced: list[str]):
+    """Every (N, M, K) for a broadcast-and-sum plan (M and K None where nothing is left),
+    and the index of the conventional one: N the innermost output variable, M the next, K
+    the first directly indexed reduced variable."""
+    ns = outside or [None]
+    tilings = []
+    for n in ns:
+        ms = [m for m in outside if m != n] or [None]
+        for m in ms:
+            tilings.extend((n, m, k) for k in (reduced or [None]))
+    return tilings, 0
+
+
+# -- the cost model ------------------------------------------------------------------------
+# A relative estimate of a plan's time, in lane-steps, used only to rank the plans of one
+# statement. Extents come from `KernelSpec.sizes` (buckets); unknown or large ones count as
+# LARGE. Each term is one thing the GPU pays for:
+#   tile fill      each tile axis takes min(extent, its preferred width) lanes, and at least
+#                  its floor: tl.dot's 16 (64 on M for 16-bit operands: Hopper's warp-group
+#                  MMA), so a 4-wide extent on a dot axis computes 4x the useful work;
+#   steps          every step of the reduction loop (a K tile or a scalar loop value) pays
+#                  STEP_COST lanes of fixed cost (index loads, address arithmetic, a pipeline
+#                  bubble): many short steps lose to few long ones;
+#   contiguity     each operand tile loaded in the loop costs its elements, STRIDED times as
+#                  many when its last dimension (row-major: unit stride) is not indexed by a
+#                  tiled variable (no coalescing; gathers pay it in every plan);
+#   programs       every program pays PROGRAM_COST lanes once (offsets, masks, the first
+#                  loads' latency, the epilogue): short programs are latency-bound, so a
+#                  tiny tile per program (a batch variable left on the grid) loses to a tall
+#                  one; fewer programs than SMS leave SMs idle: time counts max(programs, SMS);
+#   launch         LAUNCH_COST once: a tiny problem is launch-bound, so its candidates
+#                  cost nearly the same and the conventional plan stays;
+#   write          each program writes its output tile once: ATOMIC times as much for
+#                  atomics, SEGMENT for segment-reduced scatters, x STRIDED when the output's
+#                  last dimension is not tiled.
+# tl.dot's multiply-adds run DOT_RATE times faster than broadcast ones. Dot plans are always
+# preferred to reduce plans where a split exists (as before); the model ranks within a kind.
+LARGE = 4096
+SMS = 132  # H100 / H200
+STEP_COST = 2048
+PROGRAM_COST = 16384
+LAUNCH_COST = SMS * 65536  # every SM busy with one 128 x 128 x 4 tile
+STRIDED = 4.0
+ATOMIC, SEGMENT = 4.0, 2.0
+DOT_RATE = 16
+_DOT_TILE = {"M": 128, "N": 128, "K": 64}
+_REDUCE_LANES = 8192  # as tune._REDUCE: N up to 128, K up to 8, M the rest
+# The conventional plan is kept unless another costs less than KEEP times as much: tuned
+# defaults (dense GEMM, GroupCOO, BlockGroupCOO, N:M) change only for a clear reason.
+KEEP = 0.8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to tile a statement, with its estimated cost (lower is better)."""
+
+    kind: PlanKind
+    tiles: tuple[tuple[str, str], ...]  # (axis, variable), in AXES order
+    grid: tuple[str, ...]
+    loops: tuple[str, ...]
+    left: tuple[int, ...]
+    right: tuple[int, ...]
+    output: OutputMode
+    cost: float
+    terms: tuple[tuple[str, float], ...]  # the model's terms, for explain
+    conventional: bool = False
+    stacked: tuple[str, ...] = ()  # grid variables flattened onto M, outside its variable
+
+    def __str__(self) -> str:
+        tiles = " ".join(f"{a}=({', '.join((*self.stacked, v))})" if a == "M" and self.stacked else f"{a}={v}"
+                         for a, v in self.tiles) or "-"
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in self.terms)
+        mark = "  (conventional)" if self.conventional else ""
+        return (f"{self.kind} {tiles} | grid {','.join(self.grid) or '-'} | loops {','.join(self.loops) or '-'}"
+                f" | {self.output}: cost {self.cost:.3g} ({terms}){mark}")
+
+
+def _extent(spec: KernelSpec, var: str) -> int:
+    return spec.size(var) or LARGE
+
+
+def _tile_widths(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, stacked=()) -> dict[str, int]:
+    """The lanes each tile axis computes (see the cost model)."""
+    extents = {a: _extent(spec, v) for a, v in tiles.items()}
+    for v in stacked:
+        extents["M"] *= _extent(spec, v)
+    widths = {}
+    if kind == "dot":
+        for axis in tiles:
+            floor = 64 if axis == "M" and dot_dtype in HALF_NAMES else 16
+            widths[axis] = max(floor, min(extents[axis], _DOT_TILE[axis]))
+        return widths
+    if "N" in tiles:
+        widths["N"] = min(extents["N"], 128)
+    if "K" in tiles:
+        widths["K"] = min(extents["K"], 8)
+    if "M" in tiles:
+        widths["M"] = max(1, min(extents["M"], _REDUCE_LANES // (widths.get("N", 1) * widths.get("K", 1))))
+    return widths
+
+
+def _cost(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, output: OutputMode, stacked=()):
+    """(cost, terms) of one tiling under the cost model above; `stacked` variables share M."""
+    stmt = spec.stmt
+    roles = dict(spec.roles)
+    widths = _tile_widths(spec, kind, tiles, dot_dtype, stacked)
+    axis_of = {v: a for a, v in tiles.items()} | {v: "M" for v in stacked}
+    extent_on = {a: _extent(spec, v) for a, v in tiles.items()}
+    for v in stacked:
+        extent_on["M"] *= _extent(spec, v)
+    outside = [v for v in stmt.variables() if roles[v] != "reduced"]
+    reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
+    programs = 1
+    for axis in ("M", "N"):
+        if axis in tiles:
+            programs *= -(-extent_on[axis] // widths[axis])
+    for v in outside:
+        if v not in axis_of:
+            programs *= _extent(spec, v)
+    steps = 1
+    for v in reduced:
+        e = _extent(spec, v)
+        steps *= -(-e // widths["K"]) if axis_of.get(v) == "K" else e
+    lanes = 1
+    for w in widths.values():
+        lanes *= w
+    compute = lanes / (DOT_RATE if kind == "dot" else 1)
+    loads = 0.0
+    for access in stmt.accesses():
+        spanned = {axis_of[v] for v in access.variables() if v in axis_of}
+        elements = 1
+        for axis in spanned:
+            elements *= widths[axis]
+        last = access.indices[-1].variable if access.indices else None
+        contiguous = not spanned or (last is not None and last in axis_of)
+        loads += elements * (1 if contiguous else STRIDED)
+    out_tile = 1
+    for axis in ("M", "N"):
+        out_tile *= widths.get(axis, 1)
+    out = stmt.output
+    last = out.indices[-1].variable if out.indices else None
+    write = out_tile * {"atomic": ATOMIC, "segment": SEGMENT}.get(output, 1.0)
+    write *= 1 if last is None or last in axis_of or not out.indices else STRIDED
+    per_step = compute + loads + STEP_COST
+    cost = LAUNCH_COST + max(programs, SMS) * (steps * per_step + write + PROGRAM_COST)
+    terms = (("programs", programs), ("steps", steps), ("lanes", lanes), ("loads", loads), ("write", write))
+    return cost, terms
+
+
+def rank(spec: KernelSpec) -> list[Candidate]:
+    """Every candidate plan of the chosen kind with its cost, cheapest first (the
+    conventional one marked); `schedule` picks from this list."""
+    stmt = spec.stmt
+    roles = dict(spec.roles)
+    outside = _output_candidates(stmt, roles)
+    reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
+    acc_dtype, dot_dtype = _dtypes(spec)
+    narrow = spec.narrow if dot_dtype in HALF_NAMES else frozenset()
+    splits, conventional = _dot_splits(stmt, outside, reduced, narrow) if acc_dtype == "fp32" else ([], None)
+    owned = single_owner(spec)
+    out = []
+    if splits:
+        for position, (m, n, k, left, right) in enumerate(splits):
+            tiles = {"M": m, "K": k, "N": n}
+            out.append(_candidate(spec, "dot", tiles, left, right, dot_dtype, owned, position == conventional))
+    else:
+        accesses = list(stmt.accesses())
+        direct_first = sorted(reduced, key=lambda v: not _direct_in(v, accesses))
+        tilings, conventional = _reduce_tilings(outside, direct_first)
+        for position, (n, m, k) in enumerate(tilings):
+            tiles = {a: v for a, v in (("M", m), ("K", k), ("N", n)) if v is not None}
+            out.append(_candidate(spec, "reduce", tiles, (), (), None, owned, position == conventional))
+    out += [s for c in out for s in _stacked_variants(spec, c, dot_dtype, owned)]
+    return sorted(out, key=lambda c: c.cost)
+
+
+def _stacked_variants(spec: KernelSpec, base: Candidate, dot_dtype, owned: bool) -> list[Candidate]:
+    """The base tiling with one grid variable flattened onto M outside M's variable, when
+    M's extent is short (below NARROW): M = (b, q) fills a tall tile where q alone cannot.
+    A dot's M variables must stay out of the right operand; segment-reduced and folded
+    plans are not stacked (their lanes assume one variable on the axis)."""
+    tiles = dict(base.tiles)
+    m = tiles.get("M")
+    if m is None or base.output == "segment" or (spec.size(m) or LARGE) >= NARROW:
+        return []
+    right_vars = {v for i in base.right for v in spec.stmt.factors[i].variables()}
+    variants = []
+    for g in base.grid:
+        if g in right_vars:
+            continue
+        cost, terms = _cost(spec, base.kind, tiles, dot_dtype, base.output, (g,))
+        variants.append(dataclasses.replace(
+            base, grid=tuple(v for v in base.grid if v != g), stacked=(g,), cost=cost, terms=terms,
+            conventional=False,
+        ))
+    return variants
+
+
+def _candidate(spec, kind, tiles, left, right, dot_dtype, owned, conventional) -> Candidate:
+    stmt = spec.stmt
+    roles = dict(spec.roles)
+    tiled = set(tiles.values())
+    output = "store" if owned else "segment" if _sorted_scatter(spec, tiles) else "atomic"
+    cost, terms = _cost(spec, kind, tiles, dot_dtype, output)
+    return Candidate(
+        kind=kind,
+        tiles=tuple((a, tiles[a]) for a in AXES if a in tiles),
+        grid=tuple(v for v in stmt.variables() if roles[v] != "reduced" and v not in tiled),
+        loops=tuple(v for v in stmt.variables() if roles[v] == "reduced" and v not in tiled),
+        left=left,
+        right=right,
+        output=output,
+        cost=cost,
+        terms=terms,
+        conventional=conventional,
+    )
+
+
+def choose(candidates: list[Candidate]) -> Candidate:
+    """The cheapest candidate if it costs less than KEEP times the conventional one's,
+    else the conventional one."""
+    best = candidates[0]
+    usual = next((c for c in candidates if c.conventional), best)
+    return best if best.cost < KEEP * usual.cost else usual
+
+
+def _dtypes(spec: KernelSpec):
+    """(accumulator dtype, tl.dot operand dtype) of a statement."""
+    stmt = spec.stmt
+    value_dtypes = [spec.dtype(f.name) for f in stmt.accesses()]
+    acc_dtype = "fp64" if "fp64" in value_dtypes or spec.dtype(stmt.output.name) == "fp64" else "fp32"
+    dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF_NAMES else "fp32"
+    return acc_dtype, dot_dtype
 
 
 def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, ...], folded: tuple[str, ...]) -> tuple[int, ...]:
@@ -241,55 +587,55 @@ def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, 
 
 
 def schedule(spec: KernelSpec, *, fold_k: bool = False) -> Plan:
-    """Choose the tile roles, grid, loops and output strategy for a statement.
+    """Choose the tile roles, grid, loops and output strategy for a statement: the cheapest
+    candidate of `rank` by the cost model (kept conventional unless clearly cheaper).
 
     fold_k: fold the innermost scalar loop onto the dot's K axis (K = (q, k))."""
-    stmt = spec.stmt
-    roles = dict(spec.roles)
-    outside = _output_candidates(stmt, roles)
-    reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
-    value_dtypes = [spec.dtype(f.name) for f in stmt.accesses()]
-    acc_dtype = "fp64" if "fp64" in value_dtypes or spec.dtype(stmt.output.name) == "fp64" else "fp32"
+    return plan_of(spec, choose(rank(spec)), fold_k=fold_k)
 
-    dot_dtype = value_dtypes[0] if len(set(value_dtypes)) == 1 and value_dtypes[0] in HALF_NAMES else "fp32"
-    # Measured with 16-bit operands; tf32 warp-group MMA wants K-major operands, which
-    # moving the dense columns onto M would make transposed.
-    narrow = spec.narrow if dot_dtype in HALF_NAMES else frozenset()
-    split = _dot_split(stmt, outside, reduced, narrow) if acc_dtype == "fp32" else None
-    if split is not None:
-        m, n, k, left, right = split
-        tiles = {"M": m, "K": k, "N": n}
-        kind = "dot"
-        loops = [v for v in reduced if v != k]
+
+def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Plan:
+    """The plan of one candidate (benchmarks compare candidates through it)."""
+    acc_dtype, dot_dtype = _dtypes(spec)
+    tiles = dict(chosen.tiles)
+    loops = chosen.loops
+    if chosen.kind == "dot":
         folded = (loops[-1],) if loops and fold_k else ()
-        boxes = _box_factors(spec, tiles, left + right, folded)
-        persistent = len(boxes) == len(left) + len(right) and not loops
+        boxes = () if chosen.stacked else _box_factors(spec, tiles, chosen.left + chosen.right, folded)
+        persistent = len(boxes) == len(chosen.left) + len(chosen.right) and not loops
     else:
-        kind, left, right, dot_dtype, boxes, folded, persistent = "reduce", (), (), None, (), (), False
-        tiles = {}
-        if outside:
-            tiles["N"] = outside[0]
-        if len(outside) > 1:
-            tiles["M"] = outside[1]
-        if reduced:
-            accesses = list(stmt.accesses())
-            tiles["K"] = sorted(reduced, key=lambda v: not _direct_in(v, accesses))[0]
-    tiled = set(tiles.values())
-    out_vars = [i.variable for i in stmt.output.indices]
-    one_owner = all(v is not None for v in out_vars) and len(set(out_vars)) == len(out_vars)
-    output = "store" if one_owner else "segment" if _sorted_scatter(spec, tiles) and not persistent else "atomic"
+        dot_dtype, boxes, folded, persistent = None, (), (), False
+    output = "atomic" if chosen.output == "segment" and persistent else chosen.output
+    loops = tuple(v for v in loops if v not in folded)
     return Plan(
         spec=spec,
-        kind=kind,
-        tiles=tuple((a, tiles[a]) for a in AXES if a in tiles),
-        grid=tuple(v for v in stmt.variables() if roles[v] != "reduced" and v not in tiled),
-        loops=tuple(v for v in reduced if v not in tiled and v not in folded),
-        left=left,
-        right=right,
+        kind=chosen.kind,
+        tiles=chosen.tiles,
+        grid=chosen.grid,
+        loops=loops,
+        left=chosen.left,
+        right=chosen.right,
         output=output,
         acc_dtype=acc_dtype,
         dot_dtype=dot_dtype,
         boxes=boxes,
         folded=folded,
         persistent=persistent,
+        lengths=() if chosen.stacked else _applied_lengths(spec, tiles, chosen.grid, loops),
+        stacked=chosen.stacked,
     )
+
+
+def _applied_lengths(spec: KernelSpec, tiles: dict[str, str], grid: tuple[str, ...], loops: tuple[str, ...]):
+    """The declared lengths a plan can use: the variable is a scalar loop or the K tile, and
+    its index variables are grid variables (one length per program) or at most one M/N tile
+    variable (the loop runs to the tile's longest row). Others are ignored, which is correct:
+    the entries past a length contribute zero."""
+    applied = []
+    for var, tensor, index in spec.lengths:
+        if var not in loops and tiles.get("K") != var:
+            continue
+        tiled = [v for v in index if v in tiles.values()]
+        if all(v in grid or v in tiled for v in index) and len(tiled) <= 1 and tiles.get("K") not in tiled:
+            applied.append((var, tensor, index))
+    return tuple(applied)

@@ -102,6 +102,9 @@ class SparseFormat:
     #: Index tensors the packer keeps sorted (equal values adjacent): passed to `insum()`
     #: as `sorted_indices`, so a scatter through them is reduced per segment in registers.
     sorted_indices: ClassVar[frozenset[str]] = frozenset()
+    #: Index tensors the packer keeps free of duplicate values (one group per output row):
+    #: passed as `unique_indices`, so a scatter through them stores without atomics.
+    unique_indices: ClassVar[frozenset[str]] = frozenset()
     #: Why `formats.auto` chose this format and these parameters (None: not chosen by it).
     chosen_because: str | None = None
 
@@ -418,5 +421,10 @@ class SparseFormat:
         # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
         facts = frozenset(name for name in self.sorted_indices if name in tensors)  # traceable by dynamo
         return insum(
-            expression, backend=backend, precision=precision, check_indices=False, sorted_indices=facts, **tensors
+            expression, backend=backend, precision=precision, check_indices=False, sorted_indices=facts,
+            unique_indices=self.unique_in(tensors), **tensors
         )
+
+    def unique_in(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """The index tensors among one statement's `tensors` that hold no value twice."""
+        return frozenset(name for name in self.unique_indices if name in tensors)

@@ -21,6 +21,7 @@ blocks to thread blocks (the kernel's tiling decides that).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -305,6 +306,15 @@ class CELL(SparseFormat):
         """RI is sorted within each width when there is one partition (rows in order, folds
         adjacent); partitions interleave rows, so then it is not."""
         return frozenset({"RI"}) if self.params["partitions"] == 1 else frozenset()
+
+    def unique_in(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """RI of a width below the widest holds each row once: with one partition a row
+        narrower than the cap is one bucket row of its own width (no folds). The widest
+        bucket folds long rows into several bucket rows, and partitions repeat rows."""
+        partitions, caps = self.params["partitions"], self.params.get("max_widths", [])
+        if partitions != 1 or "RI" not in tensors or not caps:
+            return frozenset()
+        return frozenset({"RI"}) if tensors["V"].shape[1] < caps[0] else frozenset()
 
     @property
     def widths(self) -> list[int]:

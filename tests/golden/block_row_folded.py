@@ -16,39 +16,39 @@ def insum_kernel(
     """C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]
 
     kind: dot (tl.dot)
-    tiles: M=m, K=(q, k), N=n
+    tiles: M=n, K=(q, k), N=m
     grid variables: p
     loop variables: -
-    left (M, K): AV[p, q, m, k]
-    right (K, N): B[AK[p, q], k, n]
+    left (M, K): B[AK[p, q], k, n]
+    right (K, N): AV[p, q, m, k]
     dot operands: fp16
     accumulator: fp32
     output: store (one owner per element)
     """
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(size_m, BLOCK_M)
-    tiles_n = tl.cdiv(size_n, BLOCK_N)
-    tile = pid % (tiles_m * tiles_n)
-    pid = pid // (tiles_m * tiles_n)
-    group = GROUP_M * tiles_n
-    first_m = (tile // group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group) % group_rows
-    pid_n = (tile % group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [m]
-    mask_m = offs_m < size_m  # [m]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [n]
+    tiles_n = tl.cdiv(size_n, BLOCK_M)
+    tiles_m = tl.cdiv(size_m, BLOCK_N)
+    tile = pid % (tiles_n * tiles_m)
+    pid = pid // (tiles_n * tiles_m)
+    group = GROUP_M * tiles_m
+    first_n = (tile // group) * GROUP_M
+    group_rows = tl.minimum(tiles_n - first_n, GROUP_M)
+    pid_n = first_n + (tile % group) % group_rows
+    pid_m = (tile % group) // group_rows
+    offs_n = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)  # [n]
     mask_n = offs_n < size_n  # [n]
+    offs_m = pid_m * BLOCK_N + tl.arange(0, BLOCK_N)  # [m]
+    mask_m = offs_m < size_m  # [m]
     i_p = pid
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [m, n]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [n, m]
     for start_k in range(0, size_q * size_k, BLOCK_K):
         offs_qk = start_k + tl.arange(0, BLOCK_K)  # [(q, k)]
         mask_k = offs_qk < size_q * size_k  # [(q, k)]
         offs_k = offs_qk % size_k  # [(q, k)]
         offs_q = offs_qk // size_k  # [(q, k)]
-        AV_val = tl.load(AV_ptr + i_p * stride_AV_0 + offs_q[None, :] * stride_AV_1 + offs_m[:, None] * stride_AV_2 + offs_k[None, :] * stride_AV_3, mask=mask_m[:, None] & mask_k[None, :], other=0)  # [m, (q, k)]
         AK_val = tl.load(AK_ptr + i_p * stride_AK_0 + offs_q * stride_AK_1, mask=mask_k, other=0)  # [(q, k)]
-        B_val = tl.load(B_ptr + AK_val[:, None] * stride_B_0 + offs_k[:, None] * stride_B_1 + offs_n[None, :] * stride_B_2, mask=mask_k[:, None] & mask_n[None, :], other=0)  # [(q, k), n]
-        acc = tl.dot(AV_val, B_val, acc)  # [m, n]
-    out_ptrs = C_ptr + i_p * stride_C_0 + offs_m[:, None] * stride_C_1 + offs_n[None, :] * stride_C_2  # [m, n]
-    tl.store(out_ptrs, acc.to(C_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        B_val = tl.load(B_ptr + AK_val[None, :] * stride_B_0 + offs_k[None, :] * stride_B_1 + offs_n[:, None] * stride_B_2, mask=mask_n[:, None] & mask_k[None, :], other=0)  # [n, (q, k)]
+        AV_val = tl.load(AV_ptr + i_p * stride_AV_0 + offs_q[:, None] * stride_AV_1 + offs_m[None, :] * stride_AV_2 + offs_k[:, None] * stride_AV_3, mask=mask_k[:, None] & mask_m[None, :], other=0)  # [(q, k), m]
+        acc = tl.dot(B_val, AV_val, acc)  # [n, m]
+    out_ptrs = C_ptr + i_p * stride_C_0 + offs_m[None, :] * stride_C_1 + offs_n[:, None] * stride_C_2  # [n, m]
+    tl.store(out_ptrs, acc.to(C_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
