@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+import insum.nn.conv as conv_module
 from benchmarks.common import cpu_median_ms, relative_error, shorten_autotune
 from benchmarks.common import median_ms as _gpu_median_ms
 from insum import insum
@@ -295,10 +296,20 @@ def _case(km, coords, ins, outs, c, spconv) -> dict:
             insum(TILED, O=y[start:end], X=x0, NB=nb, TW=tw, W=w3, check_indices=False)
 
     row["tiles128_kernels_ms"] = median_ms(kernels_only)
+    NB, TW, TL = km.tiles_whole(128)
+    row["tiles128_one_kernel_ms"] = median_ms(
+        lambda: insum(TILED, O=y, X=x0, NB=NB, TW=TW, W=w3, lengths={"j[t]": TL}, check_indices=False))
     row["tiles128_kernels_padded_tflops"] = 2 * tiled.padded_pairs * c * c / row["tiles128_kernels_ms"] * 1e-9
     row["loop_fwd_ms"] = median_ms(lambda: torch_loop(x, w.reshape(27, c, c), ins, outs))
     for form in ("tiles128", "pairs128"):
         row[f"{form}_mask_speedup"] = row[f"{form}_fwd_ms"] / row[f"{form}_mask_fwd_ms"]
+    # The tiles as one launch with declared lengths (the default) against one launch per bucket.
+    conv_module.TILES_IN_ONE_LAUNCH = False
+    try:
+        row["tiles128_buckets_fwd_ms"] = median_ms(lambda: sparse_conv3d(x, w, km, form="tiles", tile=128))
+    finally:
+        conv_module.TILES_IN_ONE_LAUNCH = True
+    row["tiles128_one_launch_speedup"] = row["tiles128_buckets_fwd_ms"] / row["tiles128_fwd_ms"]
     best = min(("tiles128", "tiles64", "pairs128"), key=lambda f: row[f"{f}_fwd_ms"])
     row["best_fwd"] = best
     row["best_fwd_tflops"] = flops / row[f"{best}_fwd_ms"] * 1e-9
@@ -389,7 +400,8 @@ def _table(rows):
               f" {f('speedup_fwdbwd', '6.2f')} | {f('map_fwd_ms', '6.2f')} {f('spconv_map_ms', '7.2f')}"
               f" | {f('tiles128_err', '7.1e')} {f('tiles128_padding', '5.2f')}"
               f" | mask: fwd x {f('tiles128_mask_speedup', '5.2f')} (tiles) {f('pairs128_mask_speedup', '5.2f')} (pairs),"
-              f" fb {f('tiles128_mask_fwdbwd_ms')}")
+              f" fb {f('tiles128_mask_fwdbwd_ms')} | one launch x {f('tiles128_one_launch_speedup', '5.2f')}"
+              f" (kernels {f('tiles128_kernels_ms')} buckets, {f('tiles128_one_kernel_ms')} one)")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,14 @@ def test_packings_hold_every_pair_once():
     real = groups.PI < km.n_in
     got = {(o, int(groups.PW[p]), i) for p, q in real.nonzero().tolist() for o, i in [(int(groups.PO[p, q]), int(groups.PI[p, q]))]}
     assert got == pairs and int(real.sum()) == len(pairs)
+    # One launch: every pair within its tile's declared length, nothing real beyond it.
+    NB, TW, TL = km.tiles_whole(16)
+    tiled = km.tiles(16)
+    rows[tiled.inverse] = torch.arange(km.n_out)
+    within = torch.arange(NB.shape[2])[None, None, :] < TL[:, None, None].long()
+    assert not (NB[~within.expand_as(NB)] < km.n_in).any()
+    got = {(int(rows[t * 16 + m]), int(TW[t, j]), int(NB[t, m, j])) for t, m, j in (NB < km.n_in).nonzero().tolist()}
+    assert got == pairs
 
 
 def test_transpose_inverts_the_map():
@@ -312,6 +320,30 @@ def test_compiles_without_graph_breaks(absent):
 
 
 # --------------------------------------------------------------------------- generated kernels
+
+
+@interpreter
+@pytest.mark.parametrize("absent", ["zero_row", "mask"])
+def test_tiles_in_one_launch_equal_the_buckets(monkeypatch, absent):
+    """The generated tiled kernel: one launch with declared lengths (the default) and one
+    launch per bucket give the same forward and input gradient."""
+    from insum.nn import conv as conv_module
+
+    coords = random_sites(60, 5, seed=6)
+    km = build_kernel_map(coords)
+    x = torch.randn(coords.shape[0], 16)
+    w = torch.randn(3, 3, 3, 16, 8) / 10
+    g = torch.randn(coords.shape[0], 8)
+    results = []
+    for one in (True, False):
+        monkeypatch.setattr(conv_module, "TILES_IN_ONE_LAUNCH", one)
+        xg = x.clone().requires_grad_()
+        y = sparse_conv3d(xg, w, km, form="tiles", tile=16, backend="triton", precision="ieee", absent=absent)
+        y.backward(g)
+        results.append((y, xg.grad))
+    assert len(km.tiles(16).buckets) > 1
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @interpreter

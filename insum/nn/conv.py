@@ -16,7 +16,10 @@ neighbours:
 
 - forward, output-stationary (`form="tiles"`, no atomics): output rows sorted by their
   neighbour mask, in tiles that read only the offsets they need:
-  `O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]`
+  `O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]`; on the generated kernel one
+  launch in which tile t stops after its TL[t] active offsets (`lengths={"j[t]": TL}`),
+  elsewhere (torch backend, torch.compile, `TILES_IN_ONE_LAUNCH = False`) one launch per
+  bucket of tiles of similar width
 - forward, grouped pairs (`form="pairs"`, scattered with fp32 atomics):
   `O[PO[p, q], co] += X[PI[p, q], ci] * W[PW[p], ci, co]`
 - input gradient: the same tiled statement on the transposed map, with X the output
@@ -65,6 +68,7 @@ __all__ = [
     "WEIGHT_GRAD",
     "MASKED",
     "PAIRS_BELOW",
+    "TILES_IN_ONE_LAUNCH",
 ]
 
 TILED = "O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]"
@@ -78,6 +82,9 @@ MASKED = {
 }
 FORMS = ("auto", "tiles", "pairs")
 ABSENT = ("zero_row", "mask")
+# The tiled statement as one launch whose tiles each stop at their active offsets (declared
+# lengths), rather than one launch per bucket of tiles padded to the bucket's widest tile.
+TILES_IN_ONE_LAUNCH = True
 PAIRS_BELOW = 4_000_000  # real pairs; see the module docstring
 
 
@@ -119,17 +126,36 @@ def _statement(stmt: str, absent: str) -> str:
     return stmt if absent == "zero_row" else MASKED[stmt]
 
 
+def _one_launch(x: torch.Tensor, opts: dict) -> bool:
+    """Whether the tiles run as one launch with declared lengths: only where the generated
+    kernel honours them (a triton launch outside torch.compile); elsewhere the lengths would
+    be ignored and every tile would do the widest tile's work, so the buckets run."""
+    if not TILES_IN_ONE_LAUNCH or torch.compiler.is_compiling():
+        return False
+    return opts["backend"] == "triton" or (opts["backend"] == "auto" and x.is_cuda)
+
+
 def _run_tiled(km: KernelMap, x: torch.Tensor, w: torch.Tensor, tile: int, opts: dict, absent: str):
-    """Run the tiled statement over every bucket of `km`'s tiles (x: `_gathered` features);
-    rows back in map order (`index_select`: one gather kernel, less host time than
-    advanced indexing)."""
+    """Run the tiled statement over `km`'s tiles (x: `_gathered` features), in one launch
+    with each tile's declared length or one launch per bucket; rows back in map order
+    (`index_select`: one gather kernel, less host time than advanced indexing)."""
     tiled = km.tiles(tile)
     width = w.shape[2]
     if km.n_in == 0:  # no input: nothing to gather (the mask has no row 0 to read)
         return x.new_zeros(km.n_out, width)
     y = x.new_empty(tiled.n_tiles, tiled.tile, width)
-    for start, end, tensors in _tile_buckets(km, tile, absent, x.dtype):
-        insum(_statement(TILED, absent), O=y[start:end], X=x, W=w, **tensors, **opts)
+    stmt = _statement(TILED, absent)
+    if _one_launch(x, opts):
+        if absent == "zero_row":
+            NB, TW, TL = km.tiles_whole(tile)
+            tensors = {"NB": NB, "TW": TW}
+        else:
+            NB, V, TW, TL = km.masked_tiles_whole(tile, x.dtype)
+            tensors = {"NB": NB, "V": V, "TW": TW}
+        insum(stmt, O=y, X=x, W=w, lengths={"j[t]": TL}, **tensors, **opts)
+    else:
+        for start, end, tensors in _tile_buckets(km, tile, absent, x.dtype):
+            insum(stmt, O=y[start:end], X=x, W=w, **tensors, **opts)
     return torch.index_select(y.view(-1, width), 0, tiled.inverse)
 
 

@@ -188,14 +188,14 @@ class KernelMap:
         """Build the packings a forward (either form) and, with `training`, a backward pass
         read, so that a function compiled with `torch.compile(fullgraph=True)` only looks
         them up. mask_dtype: also the masked packings (`absent="mask"`) for that dtype."""
-        self.pairs, self.tiles(tile), self.pair_groups(tile)
+        self.pairs, self.tiles(tile), self.tiles_whole(tile), self.pair_groups(tile)
         if training:
-            self.transpose().tiles(tile)
+            self.transpose().tiles(tile), self.transpose().tiles_whole(tile)
             self.pair_groups()
         if mask_dtype is not None:
-            self.masked_tiles(tile, mask_dtype), self.masked_pairs(tile, mask_dtype)
+            self.masked_tiles(tile, mask_dtype), self.masked_tiles_whole(tile, mask_dtype), self.masked_pairs(tile, mask_dtype)
             if training:
-                self.transpose().masked_tiles(tile, mask_dtype)
+                self.transpose().masked_tiles(tile, mask_dtype), self.transpose().masked_tiles_whole(tile, mask_dtype)
                 self.masked_pairs(None, mask_dtype)
         return self
 
@@ -208,6 +208,35 @@ class KernelMap:
 
     def pair_groups(self, group: int | None = None) -> PairGroups:
         return self.cached(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group))
+
+    def tiles_whole(self, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every tile in one launch: NB [T, tile, J] and TW [T, J] padded to the widest tile
+        (NB = n_in, the zero row; TW = 0), and TL [T], each tile's active offsets (its first
+        TL[t] entries): `insum(..., lengths={"j[t]": TL})` stops each tile's loop there."""
+
+        def make():
+            tiled = self.tiles(tile)
+            width = max(nb.shape[2] for _, _, nb, _ in tiled.buckets)
+            device = self.nbr.device
+            NB = torch.full((tiled.n_tiles, tiled.tile, width), self.n_in, dtype=torch.int32, device=device)
+            TW = torch.zeros((tiled.n_tiles, width), dtype=torch.int32, device=device)
+            for start, end, nb, tw in tiled.buckets:
+                NB[start:end, :, : nb.shape[2]] = nb
+                TW[start:end, : tw.shape[1]] = tw
+            TL = (NB != self.n_in).any(1).sum(1).to(torch.int32)  # active offsets come first in a tile
+            return NB, TW, TL
+
+        return self.cached(("tiles whole", tile), make)
+
+    def masked_tiles_whole(self, tile: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`tiles_whole` without the zero row: (NB, V, TW, TL), absent neighbours reading row 0
+        with V = 0."""
+
+        def make():
+            NB, TW, TL = self.tiles_whole(tile)
+            return torch.where(NB == self.n_in, 0, NB), (NB != self.n_in).to(dtype), TW, TL
+
+        return self.cached(("masked tiles whole", tile, dtype), make)
 
     def masked_tiles(self, tile: int, dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The tiled buckets without the zero row: (first tile, last tile + 1, NB, V, TW) with
