@@ -110,7 +110,7 @@ def _statements(counter: _Count | None, stub: bool):
 def _stub_output(expr: str, kwargs: dict) -> torch.Tensor:
     from insum.bind import bind
 
-    options = {"backend", "precision", "autotune", "check_indices", "sorted_indices"}
+    options = {"backend", "precision", "autotune", "check_indices", "sorted_indices", "unique_indices", "lengths"}
     bound = bind(parse(expr), {k: v for k, v in kwargs.items() if k not in options})
     first = next(v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
     return first.new_empty(bound.out_shape, dtype=bound.out_dtype)

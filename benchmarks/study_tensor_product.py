@@ -124,7 +124,7 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
         try:
             tensors = layer.statement_tensors(x1, x2)
             with torch.no_grad():
-                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", **tensors))
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", lengths={"q[p]": layer.CGL}, **tensors))
             if C == (4 if SMOKE else 64):
                 row.update(_backward_breakdown(layer, tensors, g, (x1, x2, layer.weight.detach())))
         except Exception as e:  # noqa: BLE001
@@ -186,7 +186,9 @@ def _backward_breakdown(layer, tensors: dict, g: torch.Tensor, flat: tuple) -> d
                 groups = _batch_groups(z.shape[0])
                 given = {k: v.reshape(groups, v.shape[0] // groups, *v.shape[1:]) for k, v in common.items() if k != "W"}
             args = _tables(layer, stmt, given)
-            out[f"grad_{name}_ms"] = _time(lambda stmt=stmt, args=args: insum(stmt, precision=layer.precision, **args))
+            lengths = {"X": {"q[c]": layer.XL}, "W": {"q[s]": layer.WL}, "Y": {"q[j]": layer.YL}}.get(name)  # as the layer runs them
+            out[f"grad_{name}_ms"] = _time(
+                lambda stmt=stmt, args=args, lengths=lengths: insum(stmt, precision=layer.precision, lengths=lengths, **args))
     return out
 
 
@@ -262,7 +264,7 @@ def _uvu_point(edges: int, libs: dict) -> dict:
         try:
             tensors = layer.statement_tensors(x1, x2, w)
             with torch.no_grad():
-                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, **tensors))
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, lengths={"q[p]": layer.CGL}, **tensors))
         except Exception as e:  # noqa: BLE001
             row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if cuet is not None and "cue" in MEASURE:

@@ -216,12 +216,14 @@ def test_generated_kernel_in_the_interpreter():
     ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+3x1o")
     layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="triton", precision="ieee").float()
     x1 = torch.randn(5, 8, dtype=torch.float32, requires_grad=True)
-    x2 = torch.randn(5, 4, dtype=torch.float32)
+    x2 = torch.randn(5, 4, dtype=torch.float32, requires_grad=True)
     out = layer(x1, x2)
     _close(out.double(), ref(x1.double(), x2.double()), 1e-5)
-    (grad,) = torch.autograd.grad(out, [x1], torch.ones_like(out))
-    (expected,) = torch.autograd.grad(ref(x1.double(), x2.double()).sum(), [x1])
-    _close(grad.double(), expected.double(), 1e-5)
+    # Every gradient statement (with its declared lengths) through the generated kernels.
+    grads = torch.autograd.grad(out, [x1, x2, layer.weight], torch.ones_like(out))
+    expected = torch.autograd.grad(ref(x1.double(), x2.double()).sum(), [x1, x2, ref.weight])
+    for got, want in zip(grads, expected):
+        _close(got.double(), want.double(), 1e-5)
 
 
 @pytest.mark.interpreter
@@ -236,6 +238,12 @@ def test_channel_wise_generated_kernel_in_the_interpreter():
         layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", row_buckets=row_buckets).float()
         assert "PR[p]" in layer.statement and len(layer._buckets) == (0 if row_buckets == 1 else 2)
         _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
+    # The channel-wise gradient statements (declared lengths) through the generated kernels.
+    inputs = [t.float().requires_grad_() for t in (x1, x2, w)]
+    grads = torch.autograd.grad(layer(*inputs).sum(), inputs)
+    leaves = [t.clone().requires_grad_() for t in (x1, x2, w)]
+    for got, want in zip(grads, torch.autograd.grad(ref(*leaves).sum(), leaves)):
+        _close(got.double(), want, 1e-5)
 
 
 def test_empty_batch_and_no_internal_weights():

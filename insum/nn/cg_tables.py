@@ -145,7 +145,7 @@ def tensor_product_tables(
     and the gradient tables follow the new order.
 
     CGV, CGJ, CGI, PW [P, Q]: the CG entries grouped by output component p (padded with
-    zero entries); X_INDEX [C1, U]: input 1's flat position of (component, channel);
+    zero entries); CGL [P]: each row's entry count (its declared length, `q[p]`); X_INDEX [C1, U]: input 1's flat position of (component, channel);
     W_INDEX [S, U, Wd] or [S, U]: the flat weight position of each slab element;
     OUT_INDEX [D_out]: where each e3nn output position lies in the flattened Z.
     Padded positions point one past the end (a zero appended there).
@@ -205,7 +205,8 @@ def tensor_product_tables(
         out_index[offsets_out[e] + w * ir.dim + k] = row_of[comp_out[e] + k] * Wd + w
     out_inverse = np.full(P * Wd, irreps_out.dim, dtype=np.int64)  # Z position -> e3nn position
     out_inverse[out_index] = np.arange(irreps_out.dim)
-    tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index, "OUT_INVERSE": out_inverse,
+    tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "CGL": np.array([len(r) for r in rows], np.int64),
+              "X_INDEX": x_index, "W_INDEX": w_index, "OUT_INVERSE": out_inverse,
               "OUT_INDEX": out_index, "weight_numel": np.array(weight_numel)}
     entries = [(p, slab, value, j, c) for p, row in enumerate(rows) for slab, value, j, c in row]
     tables.update(_gradient_tables(entries, mode, n_components=len(x_index), n_slabs=len(w_index), n_in2=irreps2.dim))
@@ -214,7 +215,8 @@ def tensor_product_tables(
 
 def _grouped(entries: list[tuple], key: int, fields: tuple[int, ...], n_rows: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The CG entries (p, slab, value, j, c) grouped by entry[key] into n_rows padded rows;
-    one [n_rows, Q] table per field (value tables float64, index tables int64)."""
+    one [n_rows, Q] table per field (value tables float64, index tables int64), and the
+    entry count of each row under the first name's letter + "L" (XV -> XL)."""
     rows: list[list[tuple]] = [[] for _ in range(n_rows)]
     for entry in entries:
         rows[entry[key]].append(entry)
@@ -224,6 +226,7 @@ def _grouped(entries: list[tuple], key: int, fields: tuple[int, ...], n_rows: in
         for q, entry in enumerate(sorted(row)):
             for name, f in zip(names, fields):
                 out[name][r, q] = entry[f]
+    out[names[0][0] + "L"] = np.array([len(r) for r in rows], np.int64)
     return out
 
 

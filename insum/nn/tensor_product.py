@@ -175,7 +175,7 @@ class TensorProduct(nn.Module):
         self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
         self.run_statement = RUN_STATEMENTS[(self.mode, shared_weights)]
         self._runs = self._output_runs() if output == "views" else []
-        counts = (tables["CGV"] != 0).sum(1).tolist()
+        counts = tables["CGL"].tolist()
         ends = bucket_bounds(counts, row_buckets) if row_buckets > 1 else []
         # (first row, last row + 1, entries) per launch; empty: one launch over all rows
         self._buckets = [(start, end, max(1, counts[end - 1])) for start, end in zip([0] + ends, ends)] if len(ends) > 1 else []
@@ -266,7 +266,7 @@ class TensorProduct(nn.Module):
             Z = self._forward_buckets(Y, X, W)
         else:
             Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=tables["CGJ"],
-                          CGI=tables["CGI"], **self._weight_tables())
+                          CGI=tables["CGI"], lengths={"q[p]": tables["CGL"]}, **self._weight_tables())
         Z = Z.reshape(Z.shape[0], -1)
         return Z if self._identity_out else Z.index_select(1, tables["OUT_INDEX"])
 
@@ -276,7 +276,8 @@ class TensorProduct(nn.Module):
         channels = X.shape[2] if self.mode == "uvu" else W.shape[-1]
         Z = Y.new_empty(Y.shape[0], self._buffers["CGV"].shape[0], channels)
         for (start, end, _), bucket in zip(self._buckets, self._bucket_tables(Y.dtype)):
-            self._run(self.statement, Z=Z[:, start:end], Y=Y, X=X, W=W, **bucket)
+            tables = {name: t for name, t in bucket.items() if name != "CGL"}  # the cached dict stays whole
+            self._run(self.statement, Z=Z[:, start:end], Y=Y, X=X, W=W, lengths={"q[p]": bucket["CGL"]}, **tables)
         return Z
 
     def _bucket_tables(self, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
@@ -286,7 +287,8 @@ class TensorProduct(nn.Module):
             return self._cast[key]
         full = {"CGV": self._table("CGV", dtype), "CGJ": self._buffers["CGJ"], "CGI": self._buffers["CGI"],
                 **self._weight_tables()}
-        buckets = [{name: t[start:end] if name == "PR" else t[start:end, :q] for name, t in full.items()}
+        full["CGL"] = self._buffers["CGL"]
+        buckets = [{name: t[start:end] if t.dim() == 1 else t[start:end, :q] for name, t in full.items()}
                    for start, end, q in self._buckets]
         if not torch.compiler.is_compiling():
             self._cast[key] = buckets
@@ -326,8 +328,11 @@ class TensorProduct(nn.Module):
                       CGI=self.CGI[rows, :Q].view(n, dim, Q), PW=self.PW[rows, :Q].view(n, dim, Q))
         return out
 
-    def _run(self, statement: str, **tensors: torch.Tensor) -> torch.Tensor:
-        return insum(statement, backend=self.backend, precision=self.precision, **tensors)
+    def _run(self, statement: str, lengths: dict | None = None, **tensors: torch.Tensor) -> torch.Tensor:
+        """insum with the layer's options. lengths: each row's CG entry count, declared so
+        that the generated kernel skips the padding entries (a hint the torch backend and
+        torch.compile ignore: the padding is zero-valued either way)."""
+        return insum(statement, backend=self.backend, precision=self.precision, lengths=lengths, **tensors)
 
     def _flat_inputs(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, lead: tuple[int, ...]):
         """x1 [batch, dim1], x2 [batch, dim2] and the weight (flat, or [batch, numel]) in the
@@ -405,7 +410,8 @@ class _ProductFunction(torch.autograd.Function):
         need_x1, need_x2, need_w = ctx.needs_input_grad[1:4]
         dx1 = dx2 = dweight = None
         if need_x1:
-            DX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
+            DX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS,
+                            lengths={"q[c]": layer.XL})
             dx1 = DX.reshape(batch, -1).index_select(1, layer.X_INVERSE)
         if need_w:
             tables = {"WV": layer._table("WV", dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
@@ -415,17 +421,19 @@ class _ProductFunction(torch.autograd.Function):
                 def split(t: torch.Tensor) -> torch.Tensor:
                     return t.reshape(groups, t.shape[0] // groups, *t.shape[1:])
 
-                DW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), **tables)
+                DW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), lengths={"q[s]": layer.WL}, **tables)
                 DW = DW[0] if groups == 1 else DW.sum(0)
                 DW = DW.reshape(-1)
             else:
-                DW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, **tables).reshape(batch, -1)
+                DW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, lengths={"q[s]": layer.WL}, **tables).reshape(batch, -1)
             dweight = DW if layer._identity_w else DW.index_select(DW.dim() - 1, layer.W_INVERSE)
         if need_x2 and layer.mode == "uvu":
-            dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
+            dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP,
+                             lengths={"q[j]": layer.YL})
         elif need_x2:
             T = layer._run(stmts["T"], X=X, W=W, RC=layer.RC, RS=layer.RS)
-            dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP)
+            dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP,
+                             lengths={"q[j]": layer.YL})
         return None, dx1, dx2, dweight
 
 
