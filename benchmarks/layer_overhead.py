@@ -8,8 +8,9 @@ at the study's sizes: which kernels besides insum's take the time).
 
 Counting: a TorchDispatchMode sees every aten op the layer runs outside its insum statements
 (view and metadata ops are counted apart); "allocated" sums the bytes of op outputs whose
-storage is new (not an input's); a statement counts as one launch, and the output it
-allocates (when the caller passed none) counts as allocated. Host time: least wall time
+storage is new (not an input's); a statement counts as one launch (stubbed: not run), and
+the output it allocates (when the caller passed none) counts as allocated. The conv layer
+runs its generated-kernel path (backend="triton", stubbed), as on a GPU. Host time: least wall time
 of a call with every statement replaced by a no-op that returns its output unfilled.
 """
 
@@ -117,11 +118,12 @@ def _stub_output(expr: str, kwargs: dict) -> torch.Tensor:
 
 
 def count(step) -> dict:
-    """Ops, views, bytes allocated and launches of one call of `step` (after a warm-up call)."""
-    with _statements(None, stub=False):
+    """Ops, views, bytes allocated and launches of one call of `step` (after a warm-up call),
+    the statements stubbed (their work is not counted; the outputs they allocate are)."""
+    with _statements(None, stub=True):
         step()
     counter = _Count()
-    with _statements(counter, stub=False), counter:
+    with _statements(counter, stub=True), counter:
         step()
     return {"ops": sum(counter.ops.values()), "views": counter.views, "allocated_bytes": counter.allocated,
             "launches": counter.launches, "by_op": dict(sorted(counter.ops.items()))}
@@ -147,7 +149,8 @@ def host_us(step, repeat: int = 200) -> float:
 
 
 def conv_cases(device, n: int = 2000, channels: int = 32, dtype=torch.float32):
-    """SparseConv3d at one small scene, both forms, with and without bias, and absent="mask"."""
+    """SparseConv3d at one small scene, both forms, with and without bias, and absent="mask";
+    the generated kernel's path (backend="triton": the tiles in one launch)."""
     gen = torch.Generator().manual_seed(0)
     coords = torch.unique(torch.randint(0, 24, (n, 3), generator=gen), dim=0).to(device)
     km = build_kernel_map(coords).prepare(tile=64, mask_dtype=dtype)
@@ -162,11 +165,11 @@ def conv_cases(device, n: int = 2000, channels: int = 32, dtype=torch.float32):
 
             def forward(form=form, bias=bias, absent=absent):
                 with torch.no_grad():
-                    sparse_conv3d(x, w, km, bias, form=form, tile=64, absent=absent)
+                    sparse_conv3d(x, w, km, bias, form=form, tile=64, absent=absent, backend="triton")
 
             def train(form=form, bias=bias, absent=absent):
                 xg.grad = wg.grad = None
-                sparse_conv3d(xg, wg, km, bias, form=form, tile=64, absent=absent).backward(g)
+                sparse_conv3d(xg, wg, km, bias, form=form, tile=64, absent=absent, backend="triton").backward(g)
 
             yield f"{name} fwd", forward
             yield f"{name} fwd+bwd", train
