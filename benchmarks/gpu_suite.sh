@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop, kernel-map builds
 #   bash benchmarks/gpu_suite.sh layers                 # layer_overhead: ops/bytes per layer call, a profile of the conv layer
 #   bash benchmarks/gpu_suite.sh tp                     # tensor products vs e3nn, cuEquivariance, OEQ
+#   bash benchmarks/gpu_suite.sh distributed            # 2 GPUs (nvidia-h200-x2): NCCL tests, study_distributed
 # conv installs the spconv-triton wheel from .carry-conv-whl/ when carried; tp unpacks
 # cuEquivariance from .carry-tp-whl1/cue_all.tar.xz and puts OpenEquivariance's source from
 # .carry-tp/oeq_src on the path when carried (third-party code: carried, never committed).
@@ -56,6 +57,10 @@ case "$PART" in
     [ -f .carry-tp-whl1/cue_all.tar.xz ] && tar xJf .carry-tp-whl1/cue_all.tar.xz -C /tmp/site
     [ -d .carry-tp/oeq_src ] && export PYTHONPATH=$PYTHONPATH:$PWD/.carry-tp/oeq_src
     timeout 560 python -m benchmarks.study_tensor_product --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/tensor_product.log"
+    ;;
+  distributed)
+    timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tail -5 | tee "$DIR/pytest_distributed_cuda.log"
+    OUT="$DIR" timeout 400 torchrun --standalone --nproc_per_node=2 -m benchmarks.study_distributed "$@" 2>&1 | quiet | tee "$DIR/study_distributed_x2.log"
     ;;
   packing)
     timeout 560 python -m benchmarks.packing "$@" 2>&1 | quiet | tee "$DIR/packing.log"

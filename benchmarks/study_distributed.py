@@ -7,14 +7,23 @@ Not part of `python -m benchmarks` (whose studies run in one process): it needs 
 
 Graphs: `benchmarks/graphs.py` ("community": locality as after a reordering; "uniform": none).
 
-For each step of --plan (graph:dtype): the one-GPU GroupCOO product (and cuSPARSE) on rank 0, then the
-2-GPU `spmm` (every iteration aligned by a barrier, timed by CUDA events, the slower
-rank's time kept, the median reported), its parts timed alone (local block, halo block,
-the halo all_to_all, an all-gather of B for comparison, exchange-then-compute without
-overlap), bytes exchanged against an all-gather of B, and the result checked against the
-one-GPU product and a float64 cuSPARSE product. A `graph+backward` step times a forward
-and backward step instead and checks the gradient. Steps run until the time budget is
-spent. Full rows go to $OUT/study_distributed.jsonl.
+For each step of --plan (graph:dtype): the one-GPU GroupCOO product (and cuSPARSE) on rank 0, then,
+for each packing of --packings ("split": the default, one grouping of the whole rows cut
+by column range; "auto": the two blocks packed separately by formats.auto, the former
+default), the 2-GPU `spmm` (every iteration aligned by a barrier, timed by CUDA events,
+the slower rank's time kept, the median reported), its steps timed alone
+(`insum.distributed.steps`: the gathers, the exchange, the local and the halo pass; an
+all-gather of B for comparison; all steps one after another, without overlap), what the
+overlap left unhidden (2-GPU time minus the compute steps), the scaling efficiency, each
+pass's nonzeros and groups, bytes exchanged against an all-gather of B, and the result
+checked against the one-GPU product and a float64 cuSPARSE product. A `graph+backward`
+step times a forward and backward step instead, the backward's steps alone (the
+transposed passes, the exchange back), and checks the gradient. Steps run until the
+time budget is spent. Full rows go to $OUT/study_distributed.jsonl.
+
+What to read: `x` (target >= 1.7 on community:fp32), `unhid` (the exchange not hidden:
+~0 when the overlap works), `halo` against `local` with `halo%nnz` (the halo pass's cost
+per nonzero against the local pass's), and split against auto.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from insum.distributed import partition_rows, spmm
+from insum.distributed import partition_rows, spmm, steps
 from insum.formats import GroupCOO
 
 from .common import DTYPES, relative_error
@@ -104,35 +113,44 @@ def gather_objects(obj) -> list:
 
 # --------------------------------------------------------------------------- one configuration
 
+#: --packings: the default (one grouping of the whole rows, cut by column range) and the
+#: two blocks packed separately by formats.auto (the former default), to compare.
+PACKINGS = {"split": None, "auto": "auto", "groupcoo": "GroupCOO"}
+FORWARD_STEPS = ("gather_send", "exchange", "gather_ext", "local", "halo")
 
-def study(graph: str, dtype_name: str, args, device: torch.device, timer: Timer, log) -> dict:
-    rank = dist.get_rank()
-    dtype = DTYPES[dtype_name]
-    t0 = time.perf_counter()
+
+def _graph(graph: str, dtype, args, device):
     A = make_graph(graph, args.nodes, args.avg, device)
     if dtype != torch.float32:
         A = A.to(dtype)
-    n, nnz = A.shape[0], A._nnz()
     checksum = torch.stack([A.crow_indices()[-1], A.col_indices()[::997].sum()]).double()
     sums = [torch.empty_like(checksum) for _ in range(WORLD)]
     dist.all_gather(sums, checksum)
     assert torch.equal(sums[0], sums[1]), "the ranks generated different graphs"
-    generate_s = time.perf_counter() - t0
+    return A
 
+
+def _gathered_rows(local: torch.Tensor, part) -> torch.Tensor | None:
+    """Every rank's rows of a row-partitioned result, concatenated on rank 0 (None elsewhere)."""
+    widest = max(len(r) for r in _ranges(part))
+    padded = torch.nn.functional.pad(local, (0, 0, 0, widest - local.shape[0])).contiguous()
+    out = padded.new_empty(WORLD * widest, local.shape[1])
+    dist.all_gather_into_tensor(out, padded)
+    if dist.get_rank() != 0:
+        return None
+    return torch.cat([out[k * widest : k * widest + len(r)] for k, r in enumerate(_ranges(part))])
+
+
+def study(graph: str, dtype_name: str, args, device: torch.device, timer: Timer, log) -> list[dict]:
+    """One graph and dtype: the one-GPU product on rank 0, then each packing on 2 GPUs."""
+    rank = dist.get_rank()
+    dtype = DTYPES[dtype_name]
     t0 = time.perf_counter()
-    (part,) = partition_rows(A, WORLD, rank=rank)
-    timer.sync()
-    partition_s = time.perf_counter() - t0
-    N = args.features
+    A = _graph(graph, dtype, args, device)
+    n, N = A.shape[0], args.features
+    generate_s = time.perf_counter() - t0
     gen = torch.Generator(device=device).manual_seed(2)
     B = torch.randn(n, N, generator=gen, device=device, dtype=dtype)
-    B_local = B[part.rows.start : part.rows.stop].contiguous()
-    if rank != 0:
-        del B
-    row = {
-        "graph": graph, "dtype": dtype_name, "nodes": n, "nnz": nnz, "features": N,
-        "generate_s": generate_s, "partition_s": partition_s,
-    }  # fmt: skip
 
     # One GPU: rank 0 multiplies the whole matrix (rank 1 waits).
     one = {}
@@ -140,6 +158,7 @@ def study(graph: str, dtype_name: str, args, device: torch.device, timer: Timer,
         full = GroupCOO.from_torch(A)
         C_full = full @ B  # compiles and tunes
         one["groupcoo_ms"] = statistics.median(timer.local_times(lambda: full @ B))
+        one["groupcoo_group_size"] = full.group_size
         try:
             A @ B
             one["cusparse_ms"] = statistics.median(timer.local_times(lambda: A @ B))
@@ -150,80 +169,98 @@ def study(graph: str, dtype_name: str, args, device: torch.device, timer: Timer,
         del full
     dist.barrier()
 
-    # Two GPUs.
-    C = spmm(part, B_local)  # compiles and tunes the local and halo kernels
+    context = (one, C_full, C64) if rank == 0 else (one, None, None)
+    rows = []
+    for packing in args.packings.split(","):
+        row = _study_packing(A, B, packing, generate_s, context, args, timer)
+        row.update(graph=graph, dtype=dtype_name)
+        if rank == 0:
+            log(json.dumps(row))
+            log(_forward_line(row))
+        rows.append(row)
+        gc.collect()
+    return rows
+
+
+def _study_packing(A, B, packing: str, generate_s: float, context, args, timer: Timer) -> dict:
+    """One packing on 2 GPUs: spmm, each step alone, the steps in sequence, an all-gather."""
+    rank, (one, C_full, C64) = dist.get_rank(), context
+    n, nnz, N = A.shape[0], A._nnz(), args.features
+    row = {"graph": "", "dtype": "", "packing": packing, "nodes": n, "nnz": nnz, "features": N}
+    row["generate_s"] = generate_s
+    t0 = time.perf_counter()
+    (part,) = partition_rows(A, WORLD, rank=rank, format=PACKINGS[packing])
+    timer.sync()
+    row["partition_s"] = time.perf_counter() - t0
+    B_local = B[part.rows.start : part.rows.stop].contiguous()
+    C = spmm(part, B_local)  # compiles and tunes the passes' kernels
     two_ms, two_per_rank = timer.slowest(lambda: spmm(part, B_local))
-    halo_rows = int(part.halo_rows.numel())
-    send = B_local.index_select(0, part.send_rows)
-    halo = B_local.new_empty(halo_rows, N)
 
-    def exchange():
-        dist.all_to_all_single(halo, send, list(part.recv_counts), list(part.send_counts))
+    # Each step alone (the slower rank's median), then all of them one after another.
+    step_fns = steps(part, B_local)
+    step_ms = {name: timer.slowest(step_fns[name])[0] for name in FORWARD_STEPS}
+    step_per_rank = {name: timer.slowest(step_fns[name])[1] for name in ("local", "halo")}
 
-    exchange()
+    def sequential():
+        for name in FORWARD_STEPS:
+            step_fns[name]()
+
+    sequential_ms, _ = timer.slowest(sequential)
     widest = max(len(r) for r in _ranges(part))
     padded = torch.nn.functional.pad(B_local, (0, 0, 0, widest - B_local.shape[0]))
     gathered = padded.new_empty(WORLD * widest, N)
-    exchange_ms, _ = timer.slowest(exchange)
     allgather_ms, _ = timer.slowest(lambda: dist.all_gather_into_tensor(gathered, padded))
-    local_ms, local_per_rank = timer.slowest(lambda: part.local @ B_local)
-    halo_ms, halo_per_rank = timer.slowest(lambda: part.halo @ halo)
-
-    def sequential():
-        exchange()
-        out = part.local @ B_local
-        out += part.halo @ halo
-
-    sequential_ms, _ = timer.slowest(sequential)
 
     # Correctness: every rank's rows against the one-GPU product and float64.
-    padded_C = torch.nn.functional.pad(C, (0, 0, 0, widest - C.shape[0]))
-    all_C = padded_C.new_empty(WORLD * widest, N)
-    dist.all_gather_into_tensor(all_C, padded_C.contiguous())
-    parts_info = gather_objects(
-        {
-            "rows": len(part.rows), "nnz": part.nnz, "halo_nnz": part.halo.nnz,
-            "halo_rows": halo_rows, "send_rows": int(part.send_rows.numel()),
-            "exchange_bytes": part.exchange_bytes(N), "allgather_bytes": part.allgather_bytes(N),
-        }
-    )  # fmt: skip
+    C_two = _gathered_rows(C, part)
+    info = part.stats()
+    info.update(exchange_bytes=part.exchange_bytes(N), allgather_bytes=part.allgather_bytes(N))
+    parts_info = gather_objects(info)
     if rank == 0:
-        ranges = _ranges(part)
-        C_two = torch.cat([all_C[k * widest : k * widest + len(r)] for k, r in enumerate(ranges)])
         row["error_vs_one_gpu"] = relative_error(C_two, C_full)
         row["max_abs_vs_one_gpu"] = float((C_two.double() - C_full.double()).abs().max())
         row["error_vs_fp64"] = relative_error(C_two, C64)
         row.update({"one_gpu_" + k: v for k, v in one.items()})
         exchanged = sum(p["exchange_bytes"] for p in parts_info)
         allgather = sum(p["allgather_bytes"] for p in parts_info)
+        compute_ms = sum(step_ms[name] for name in FORWARD_STEPS if name != "exchange")
         row.update(
             {
                 "two_gpu_ms": two_ms, "two_gpu_per_rank_ms": two_per_rank,
                 "speedup": one["groupcoo_ms"] / two_ms, "efficiency": one["groupcoo_ms"] / two_ms / WORLD,
-                "exchange_ms": exchange_ms, "allgather_ms": allgather_ms,
-                "local_ms": local_ms, "local_per_rank_ms": local_per_rank,
-                "halo_ms": halo_ms, "halo_per_rank_ms": halo_per_rank,
-                "sequential_ms": sequential_ms,
+                **{f"{name}_ms": ms for name, ms in step_ms.items()},
+                "local_per_rank_ms": step_per_rank["local"], "halo_per_rank_ms": step_per_rank["halo"],
+                "sequential_ms": sequential_ms, "allgather_ms": allgather_ms,
+                # What the overlap did not hide: the 2-GPU time beyond its compute steps.
+                "unhidden_ms": two_ms - compute_ms,
                 "exchanged_bytes": exchanged, "allgather_bytes": allgather,
                 "exchange_fraction": exchanged / allgather if allgather else 0.0,
                 "parts": parts_info,
             }
         )  # fmt: skip
-        log(json.dumps(row))
     return row
 
 
+def _forward_line(r: dict) -> str:
+    halo = r["parts"][0]["halo"]
+    return (
+        f"{r['graph']} {r['dtype']} {r['packing']}: 1 GPU {r['one_gpu_groupcoo_ms']:.2f} ms, 2 GPUs "
+        f"{r['two_gpu_ms']:.2f} ms ({r['speedup']:.2f}x, efficiency {r['efficiency']:.0%}) = local "
+        f"{r['local_ms']:.2f} + halo {r['halo_ms']:.2f} + gathers {r['gather_send_ms'] + r['gather_ext_ms']:.2f} "
+        f"+ unhidden {r['unhidden_ms']:.2f} (exchange alone {r['exchange_ms']:.2f}); rank 0's halo pass: "
+        f"{halo['nnz']} nnz in {halo.get('groups', '?')} groups of {halo.get('group_size', '?')}"
+    )
+
+
 def study_backward(graph: str, dtype_name: str, args, device: torch.device, timer: Timer, log) -> None:
-    """Forward + backward (the transposed exchange) on 1 vs 2 GPUs, gradients checked."""
+    """Forward + backward (the transposed exchange) on 1 vs 2 GPUs, gradients checked, and
+    the backward's steps alone (transposed passes, the exchange back)."""
     rank, dtype, N = dist.get_rank(), DTYPES[dtype_name], args.features
-    A = make_graph(graph, args.nodes, args.avg, device).to(dtype)
-    (part,) = partition_rows(A, WORLD, rank=rank)
+    A = _graph(graph, dtype, args, device)
     gen = torch.Generator(device=device).manual_seed(3)
     B = torch.randn(A.shape[0], N, generator=gen, device=device, dtype=dtype)
     G = torch.randn(A.shape[0], N, generator=gen, device=device, dtype=dtype)
-    rows = slice(part.rows.start, part.rows.stop)
-    B_local, G_local = B[rows].clone().requires_grad_(), G[rows].contiguous()
-    result = {"graph": graph, "dtype": dtype_name, "nnz": A._nnz(), "step": "forward+backward"}
+    one = {}
     if rank == 0:
         full, B_one = GroupCOO.from_torch(A), B.clone().requires_grad_()
 
@@ -231,32 +268,46 @@ def study_backward(graph: str, dtype_name: str, args, device: torch.device, time
             B_one.grad = None
             full.spmm(B_one).backward(G)
 
-        result["one_gpu_ms"] = statistics.median(timer.local_times(one_step))
+        one["one_gpu_ms"] = statistics.median(timer.local_times(one_step))
         AT = A.to_sparse_coo().t().coalesce().to_sparse_csr()
         want = AT.double() @ G.double()
-        del AT
+        del AT, full
     dist.barrier()
+    for packing in args.packings.split(","):
+        result = {"graph": graph, "dtype": dtype_name, "packing": packing, "nnz": A._nnz(), "step": "forward+backward"}
+        result.update(one)
+        dB = _backward_packing(A, B, G, packing, timer, result)
+        if rank == 0:
+            result["grad_error_vs_one_gpu"] = relative_error(dB, B_one.grad)
+            result["grad_error_vs_fp64"] = relative_error(dB, want)
+            result["speedup"] = result["one_gpu_ms"] / result["two_gpu_ms"]
+            log(json.dumps(result))
+            log(
+                f"forward+backward {graph} {dtype_name} {packing}: 1 GPU {result['one_gpu_ms']:.2f} ms, 2 GPUs "
+                f"{result['two_gpu_ms']:.2f} ms ({result['speedup']:.2f}x); backward steps alone: local_T "
+                f"{result['local_T_ms']:.2f}, halo_T {result['halo_T_ms']:.2f}, exchange back "
+                f"{result['exchange_T_ms']:.2f} ms; gradient error vs 1 GPU "
+                f"{result['grad_error_vs_one_gpu']:.1e}, vs fp64 {result['grad_error_vs_fp64']:.1e}"
+            )
+        gc.collect()
+
+
+def _backward_packing(A, B, G, packing: str, timer: Timer, result: dict) -> torch.Tensor | None:
+    """One packing's forward + backward step on 2 GPUs and its backward steps alone (into
+    `result`); every rank's gradient on rank 0."""
+    (part,) = partition_rows(A, WORLD, rank=dist.get_rank(), format=PACKINGS[packing])
+    rows = slice(part.rows.start, part.rows.stop)
+    B_local, G_local = B[rows].clone().requires_grad_(), G[rows].contiguous()
 
     def two_step():
         B_local.grad = None
         spmm(part, B_local).backward(G_local)
 
     result["two_gpu_ms"], result["two_gpu_per_rank_ms"] = timer.slowest(two_step)
-    widest = max(len(r) for r in _ranges(part))
-    grad = torch.nn.functional.pad(B_local.grad, (0, 0, 0, widest - B_local.shape[0])).contiguous()
-    grads = grad.new_empty(WORLD * widest, N)
-    dist.all_gather_into_tensor(grads, grad)
-    if rank == 0:
-        dB = torch.cat([grads[k * widest : k * widest + len(r)] for k, r in enumerate(_ranges(part))])
-        result["grad_error_vs_one_gpu"] = relative_error(dB, B_one.grad)
-        result["grad_error_vs_fp64"] = relative_error(dB, want)
-        result["speedup"] = result["one_gpu_ms"] / result["two_gpu_ms"]
-        log(json.dumps(result))
-        log(
-            f"forward+backward {graph} {dtype_name}: 1 GPU {result['one_gpu_ms']:.2f} ms, 2 GPUs "
-            f"{result['two_gpu_ms']:.2f} ms ({result['speedup']:.2f}x), gradient error vs 1 GPU "
-            f"{result['grad_error_vs_one_gpu']:.1e}, vs fp64 {result['grad_error_vs_fp64']:.1e}"
-        )
+    step_fns = steps(part, B_local, G_local)
+    for name in ("local_T", "halo_T", "exchange_T"):
+        result[f"{name}_ms"] = timer.slowest(step_fns[name])[0]
+    return _gathered_rows(B_local.grad, part)
 
 
 def _ranges(part) -> list[range]:
@@ -269,20 +320,24 @@ def _ranges(part) -> list[range]:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'graph':<10}{'dtype':<6}{'nnz':>11}{'1 GPU':>9}{'cuSPARSE':>9}{'2 GPUs':>9}{'speedup':>8}"
-        f"{'exch %AG':>9}{'exch':>8}{'allgath':>8}{'local':>8}{'halo':>8}{'no-ovl':>8}{'err 1GPU':>10}{'err f64':>9}"
+        f"{'graph':<10}{'dtype':<6}{'packing':<9}{'nnz':>10}{'1 GPU':>8}{'cuSP':>7}{'2 GPUs':>8}{'x':>7}{'eff':>5}"
+        f"{'local':>8}{'halo':>8}{'gath':>7}{'unhid':>7}{'exch':>7}{'AG':>7}{'exch%AG':>8}{'halo%nnz':>9}{'err 1GPU':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         cu = r.get("one_gpu_cusparse_ms")
-        cu = f"{cu:9.2f}" if isinstance(cu, float) else f"{'n/a':>9}"
+        cu = f"{cu:7.2f}" if isinstance(cu, float) else f"{'n/a':>7}"
+        halo_share = sum(p["halo"]["nnz"] for p in r["parts"]) / max(r["nnz"], 1)
         lines.append(
-            f"{r['graph']:<10}{r['dtype']:<6}{r['nnz']:>11}{r['one_gpu_groupcoo_ms']:9.2f}{cu}"
-            f"{r['two_gpu_ms']:9.2f}{r['speedup']:7.2f}x{100 * r['exchange_fraction']:8.1f}%"
-            f"{r['exchange_ms']:8.2f}{r['allgather_ms']:8.2f}{r['local_ms']:8.2f}{r['halo_ms']:8.2f}"
-            f"{r['sequential_ms']:8.2f}{r['error_vs_one_gpu']:10.1e}{r['error_vs_fp64']:9.1e}"
+            f"{r['graph']:<10}{r['dtype']:<6}{r['packing']:<9}{r['nnz']:>10}{r['one_gpu_groupcoo_ms']:8.2f}{cu}"
+            f"{r['two_gpu_ms']:8.2f}{r['speedup']:6.2f}x{r['efficiency']:5.0%}{r['local_ms']:8.2f}{r['halo_ms']:8.2f}"
+            f"{r['gather_send_ms'] + r['gather_ext_ms']:7.2f}{r['unhidden_ms']:7.2f}{r['exchange_ms']:7.2f}"
+            f"{r['allgather_ms']:7.2f}{100 * r['exchange_fraction']:7.1f}%{100 * halo_share:8.1f}%{r['error_vs_one_gpu']:9.1e}"
         )
-    lines.append("times in ms (medians; 2-GPU steps: the slower rank); exch %AG: halo bytes / all-gather bytes")
+    lines.append(
+        "times in ms (medians; 2-GPU steps: the slower rank); local, halo, gath: the passes and the gathers "
+        "alone; unhid: 2 GPUs minus those (the exchange not hidden); exch%AG: halo bytes / all-gather bytes"
+    )
     return "\n".join(lines)
 
 
@@ -326,7 +381,7 @@ def main(rank: int, args) -> None:
         if graph.endswith("+backward"):
             study_backward(graph.removesuffix("+backward"), dtype_name, args, device, timer, log)
         else:
-            rows.append(study(graph, dtype_name, args, device, timer, log))
+            rows.extend(study(graph, dtype_name, args, device, timer, log))
         gc.collect()  # the configuration's tensors, before the next one allocates
         if cuda:
             torch.cuda.empty_cache()
@@ -350,6 +405,9 @@ def parse_args(argv=None):
         "--plan",
         default="community:fp32,uniform:fp32,community:fp16,community+backward:fp32,uniform:fp16",
         help="graph:dtype steps in order (graph+backward times forward and backward)",
+    )
+    parser.add_argument(
+        "--packings", default="split,auto", help=f"comma-separated, of {', '.join(PACKINGS)} (see PACKINGS)"
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=170.0, help="start no configuration after this")

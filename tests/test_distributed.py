@@ -5,6 +5,7 @@ the CPU, spawned once for the module: each process runs every check in CHECKS (i
 same order, so their collectives pair up) and reports one line per check, which the
 tests below read. A hang fails: gloo's timeout and the spawn's deadline are both short.
 Every distributed result is compared with the one-process product and a float64 dense one.
+With two GPUs, GPU_CHECKS run the same way in 2 NCCL processes (`-m gpu`; skipped here).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from insum import formats
 from insum.distributed import partition_rows, spmm
 from insum.errors import InsumError, InsumShapeError, InsumTypeError
 from insum.formats import GroupCOO, power_law_matrix
+from insum.formats.grouping import HALF_FAN_IN
+from insum.formats.opcount import count_ops
 from insum.nn import DistributedSparseLinear, SparseLinear
 
 WORLD = 2
@@ -39,6 +41,18 @@ def skewed(n: int, avg: float, seed: int, dtype=torch.float32) -> torch.Tensor:
 # --------------------------------------------------------------------------- one process
 
 
+def rebuilt_rows(p, n):
+    """A part's rows of A from its two passes: the halo pass's columns are B_local's
+    ext_rows, then the received rows."""
+    out = torch.zeros(len(p.rows), n, dtype=p.dtype)
+    out[:, p.rows.start : p.rows.stop] = p.local.to_dense()
+    halo = p.halo.to_dense()
+    k = p.ext_rows.numel()
+    out[:, p.rows.start + p.ext_rows] += halo[:, :k]
+    out[:, p.halo_rows] += halo[:, k:]
+    return out
+
+
 def test_parts_cover_the_rows_and_rebuild_A():
     A = skewed(53, 4.0, seed=3)
     dense = A.to_dense()
@@ -48,10 +62,7 @@ def test_parts_cover_the_rows_and_rebuild_A():
     assert sum(p.nnz for p in parts) == A._nnz()
     for p in parts:
         assert isinstance(p.rows, range)
-        rebuilt = torch.zeros(len(p.rows), 53)
-        rebuilt[:, p.rows.start : p.rows.stop] = p.local.to_dense()
-        rebuilt[:, p.halo_rows] += p.halo.to_dense()
-        torch.testing.assert_close(rebuilt, dense[p.rows.start : p.rows.stop], rtol=0, atol=0)
+        torch.testing.assert_close(rebuilt_rows(p, 53), dense[p.rows.start : p.rows.stop], rtol=0, atol=0)
         assert not any(p.rows.start <= r < p.rows.stop for r in p.halo_rows.tolist())
 
 
@@ -90,18 +101,33 @@ def test_more_ranks_than_rows_leaves_ranks_empty():
     assert any(len(p.rows) == 0 and p.nnz == 0 for p in parts)
 
 
-def test_the_default_format_is_auto_where_it_exists():
+def test_the_default_cuts_one_grouping_of_the_whole_rows():
+    A = skewed(300, 12.0, seed=4)
+    dense = A.to_dense()
+    for p in partition_rows(A, 2):
+        g = p.local.group_size
+        assert p.halo.group_size == g and g > 1  # the whole rows' group size, in both passes
+        counts = (dense[p.rows.start : p.rows.stop] != 0).sum(1)
+        # Exactly the groups (and slots) of one packing of these rows: no group is split.
+        assert p.local.groups + p.halo.groups == int(((counts + g - 1) // g).sum())
+        assert p.nnz == int(counts.sum())
+        # The halo pass reads a few local rows (its mixed groups'), at most one group a row.
+        assert 0 < p.ext_rows.numel() <= len(p.rows)
+        assert p.ext_rows.max() < len(p.rows) and torch.equal(p.ext_rows, p.ext_rows.unique())
+        mixed = (p.halo.AK < p.ext_rows.numel()).any(1)
+        assert torch.equal(p.halo.AM[mixed], p.halo.AM[mixed].unique())
+        torch.testing.assert_close(rebuilt_rows(p, 300), dense[p.rows.start : p.rows.stop], rtol=0, atol=0)
+        assert p.fan_in == int(((counts + g - 1) // g).max())
+    (fixed,) = partition_rows(A, 2, rank=1, group_size=8, index_dtype=torch.int64)
+    assert fixed.local.group_size == fixed.halo.group_size == 8 and fixed.halo.index_dtype == torch.int64
+
+
+def test_a_named_format_packs_the_two_blocks_separately():
     A = skewed(40, 3.0, seed=4)
-    if not hasattr(formats, "auto"):
-        with pytest.raises(InsumError, match="formats.auto"):
-            partition_rows(A, 2, format="auto")
-        assert all(type(p.local) is GroupCOO and type(p.halo) is GroupCOO for p in partition_rows(A, 2))
-        return
-    for p in partition_rows(A, 2):  # formats.auto packs each block
-        rebuilt = torch.zeros(len(p.rows), 40)
-        rebuilt[:, p.rows.start : p.rows.stop] = p.local.to_dense()
-        rebuilt[:, p.halo_rows] += p.halo.to_dense()
-        torch.testing.assert_close(rebuilt, A.to_dense()[p.rows.start : p.rows.stop])
+    for fmt in ("auto", "COO"):
+        for p in partition_rows(A, 2, format=fmt):
+            assert p.ext_rows.numel() == 0 and p.halo.shape[1] == p.halo_rows.numel()
+            torch.testing.assert_close(rebuilt_rows(p, 40), A.to_dense()[p.rows.start : p.rows.stop])
 
 
 @pytest.mark.parametrize(
@@ -113,6 +139,8 @@ def test_the_default_format_is_auto_where_it_exists():
         (lambda: partition_rows(torch.eye(3), 2, rank=2), InsumError, "rank"),
         (lambda: partition_rows(torch.eye(3), 2, format="CSR5"), InsumError, "unknown format"),
         (lambda: partition_rows(torch.eye(3), 2, group_sise=2), InsumError, "group_sise"),
+        (lambda: partition_rows(torch.eye(3), 2, format="COO", group_size=2), InsumError, "group_size"),
+        (lambda: partition_rows(torch.eye(3), 2, group_size=0), InsumError, "group_size"),
         (lambda: spmm(partition_rows(torch.eye(3), 1)[0], torch.ones(3, 2)), InsumError, "process group"),
     ],
 )
@@ -135,7 +163,7 @@ def _row_slice(part):
     return slice(part.rows.start, part.rows.stop)
 
 
-def _spmm_against_one_process(rank, A, N, fmt="GroupCOO", balance="nnz", grad=True, **params):
+def _spmm_against_one_process(rank, A, N, fmt=None, balance="nnz", grad=True, **params):
     """spmm on this rank's part vs the one-process format product and float64 (values, grads)."""
     dtype = A.dtype
     (part,) = partition_rows(A, WORLD, balance, rank=rank, format=fmt, **params)
@@ -160,9 +188,46 @@ def _spmm_against_one_process(rank, A, N, fmt="GroupCOO", balance="nnz", grad=Tr
 
 
 @check
-def spmm_groupcoo_fp32_int32(rank):
+def spmm_fp32_int32(rank):
     part = _spmm_against_one_process(rank, skewed(37, 3.0, seed=11), 5)
     assert part.local.index_dtype == torch.int32 and sum(part.recv_counts) > 0
+
+
+@check
+def spmm_mixed_groups_reused_buffers_no_syncs(rank):
+    # Long rows and g = 4: groups straddle local and remote columns (the halo pass reads
+    # ext_rows). Two calls on one part: the buffers it keeps are reused, and once the
+    # first backward has kept the transposed patterns, a call syncs the host nowhere (on
+    # the generated kernels: the torch lowering, the CPU's, reads sizes back itself).
+    triton = os.environ.get("TRITON_INTERPRET") == "1"
+    backend = "triton" if triton else "torch"
+    A = skewed(40, 12.0, seed=25)
+    (part,) = partition_rows(A, WORLD, rank=rank, group_size=4)
+    assert part.ext_rows.numel() > 0
+    dense = A.to_dense().double()
+    gen = torch.Generator().manual_seed(26)
+    rows = _row_slice(part)
+    buffers = []
+    for call in range(2):
+        B = torch.randn(40, 3, generator=gen)
+        B_local = B[rows].clone().requires_grad_()
+        with count_ops() as counted:
+            C = spmm(part, B_local, backend=backend, precision="ieee")
+            C.backward(torch.ones_like(C))
+        torch.testing.assert_close(C.double(), (dense @ B.double())[rows], rtol=1e-5, atol=1e-5)
+        want = dense.t() @ torch.ones(40, 3, dtype=torch.float64)
+        torch.testing.assert_close(B_local.grad.double(), want[rows], rtol=1e-5, atol=1e-5)
+        buffers.append({k: v.data_ptr() for k, v in part.workspace.items() if isinstance(v, torch.Tensor)})
+        if call and triton:
+            assert counted.syncs == 0, counted
+    assert buffers[0] == buffers[1]  # the same buffers (and kept values) in the second call
+    assert {key[0] for key in buffers[1]} >= {"forward", "backward"}
+
+
+@check
+def spmm_groupcoo_blocks_separately(rank):
+    part = _spmm_against_one_process(rank, skewed(37, 3.0, seed=11), 5, fmt="GroupCOO")
+    assert part.ext_rows.numel() == 0
 
 
 @check
@@ -193,7 +258,11 @@ def spmm_bf16(rank):
 
 @check
 def spmm_fp16_one_column(rank):
-    _spmm_against_one_process(rank, skewed(31, 3.0, seed=15, dtype=torch.float16), 1)
+    A = skewed(31, 3.0, seed=15, dtype=torch.float16)
+    part = _spmm_against_one_process(rank, A, 1)  # few groups a row: accumulated in fp16 in place
+    assert part.fan_in <= HALF_FAN_IN
+    part = _spmm_against_one_process(rank, A, 1, group_size=1)  # rank 0: 30 groups in a row, float32
+    assert (part.fan_in > HALF_FAN_IN) == (rank == 0)
 
 
 @check
@@ -317,17 +386,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+# --------------------------------------------------------------------------- two GPUs (NCCL)
+
+GPU_CHECKS = {}
+
+
+def gpu_check(fn):
+    GPU_CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.detach().double() - want).norm() / want.norm().clamp(min=1e-30))
+
+
+@gpu_check
+def cuda_spmm_generated_kernels_against_one_gpu(rank):
+    """The Triton path on NCCL, each dtype, against one GPU's product and float64; the
+    second call of a part syncs the host nowhere."""
+    device = torch.device("cuda", rank)
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)]:
+        A = skewed(3001, 12.0, seed=31, dtype=dtype).to(device)
+        (part,) = partition_rows(A, WORLD, rank=rank)
+        assert part.ext_rows.numel() > 0
+        gen = torch.Generator(device=device).manual_seed(32)
+        B = torch.randn(3001, 48, generator=gen, device=device, dtype=dtype)
+        G = torch.randn(3001, 48, generator=gen, device=device, dtype=dtype)
+        rows = _row_slice(part)
+        dense = A.to_dense().double()
+        for call in range(2):
+            B_local = B[rows].clone().requires_grad_()
+            with count_ops() as counted:
+                C = spmm(part, B_local, precision="ieee")
+                C.backward(G[rows])
+            if call:
+                assert counted.syncs == 0, counted
+        assert _relative_error(C, (dense @ B.double())[rows]) < tol
+        one_gpu = GroupCOO.from_torch(A).spmm(B, precision="ieee")[rows]
+        assert _relative_error(C, one_gpu.double()) < tol
+        assert _relative_error(B_local.grad, (dense.t() @ G.double())[rows]) < tol
+
+
+def _worker(rank: int, port: int, out_dir: str, gpu: bool = False) -> None:
     torch.set_num_threads(1)
+    if gpu:
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        "nccl" if gpu else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=WORLD,
         timeout=timedelta(seconds=GLOO_TIMEOUT_S),
     )
     results = {}
-    for name, fn in CHECKS.items():
+    for name, fn in (GPU_CHECKS if gpu else CHECKS).items():
         try:
             results[name] = fn(rank) or "ok"
         except Exception:
@@ -337,12 +449,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Each rank's result of every check, from one spawn of 2 gloo processes."""
-    out_dir = tmp_path_factory.mktemp("distributed")
+def _spawn(out_dir, gpu: bool) -> list[dict]:
     context = mp.start_processes(
-        _worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(_free_port(), str(out_dir), gpu), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not context.join(timeout=1):
@@ -353,10 +462,34 @@ def two_ranks(tmp_path_factory):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_two_gloo_ranks(two_ranks, name):
-    for rank, results in enumerate(two_ranks):
-        outcome = results[name]
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each rank's result of every check, from one spawn of 2 gloo processes."""
+    return _spawn(tmp_path_factory.mktemp("distributed"), gpu=False)
+
+
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory):
+    """Each rank's result of every GPU check, from one spawn of 2 NCCL processes."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices")
+    return _spawn(tmp_path_factory.mktemp("distributed_gpu"), gpu=True)
+
+
+def _outcomes(results: list[dict], name: str) -> None:
+    for rank, per_rank in enumerate(results):
+        outcome = per_rank[name]
         if outcome.startswith("skipped"):
             pytest.skip(outcome)
         assert outcome == "ok", f"rank {rank}:\n{outcome}"
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_two_gloo_ranks(two_ranks, name):
+    _outcomes(two_ranks, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CHECKS))
+def test_two_gpus(two_gpus, name):
+    _outcomes(two_gpus, name)
