@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_suite.sh tests                  # the CUDA test suite, then codegen and the demo
 #   bash benchmarks/gpu_suite.sh torch                  # torch_checks: opcheck, autograd, graphs, MLP
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
-#   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop
+#   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop, kernel-map builds
+#   bash benchmarks/gpu_suite.sh layers                 # layer_overhead: ops/bytes per layer call, a profile of the conv layer
 #   bash benchmarks/gpu_suite.sh tp                     # tensor products vs e3nn, cuEquivariance, OEQ
 #   bash benchmarks/gpu_suite.sh distributed            # 2 GPUs (nvidia-h200-x2): NCCL tests, study_distributed
 # conv installs the spconv-triton wheel from .carry-conv-whl/ when carried; tp unpacks
@@ -49,6 +50,9 @@ case "$PART" in
   conv)
     [ -d .carry-conv-whl ] && pip install -q --no-index --no-deps --target /tmp/site .carry-conv-whl/*.whl
     timeout 560 python -m benchmarks.study_conv --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/conv.log"
+    ;;
+  layers)
+    timeout 560 python -m benchmarks.layer_overhead --profile --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/layer_overhead.log"
     ;;
   tp)
     [ -f .carry-tp-whl1/cue_all.tar.xz ] && tar xJf .carry-tp-whl1/cue_all.tar.xz -C /tmp/site

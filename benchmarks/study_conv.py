@@ -1,15 +1,19 @@
 """Sparse 3-D convolution on voxelised indoor scenes: insum.nn.SparseConv3d against the torch
 gather-mm-index_add loop and spconv-triton (when importable), fp16, submanifold 3x3x3.
 
-    python -m benchmarks.study_conv [--sizes 120000,1000000] [--channels 32,64,128] [--out DIR]
+    python -m benchmarks.study_conv [--sizes 120000,1000000] [--channels 32,64,128] [--parts maps,conv] [--out DIR]
+    python -m benchmarks.study_conv --sizes 3000 --channels 8 --parts maps,conv   # CPU smoke (torch backend)
 
 Scenes are rooms (floor, ceiling, walls), boxes (furniture), spheres and slanted planes,
 sampled densely on their surfaces and voxelised at unit size: surface-like sets whose
 voxels have about 9-14 neighbours of 27. Every form is checked against the float32 loop
 (relative error); TFLOP/s count 2 * in * out flops per real (input, output, offset) pair,
-three times that for forward+backward. The kernel-map time is insum's build (sort,
-searchsorted, tiling; plus the transposed tiling and pair groups for training) against
-spconv-triton's first call minus its cached call. Rows go to DIR/conv.json as they finish.
+three times that for forward+backward. The kernel-map part (`maps`, DIR/conv_maps.json) times
+insum's build (sort, searchsorted, tiling; plus the transposed tiling and pair groups for
+training) against spconv-triton's own builder on the same scenes,
+`ops.get_indice_pairs_implicit_gemm` (what its SubMConv3d calls on a tensor without cached
+indices), for inference and for training. Rows go to DIR/conv.json as they finish. On a
+CPU the study runs with the torch backend and wall-clock medians (no spconv-triton).
 """
 
 from __future__ import annotations
@@ -25,12 +29,19 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import median_ms, relative_error, shorten_autotune
+import insum.nn.conv as conv_module
+from benchmarks.common import cpu_median_ms, relative_error, shorten_autotune
+from benchmarks.common import median_ms as _gpu_median_ms
 from insum import insum
 from insum.nn.conv import TILED, sparse_conv3d
 from insum.nn.kernel_map import build_kernel_map
 
 BUDGET_S = float(os.environ.get("CONV_BUDGET_S", "300"))
+
+
+def median_ms(fn) -> float:
+    """do_bench's median on a GPU, the host's wall-clock median on a CPU (smoke runs)."""
+    return _gpu_median_ms(fn) if torch.cuda.is_available() else cpu_median_ms(fn)
 
 
 # --------------------------------------------------------------------------- scenes
@@ -159,8 +170,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="120000,1000000")
     parser.add_argument("--channels", default="32,64,128")
+    parser.add_argument("--parts", default="maps,conv", help="maps: kernel-map build times; conv: the layer")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
     started = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     undo = shorten_autotune()
@@ -176,12 +189,19 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
 
     scenes = []
+    map_rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         coords = room_scene(size, seed=size, device=device)
         km = build_kernel_map(coords)
-        scenes.append((coords, km, _pairs_per_offset(km), _map_times(coords)))
+        maps = _map_times(coords) if "maps" in parts else {}
+        if "maps" in parts:
+            map_rows.append({"voxels": coords.shape[0], "pairs": km.pairs, **maps, **_spconv_map_times(spconv, coords)})
+            (out_dir / "conv_maps.json").write_text(json.dumps(map_rows, indent=1))
+            print(json.dumps(map_rows[-1]), flush=True)
+        scenes.append((coords, km, _pairs_per_offset(km), maps))
+    _map_table(map_rows)
     # Widest channels first: the point the issue found worst.
-    for c in sorted((int(s) for s in args.channels.split(",")), reverse=True):
+    for c in sorted((int(s) for s in args.channels.split(",")), reverse=True) if "conv" in parts else ():
         for coords, km, (ins, outs), maps in scenes:
             if time.perf_counter() - started > BUDGET_S:
                 print(f"budget spent: skipping N={coords.shape[0]} C={c}", flush=True)
@@ -190,8 +210,9 @@ def main(argv=None) -> int:
                 add({**maps, **_case(km, coords, ins, outs, c, spconv)})
             except Exception:  # noqa: BLE001 - one failed case must not lose the others
                 traceback.print_exc()
-    _table(rows)
-    if time.perf_counter() - started < BUDGET_S + 30:
+    if rows:
+        _table(rows)
+    if "conv" in parts and device.type == "cuda" and time.perf_counter() - started < BUDGET_S + 30:
         checks = gpu_checks(device)
         (out_dir / "conv_checks.json").write_text(json.dumps(checks, indent=1))
     undo()
@@ -199,12 +220,50 @@ def main(argv=None) -> int:
 
 
 def _map_times(coords) -> dict:
-    """insum's kernel map: for inference (map + tiles) and for training (+ transpose, pairs)."""
+    """insum's kernel map: for inference (map + tiles, one-launch packing) and for training
+    (+ the transposed map's, pair groups)."""
     def build_train():
         km = build_kernel_map(coords)
-        km.tiles(128), km.transpose().tiles(128), km.pair_groups()
+        km.tiles_whole(128), km.transpose().tiles_whole(128), km.pair_groups()
 
-    return {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles(128)), "map_train_ms": median_ms(build_train)}
+    # tiles_whole: the one-launch packing the layer reads on a GPU (it builds the buckets first)
+    return {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles_whole(128)), "map_train_ms": median_ms(build_train)}
+
+
+def _spconv_map_times(spconv, coords) -> dict:
+    """spconv-triton's kernel-map build for a submanifold 3x3x3 layer, inference and training
+    (what its SubMConv3d runs when the input tensor has no cached indices)."""
+    if spconv is None:
+        return {}
+    from spconv_triton.pytorch import ops
+
+    shape = (coords[:, 1:].max(0).values + 1).tolist()
+    algo = spconv.SubMConv3d(8, 8, 3, bias=False).algo
+
+    def build(train: bool):
+        return ops.get_indice_pairs_implicit_gemm(coords, 1, shape, algo, ksize=[3, 3, 3], stride=[1, 1, 1],
+                                                  padding=[1, 1, 1], dilation=[1, 1, 1], out_padding=[0, 0, 0],
+                                                  subm=True, is_train=train)
+
+    try:
+        return {"spconv_map_fwd_ms": median_ms(lambda: build(False)), "spconv_map_train_ms": median_ms(lambda: build(True))}
+    except Exception as e:  # noqa: BLE001 - keep insum's numbers when the anchor fails
+        return {"spconv_map_error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def _map_table(rows) -> None:
+    if not rows:
+        return
+    print("\nkernel-map build, ms (median): insum (map + tiles | + transposed tiles, pair groups) vs spconv-triton "
+          "(get_indice_pairs_implicit_gemm, inference | training)")
+    for r in rows:
+        def f(key, r=r):
+            v = r.get(key)
+            return f"{v:8.3f}" if isinstance(v, (int, float)) else f"{'-':>8}"
+
+        ratio = r["spconv_map_fwd_ms"] / r["map_fwd_ms"] if "spconv_map_fwd_ms" in r else None
+        print(f"{r['voxels']:>8} voxels | insum {f('map_fwd_ms')} {f('map_train_ms')} | spconv-triton {f('spconv_map_fwd_ms')}"
+              f" {f('spconv_map_train_ms')} | spconv/insum inference {ratio if ratio is None else f'{ratio:.2f}x'}")
 
 
 def _case(km, coords, ins, outs, c, spconv) -> dict:
@@ -217,11 +276,14 @@ def _case(km, coords, ins, outs, c, spconv) -> dict:
     ref = torch_loop(x32, w32.reshape(27, c, c), ins, outs)
     flops = 2 * pairs * c * c
     row = {"voxels": n, "pairs": pairs, "pairs_per_voxel": pairs / n, "channels": c}
-    for form, tile in (("tiles", 128), ("tiles", 64), ("pairs", 128)):
-        got = sparse_conv3d(x, w, km, form=form, tile=tile)
-        name = f"{form}{tile}"
+    # absent="mask" (no zero-row copy; a 0/1 factor in the statement) beside the default
+    for form, tile, absent in (("tiles", 128, "zero_row"), ("tiles", 64, "zero_row"), ("pairs", 128, "zero_row"),
+                               ("tiles", 128, "mask"), ("pairs", 128, "mask")):
+        got = sparse_conv3d(x, w, km, form=form, tile=tile, absent=absent)
+        name = f"{form}{tile}" + ("_mask" if absent == "mask" else "")
         row[f"{name}_err"] = relative_error(got.float(), ref)
-        row[f"{name}_fwd_ms"] = median_ms(lambda form=form, tile=tile: sparse_conv3d(x, w, km, form=form, tile=tile))
+        row[f"{name}_fwd_ms"] = median_ms(
+            lambda form=form, tile=tile, absent=absent: sparse_conv3d(x, w, km, form=form, tile=tile, absent=absent))
         if form == "tiles":
             t = km.tiles(tile)
             row[f"{name}_padding"] = t.padded_pairs / max(1, t.real_pairs)
@@ -236,8 +298,20 @@ def _case(km, coords, ins, outs, c, spconv) -> dict:
             insum(TILED, O=y[start:end], X=x0, NB=nb, TW=tw, W=w3, check_indices=False)
 
     row["tiles128_kernels_ms"] = median_ms(kernels_only)
+    NB, TW, TL = km.tiles_whole(128)
+    row["tiles128_one_kernel_ms"] = median_ms(
+        lambda: insum(TILED, O=y, X=x0, NB=NB, TW=TW, W=w3, lengths={"j[t]": TL}, check_indices=False))
     row["tiles128_kernels_padded_tflops"] = 2 * tiled.padded_pairs * c * c / row["tiles128_kernels_ms"] * 1e-9
     row["loop_fwd_ms"] = median_ms(lambda: torch_loop(x, w.reshape(27, c, c), ins, outs))
+    for form in ("tiles128", "pairs128"):
+        row[f"{form}_mask_speedup"] = row[f"{form}_fwd_ms"] / row[f"{form}_mask_fwd_ms"]
+    # The tiles as one launch with declared lengths (the default) against one launch per bucket.
+    conv_module.TILES_IN_ONE_LAUNCH = False
+    try:
+        row["tiles128_buckets_fwd_ms"] = median_ms(lambda: sparse_conv3d(x, w, km, form="tiles", tile=128))
+    finally:
+        conv_module.TILES_IN_ONE_LAUNCH = True
+    row["tiles128_one_launch_speedup"] = row["tiles128_buckets_fwd_ms"] / row["tiles128_fwd_ms"]
     best = min(("tiles128", "tiles64", "pairs128"), key=lambda f: row[f"{f}_fwd_ms"])
     row["best_fwd"] = best
     row["best_fwd_tflops"] = flops / row[f"{best}_fwd_ms"] * 1e-9
@@ -246,12 +320,15 @@ def _case(km, coords, ins, outs, c, spconv) -> dict:
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_()
     g = torch.randn(n, c, device=device, dtype=torch.float16, generator=gen)
-    for tile in (128, 64):
-        def step(tile=tile):
+    for tile, absent in ((128, "zero_row"), (64, "zero_row"), (128, "mask")):
+        def step(tile=tile, absent=absent):
             xg.grad = wg.grad = None
-            sparse_conv3d(xg, wg, km, tile=tile).backward(g)
+            sparse_conv3d(xg, wg, km, tile=tile, absent=absent).backward(g)
 
         step()
+        if absent == "mask":
+            row["tiles128_mask_fwdbwd_ms"] = median_ms(step)
+            continue
         if tile == 128:
             x32g, w32g = x32.clone().requires_grad_(), w32.clone().requires_grad_()
             torch_loop(x32g, w32g.reshape(27, c, c), ins, outs).backward(g.float())
@@ -323,7 +400,10 @@ def _table(rows):
               f" {f('pairs128_fwd_ms')} {f('loop_fwd_ms')} {f('spconv_fwd_ms')} | {f('speedup_fwd', '6.2f')}"
               f" {f('best_fwd_tflops', '6.1f')} | {f('best_fwdbwd_ms')} {f('loop_fwdbwd_ms')} {f('spconv_fwdbwd_ms')}"
               f" {f('speedup_fwdbwd', '6.2f')} | {f('map_fwd_ms', '6.2f')} {f('spconv_map_ms', '7.2f')}"
-              f" | {f('tiles128_err', '7.1e')} {f('tiles128_padding', '5.2f')}")
+              f" | {f('tiles128_err', '7.1e')} {f('tiles128_padding', '5.2f')}"
+              f" | mask: fwd x {f('tiles128_mask_speedup', '5.2f')} (tiles) {f('pairs128_mask_speedup', '5.2f')} (pairs),"
+              f" fb {f('tiles128_mask_fwdbwd_ms')} | one launch x {f('tiles128_one_launch_speedup', '5.2f')}"
+              f" (kernels {f('tiles128_kernels_ms')} buckets, {f('tiles128_one_kernel_ms')} one)")
 
 
 if __name__ == "__main__":

@@ -124,9 +124,9 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
         try:
             tensors = layer.statement_tensors(x1, x2)
             with torch.no_grad():
-                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", **tensors))
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", lengths={"q[p]": layer.CGL}, **tensors))
             if C == (4 if SMOKE else 64):
-                row.update(_backward_breakdown(layer, tensors, g))
+                row.update(_backward_breakdown(layer, tensors, g, (x1, x2, layer.weight.detach())))
         except Exception as e:  # noqa: BLE001
             row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             traceback.print_exc()
@@ -158,9 +158,10 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
     return row
 
 
-def _backward_breakdown(layer, tensors: dict, g: torch.Tensor) -> dict:
-    """The statement's forward + backward (no layout gathers) with the layer's regrouped
-    gradient statements and with insum's derived ones, and each gradient statement alone."""
+def _backward_breakdown(layer, tensors: dict, g: torch.Tensor, flat: tuple) -> dict:
+    """The layer's autograd function (layout gathers and regrouped gradient statements) and
+    the statement with insum's derived gradients (no layout gathers), forward + backward, and
+    each gradient statement alone. flat: the layer's inputs (x1, x2, weight)."""
     from insum import insum
     from insum.nn.tensor_product import _batch_groups, _ProductFunction
 
@@ -170,8 +171,9 @@ def _backward_breakdown(layer, tensors: dict, g: torch.Tensor) -> dict:
     grads = list(leaves.values())
     z = insum(layer.statement, precision=layer.precision, **tensors)  # component-major [b, p, w]
     dz = torch.randn_like(z)
-    d_out = torch.randn_like(_ProductFunction.apply(layer, *grads).detach())  # e3nn layout
-    out["stmt_fb_grouped_ms"] = _time(_fwd_bwd(lambda: _ProductFunction.apply(layer, *grads), grads, [], d_out))
+    flat = [t.detach().clone().requires_grad_() for t in flat]
+    d_out = torch.randn_like(_ProductFunction.apply(layer, *flat).detach())  # e3nn layout
+    out["stmt_fb_grouped_ms"] = _time(_fwd_bwd(lambda: _ProductFunction.apply(layer, *flat), flat, [], d_out))
     out["stmt_fb_derived_ms"] = _time(_fwd_bwd(lambda: insum(layer.statement, precision=layer.precision, **rest, **leaves), grads, [], dz))
     with torch.no_grad():
         common = {"Y": tensors["Y"], "X": tensors["X"], "W": tensors["W"], "DZ": dz}
@@ -184,7 +186,9 @@ def _backward_breakdown(layer, tensors: dict, g: torch.Tensor) -> dict:
                 groups = _batch_groups(z.shape[0])
                 given = {k: v.reshape(groups, v.shape[0] // groups, *v.shape[1:]) for k, v in common.items() if k != "W"}
             args = _tables(layer, stmt, given)
-            out[f"grad_{name}_ms"] = _time(lambda stmt=stmt, args=args: insum(stmt, precision=layer.precision, **args))
+            lengths = {"X": {"q[c]": layer.XL}, "W": {"q[s]": layer.WL}, "Y": {"q[j]": layer.YL}}.get(name)  # as the layer runs them
+            out[f"grad_{name}_ms"] = _time(
+                lambda stmt=stmt, args=args, lengths=lengths: insum(stmt, precision=layer.precision, lengths=lengths, **args))
     return out
 
 
@@ -196,22 +200,6 @@ def _tables(layer, stmt: str, given: dict) -> dict:
     dtype = given["X"].dtype
     return {n: given[n] if n in given else (getattr(layer, n).to(dtype) if getattr(layer, n).is_floating_point()
             else getattr(layer, n)) for n in names}
-
-
-def _mace_instructions(o3, irreps1, irreps2, lmax: int):
-    """MACE's tp_out_irreps_with_instructions: uvu paths into the target irreps, sorted."""
-    target = [o3.Irrep(l, (-1) ** l) for l in range(lmax + 1)]  # noqa: E741
-    outs, ins = [], []
-    for i, (mul, ir1) in enumerate(irreps1):
-        for j, (_, ir2) in enumerate(irreps2):
-            for ir in ir1 * ir2:
-                if ir in target:
-                    ins.append((i, j, len(outs), "uvu", True))
-                    outs.append((mul, ir))
-    irreps_out = o3.Irreps(outs)
-    irreps_out, perm, _ = irreps_out.sort()
-    ins = [(a, b, perm[c], mode, w) for a, b, c, mode, w in ins]
-    return irreps_out, ins
 
 
 def uvu(rows: list, budget_end: float, libs: dict) -> None:
@@ -231,11 +219,13 @@ def _uvu_point(edges: int, libs: dict) -> dict:
 
     from insum import insum
     from insum.nn import TensorProduct
+    from insum.nn.tensor_product import mace_instructions
 
     cue, cuet, oeq = libs.get("cue"), libs.get("cuet"), libs.get("oeq")
     irreps1 = o3.Irreps("4x0e+4x1o" if SMOKE else "128x0e+128x1o+128x2e")
     irreps2 = o3.Irreps("0e+1o+2e+3o")
-    irreps_out, ins = _mace_instructions(o3, irreps1, irreps2, 3)
+    irreps_out, ins = mace_instructions(irreps1, irreps2, 3)
+    irreps_out = o3.Irreps(str(irreps_out))
     torch.manual_seed(edges)
     ref = o3.TensorProduct(irreps1, irreps2, irreps_out, ins, shared_weights=False, internal_weights=False).to(DEVICE)
     x1 = torch.randn(edges, irreps1.dim, device=DEVICE)
@@ -269,10 +259,12 @@ def _uvu_point(edges: int, libs: dict) -> dict:
         layer = TensorProduct.from_e3nn(ref).to(DEVICE)
         measure("insum", layer)
         measure("insum_views", TensorProduct.from_e3nn(ref, output="views").to(DEVICE))
+        # rows sorted by CG entry count, one launch per bucket (opt-in; 568 -> 239 entry slots per edge, 215 real)
+        measure("insum_buckets4", TensorProduct.from_e3nn(ref, row_buckets=4).to(DEVICE))
         try:
             tensors = layer.statement_tensors(x1, x2, w)
             with torch.no_grad():
-                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, **tensors))
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, lengths={"q[p]": layer.CGL}, **tensors))
         except Exception as e:  # noqa: BLE001
             row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if cuet is not None and "cue" in MEASURE:

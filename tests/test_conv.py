@@ -137,6 +137,14 @@ def test_packings_hold_every_pair_once():
     real = groups.PI < km.n_in
     got = {(o, int(groups.PW[p]), i) for p, q in real.nonzero().tolist() for o, i in [(int(groups.PO[p, q]), int(groups.PI[p, q]))]}
     assert got == pairs and int(real.sum()) == len(pairs)
+    # One launch: every pair within its tile's declared length, nothing real beyond it.
+    NB, TW, TL = km.tiles_whole(16)
+    tiled = km.tiles(16)
+    rows[tiled.inverse] = torch.arange(km.n_out)
+    within = torch.arange(NB.shape[2])[None, None, :] < TL[:, None, None].long()
+    assert not (NB[~within.expand_as(NB)] < km.n_in).any()
+    got = {(int(rows[t * 16 + m]), int(TW[t, j]), int(NB[t, m, j])) for t, m, j in (NB < km.n_in).nonzero().tolist()}
+    assert got == pairs
 
 
 def test_transpose_inverts_the_map():
@@ -165,14 +173,15 @@ def test_map_errors_name_the_tensor():
 # --------------------------------------------------------------------------- the convolution
 
 
+@pytest.mark.parametrize("absent", ["zero_row", "mask"])
 @pytest.mark.parametrize("form", ["tiles", "pairs"])
 @pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (2, 1), (5, 1), (1, 1)])
-def test_submanifold_matches_dense_conv3d(k, d, form):
+def test_submanifold_matches_dense_conv3d(k, d, form, absent):
     coords = random_sites(70, 7, batches=2, seed=k + d)
     x = torch.randn(coords.shape[0], 3, dtype=torch.float64)
     w = torch.randn(k, k, k, 3, 4, dtype=torch.float64)
     km = build_kernel_map(coords, k, 1, d)
-    got = sparse_conv3d(x, w, km, form=form, tile=16, backend="torch")
+    got = sparse_conv3d(x, w, km, form=form, tile=16, backend="torch", absent=absent)
     torch.testing.assert_close(got, dense_reference(x, coords, w, coords, 1, d))
 
 
@@ -200,17 +209,27 @@ def test_transposed_matches_conv_transpose3d(k, s):
     torch.testing.assert_close(y, dense_reference(x, coarse, up.weight.detach(), fine, s, 1, transposed=True))
 
 
-def test_empty_input_and_one_point():
-    conv = SparseConv3d(3, 4, backend="torch").double()
+@pytest.mark.parametrize("absent", ["zero_row", "mask"])
+def test_empty_input_and_one_point(absent):
+    conv = SparseConv3d(3, 4, backend="torch", absent=absent).double()
     y, _ = conv(torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, 3, dtype=torch.long))
     assert y.shape == (0, 4)
     one = torch.tensor([[2, 3, 4]])
     x = torch.randn(1, 3, dtype=torch.float64)
     y, _ = conv(x, one)
     torch.testing.assert_close(y, x @ conv.weight.detach()[1, 1, 1])
-    down = SparseConv3d(3, 4, 2, stride=2, subm=False, backend="torch").double()
+    down = SparseConv3d(3, 4, 2, stride=2, subm=False, backend="torch", absent=absent).double()
     y, sites = down(torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, 4, dtype=torch.long))
     assert y.shape == (0, 4) and sites.shape == (0, 4)
+    # An upsampling onto sites from no input: zeros, and zero gradients.
+    for form in ("tiles", "pairs"):
+        up = SparseConv3d(3, 4, 2, stride=2, subm=False, transposed=True, bias=True, backend="torch", absent=absent,
+                          form=form).double()
+        x = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True)
+        y, _ = up(x, torch.zeros(0, 4, dtype=torch.long), one)
+        torch.testing.assert_close(y, up.bias.detach()[None])
+        y.sum().backward()
+        assert up.weight.grad.abs().max() == 0 and x.grad.shape == (0, 3)
 
 
 def test_auto_form_picks_by_real_pairs(monkeypatch):
@@ -231,6 +250,8 @@ def test_layer_errors_name_the_tensor():
         SparseConv3d(3, 4, transposed=True)
     with pytest.raises(InsumError, match="form"):
         SparseConv3d(3, 4, form="dense")
+    with pytest.raises(InsumError, match="absent"):
+        SparseConv3d(3, 4, absent="nan")
     conv = SparseConv3d(3, 4, backend="torch")
     coords = random_sites(10, 4)
     with pytest.raises(InsumShapeError, match="feats"):
@@ -257,9 +278,10 @@ def test_layers_share_one_map_per_coordinate_tensor():
     assert len(cache) == 0  # entries die with their coordinate tensors
 
 
+@pytest.mark.parametrize("absent", ["zero_row", "mask"])
 @pytest.mark.parametrize("mode", ["subm", "strided", "transposed"])
 @pytest.mark.parametrize("form", ["tiles", "pairs"])
-def test_gradcheck(mode, form):
+def test_gradcheck(mode, form, absent):
     fine = random_sites(20, 4, seed=11)
     kw = {"subm": mode == "subm", "transposed": mode == "transposed", "stride": 1 if mode == "subm" else 2}
     coarse = output_coords(fine, 2, 2, 1)
@@ -269,34 +291,66 @@ def test_gradcheck(mode, form):
     x = torch.randn(src.shape[0], 2, dtype=torch.float64, requires_grad=True)
     w = torch.randn(k, k, k, 2, 3, dtype=torch.float64, requires_grad=True)
     b = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    conv = lambda x, w, b: sparse_conv3d(x, w, km, b, form=form, tile=16, backend="torch")  # noqa: E731
+    conv = lambda x, w, b: sparse_conv3d(x, w, km, b, form=form, tile=16, backend="torch", absent=absent)  # noqa: E731
     assert torch.autograd.gradcheck(conv, (x, w, b), fast_mode=True)
 
 
-def test_compiles_without_graph_breaks():
+@pytest.mark.parametrize("absent", ["zero_row", "mask"])
+def test_compiles_without_graph_breaks(absent):
     coords = random_sites(40, 5)
-    km = build_kernel_map(coords).prepare(tile=16)
+    km = build_kernel_map(coords).prepare(tile=16, mask_dtype=torch.float32)
     x = torch.randn(coords.shape[0], 3, requires_grad=True)
     w = torch.randn(3, 3, 3, 3, 4, requires_grad=True)
-    for form in ("tiles", "pairs"):
-        compiled = torch.compile(lambda x, w, form=form: sparse_conv3d(x, w, km, form=form, tile=16), backend="aot_eager", fullgraph=True)
-        y = compiled(x, w)
-        torch.testing.assert_close(y, sparse_conv3d(x, w, km, form=form, tile=16))
+    # Both forms without a bias; with a bias, the pairs (which accumulate onto it) and the tiles.
+    with_bias = "pairs" if absent == "zero_row" else "tiles"
+    for form, b in (("tiles", None), ("pairs", None), (with_bias, torch.randn(4, requires_grad=True))):
+        compiled = torch.compile(lambda x, w, b, form=form: sparse_conv3d(x, w, km, b, form=form, tile=16, absent=absent),
+                                 backend="aot_eager", fullgraph=True)
+        y = compiled(x, w, b)
+        torch.testing.assert_close(y, sparse_conv3d(x, w, km, b, form=form, tile=16))
         y.square().sum().backward()
-        gw = w.grad.clone()
-        w.grad = None
-        sparse_conv3d(x, w, km, form=form, tile=16).square().sum().backward()
-        torch.testing.assert_close(gw, w.grad)
-        w.grad = x.grad = None
+        params = [t for t in (x, w, b) if t is not None]
+        grads = [t.grad.clone() for t in params]
+        for t in params:
+            t.grad = None
+        sparse_conv3d(x, w, km, b, form=form, tile=16).square().sum().backward()
+        for got, t in zip(grads, params):
+            torch.testing.assert_close(got, t.grad)
+            t.grad = None
 
 
 # --------------------------------------------------------------------------- generated kernels
 
 
 @interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("absent", ["zero_row", "mask"])
+def test_tiles_in_one_launch_equal_the_buckets(monkeypatch, absent):
+    """The generated tiled kernel: one launch with declared lengths (the default) and one
+    launch per bucket give the same forward and input gradient."""
+    from insum.nn import conv as conv_module
+
+    coords = random_sites(60, 5, seed=6)
+    km = build_kernel_map(coords)
+    x = torch.randn(coords.shape[0], 16)
+    w = torch.randn(3, 3, 3, 16, 8) / 10
+    g = torch.randn(coords.shape[0], 8)
+    results = []
+    for one in (True, False):
+        monkeypatch.setattr(conv_module, "TILES_IN_ONE_LAUNCH", one)
+        xg = x.clone().requires_grad_()
+        y = sparse_conv3d(xg, w, km, form="tiles", tile=16, backend="triton", precision="ieee", absent=absent)
+        y.backward(g)
+        results.append((y, xg.grad))
+    assert len(km.tiles(16).buckets) > 1
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype,absent", [(torch.float32, "zero_row"), (torch.float16, "zero_row"), (torch.bfloat16, "zero_row"),
+                                          (torch.float16, "mask")])
 @pytest.mark.parametrize("mode,form", [("subm", "tiles"), ("subm", "pairs"), ("strided", "tiles"), ("transposed", "tiles")])
-def test_generated_kernels_match_the_lowering(mode, form, dtype):
+def test_generated_kernels_match_the_lowering(mode, form, dtype, absent):
     fine = random_sites(40, 5, batches=2, seed=4)
     coarse = output_coords(fine, 2, 2, 1)
     src, dst = (coarse, fine) if mode == "transposed" else (fine, None)
@@ -310,7 +364,7 @@ def test_generated_kernels_match_the_lowering(mode, form, dtype):
     results = {}
     for backend in ("triton", "torch"):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = sparse_conv3d(xg, wg, km, form=form, tile=16, backend=backend, precision="ieee")
+        y = sparse_conv3d(xg, wg, km, form=form, tile=16, backend=backend, precision="ieee", absent=absent)
         y.backward(g)
         results[backend] = [t.double() for t in (y, xg.grad, wg.grad)]
     tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5}[dtype]

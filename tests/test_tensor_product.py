@@ -15,6 +15,7 @@ import torch
 from insum import InsumError
 from insum.nn import FullyConnectedTensorProduct, Irreps, TensorProduct, wigner_3j
 from insum.nn.irreps import Irrep
+from insum.nn.tensor_product import mace_instructions
 
 o3 = pytest.importorskip("e3nn.o3")
 
@@ -35,17 +36,31 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-10) -> 
 
 
 def _mace(irreps1, irreps2, lmax):
-    """MACE-style channel-wise paths into 0e+1o+...+lmax, outputs sorted by irrep."""
-    target = [o3.Irrep(l, (-1) ** l) for l in range(lmax + 1)]  # noqa: E741
+    """insum's MACE paths with e3nn's irreps (the layers under test take either)."""
+    irreps_out, ins = mace_instructions(irreps1, irreps2, lmax)
+    return o3.Irreps(str(irreps_out)), ins
+
+
+@pytest.mark.parametrize("irreps1,irreps2,target", [
+    ("3x0e+2x1o+2e", "0e+1o+2e+3o", 3),
+    ("4x0o+4x1e+2x0e", "1o+0e", 2),
+    ("2x0e+2x1o", "0e+1o", "0e+1o+1e"),
+])
+def test_mace_instructions_follow_e3nn_sort(irreps1, irreps2, target):
+    """MACE's construction, written with e3nn's Irreps.sort as the reference."""
+    irreps1, irreps2 = o3.Irreps(irreps1), o3.Irreps(irreps2)
+    allowed = [o3.Irrep(l, (-1) ** l) for l in range(target + 1)] if isinstance(target, int) else [ir for _, ir in o3.Irreps(target)]  # noqa: E741
     outs, ins = [], []
     for i, (mul, ir1) in enumerate(irreps1):
         for j, (_, ir2) in enumerate(irreps2):
             for ir in ir1 * ir2:
-                if ir in target:
+                if ir in allowed:
                     ins.append((i, j, len(outs), "uvu", True))
                     outs.append((mul, ir))
-    irreps_out, perm, _ = o3.Irreps(outs).sort()
-    return irreps_out, [(a, b, perm[c], m, w) for a, b, c, m, w in ins]
+    expected, perm, _ = o3.Irreps(outs).sort()
+    irreps_out, got = mace_instructions(irreps1, irreps2, target)
+    assert str(irreps_out) == str(expected)
+    assert got == [(a, b, perm[c], m, w) for a, b, c, m, w in ins]
 
 
 def test_wigner_3j_equals_e3nn():
@@ -144,6 +159,44 @@ def test_gradients_equal_e3nn_and_gradcheck():
     assert torch.autograd.gradcheck(external, (x1, x2, weight))
 
 
+@pytest.mark.parametrize("case", ["uvw uniform", "uvw padded", "uvu per-edge", "uvu second multiplicity", "uvw broadcast",
+                                  "uvu buckets", "uvw buckets"])
+def test_all_gradients_equal_e3nn(case):
+    """Every input's gradient against e3nn's, over the layouts the layer treats apart: a
+    weight already in slab order (a view) or gathered, padded channels and outputs, per-edge
+    weights, broadcast leading dimensions."""
+    torch.manual_seed(7)
+    if case.startswith("uvw"):
+        args = ("3x0e+3x1o", "0e+1o", "3x0e+3x1o") if case != "uvw padded" else ("2x0e+1x1o", "0e+1o", "1x0e+2x1o")
+        ref = o3.FullyConnectedTensorProduct(*args)
+    elif case in ("uvu per-edge", "uvu buckets"):
+        irreps_out, ins = _mace(o3.Irreps("4x0e+4x1o"), o3.Irreps("0e+1o+2e"), 2)
+        ref = o3.TensorProduct("4x0e+4x1o", "0e+1o+2e", irreps_out, ins, shared_weights=False, internal_weights=False)
+    else:
+        ins = [(0, 1, 0, "uvu", True), (1, 1, 1, "uvu", True), (1, 0, 2, "uvu", True)]
+        ref = o3.TensorProduct("3x0e+2x1o", "2x0e+2x1o", "3x1o+2x0e+2x1o", ins)
+    if case == "uvw buckets":
+        ref = o3.FullyConnectedTensorProduct("2x0e+2x1o+1x2e", "0e+1o+2e", "2x0e+3x1o+1x2e")
+    layer = TensorProduct.from_e3nn(ref, backend="torch", row_buckets=3 if case.endswith("buckets") else 1)
+    assert bool(layer._buckets) == case.endswith("buckets")  # rows of unequal entry counts: several launches
+    assert layer._identity_w == (case in ("uvw uniform", "uvw broadcast", "uvu per-edge", "uvu buckets"))
+    assert layer._pad_x == layer._pad_dz == (case in ("uvw padded", "uvu second multiplicity", "uvw buckets"))
+    assert ("PR[p]" in layer.statement) == (case in ("uvu per-edge", "uvu buckets"))  # one weight slab per output component
+    lead1, lead2 = ((2, 1), (1, 3)) if case == "uvw broadcast" else ((4,), (4,))
+    x1 = torch.randn(*lead1, ref.irreps_in1.dim, requires_grad=True)
+    x2 = torch.randn(*lead2, ref.irreps_in2.dim, requires_grad=True)
+    if ref.internal_weights:
+        inputs, mine_w, theirs_w = (x1, x2), layer.weight, ref.weight
+    else:
+        w = torch.randn(4, ref.weight_numel, requires_grad=True)
+        inputs, mine_w, theirs_w = (x1, x2, w), w, w
+    g = torch.randn(*torch.broadcast_shapes(lead1, lead2), ref.irreps_out.dim)
+    mine = torch.autograd.grad(layer(*inputs), [x1, x2, mine_w], g)
+    theirs = torch.autograd.grad(ref(*inputs), [x1, x2, theirs_w], g)
+    for a, b in zip(mine, theirs):
+        _close(a, b)
+
+
 def test_channel_wise_gradcheck_per_edge_weights():
     torch.manual_seed(5)
     irreps1, irreps2 = o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o")
@@ -163,12 +216,34 @@ def test_generated_kernel_in_the_interpreter():
     ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+3x1o")
     layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="triton", precision="ieee").float()
     x1 = torch.randn(5, 8, dtype=torch.float32, requires_grad=True)
-    x2 = torch.randn(5, 4, dtype=torch.float32)
+    x2 = torch.randn(5, 4, dtype=torch.float32, requires_grad=True)
     out = layer(x1, x2)
     _close(out.double(), ref(x1.double(), x2.double()), 1e-5)
-    (grad,) = torch.autograd.grad(out, [x1], torch.ones_like(out))
-    (expected,) = torch.autograd.grad(ref(x1.double(), x2.double()).sum(), [x1])
-    _close(grad.double(), expected.double(), 1e-5)
+    # Every gradient statement (with its declared lengths) through the generated kernels.
+    grads = torch.autograd.grad(out, [x1, x2, layer.weight], torch.ones_like(out))
+    expected = torch.autograd.grad(ref(x1.double(), x2.double()).sum(), [x1, x2, ref.weight])
+    for got, want in zip(grads, expected):
+        _close(got.double(), want.double(), 1e-5)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter is chosen before triton is imported")
+def test_channel_wise_generated_kernel_in_the_interpreter():
+    """The MACE-like product (one weight slab per output component) through the generated kernel."""
+    torch.manual_seed(8)
+    irreps_out, ins = _mace(o3.Irreps("3x0e+3x1o"), o3.Irreps("0e+1o"), 1)
+    ref = o3.TensorProduct("3x0e+3x1o", "0e+1o", irreps_out, ins, shared_weights=False, internal_weights=False)
+    x1, x2, w = torch.randn(5, 12), torch.randn(5, 4), torch.randn(5, ref.weight_numel)
+    for row_buckets in (1, 2):  # one launch; two, each writing its rows of Z through a strided view
+        layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", row_buckets=row_buckets).float()
+        assert "PR[p]" in layer.statement and len(layer._buckets) == (0 if row_buckets == 1 else 2)
+        _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
+    # The channel-wise gradient statements (declared lengths) through the generated kernels.
+    inputs = [t.float().requires_grad_() for t in (x1, x2, w)]
+    grads = torch.autograd.grad(layer(*inputs).sum(), inputs)
+    leaves = [t.clone().requires_grad_() for t in (x1, x2, w)]
+    for got, want in zip(grads, torch.autograd.grad(ref(*leaves).sum(), leaves)):
+        _close(got.double(), want, 1e-5)
 
 
 def test_empty_batch_and_no_internal_weights():
@@ -191,6 +266,7 @@ def test_empty_batch_and_no_internal_weights():
         (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uuu")]), "connection mode"),
         (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uvw", False)]), "without weights"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", path_normalization="x"), "path_normalization"),
+        (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="views", row_buckets=2), "row_buckets"),
     ],
 )
 def test_bad_irreps_raise(make, match):
@@ -252,10 +328,12 @@ def test_shared_weight_gradient_split_over_batch_groups():
     _close(mine, theirs)
 
 
-def test_torch_compile_fullgraph_forward_and_backward():
+@pytest.mark.parametrize("row_buckets", [1, 2])
+def test_torch_compile_fullgraph_forward_and_backward(row_buckets):
     torch.manual_seed(9)
     ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o")
-    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch", row_buckets=row_buckets)
+    assert len(layer._buckets) == (0 if row_buckets == 1 else 2)
     compiled = torch.compile(layer, fullgraph=True)
     x1 = torch.randn(5, 8, requires_grad=True)
     x2 = torch.randn(5, 4, requires_grad=True)

@@ -17,6 +17,7 @@ __all__ = [
     "IRREP_NORMALIZATIONS",
     "MODES",
     "PATH_NORMALIZATIONS",
+    "ROW_SLAB_STATEMENTS",
     "RUN_STATEMENTS",
     "STATEMENTS",
     "Instruction",
@@ -31,6 +32,13 @@ STATEMENTS = {
     ("uvw", False): "Z[b,p,w] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u,w]",
     ("uvu", True): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PW[p,q],u]",
     ("uvu", False): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PW[p,q],u]",
+}
+# Channel-wise products whose every output component is fed by one weight slab (each output
+# entry has one path with one input-2 channel, as in MACE): the weight is read once per
+# (component, channel) through PR[p] instead of once per CG entry.
+ROW_SLAB_STATEMENTS = {
+    ("uvu", True): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[PR[p],u]",
+    ("uvu", False): "Z[b,p,u] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,CGI[p,q],u] * W[b,PR[p],u]",
 }
 # The same products writing straight into e3nn's layout: one launch per run of consecutive
 # output entries of one multiplicity and dimension, Z a strided view [batch, entry, m, channel].
@@ -128,12 +136,16 @@ def check_instruction(irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, ins:
 
 
 def tensor_product_tables(
-    irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, instructions: list[Instruction]
+    irreps1: Irreps, irreps2: Irreps, irreps_out: Irreps, instructions: list[Instruction], sort_rows: bool = False
 ) -> dict[str, np.ndarray]:
     """The index and value tables of the layer's statement (numpy, built once per layer).
 
+    sort_rows: order the output components p by their number of CG entries (fewest first,
+    stable), so that runs of rows with similar counts can run with their own Q; OUT_INDEX
+    and the gradient tables follow the new order.
+
     CGV, CGJ, CGI, PW [P, Q]: the CG entries grouped by output component p (padded with
-    zero entries); X_INDEX [C1, U]: input 1's flat position of (component, channel);
+    zero entries); CGL [P]: each row's entry count (its declared length, `q[p]`); X_INDEX [C1, U]: input 1's flat position of (component, channel);
     W_INDEX [S, U, Wd] or [S, U]: the flat weight position of each slab element;
     OUT_INDEX [D_out]: where each e3nn output position lies in the flattened Z.
     Padded positions point one past the end (a zero appended there).
@@ -172,6 +184,11 @@ def tensor_product_tables(
                 )
         weight_offset += size
         weight_numel += size
+    row_of = np.arange(len(rows))  # component (e3nn order) -> row p
+    if sort_rows:
+        order = sorted(range(len(rows)), key=lambda p: len(rows[p]))
+        rows = [rows[p] for p in order]
+        row_of[order] = np.arange(len(rows))
     Q = max((len(r) for r in rows), default=1) or 1
     P = len(rows)
     cgv, cgj, cgi, pw = np.zeros((P, Q)), np.zeros((P, Q), np.int64), np.zeros((P, Q), np.int64), np.zeros((P, Q), np.int64)
@@ -185,10 +202,11 @@ def tensor_product_tables(
     out_index = np.zeros(irreps_out.dim, dtype=np.int64)
     for e, (mul, ir) in enumerate(irreps_out):
         w, k = np.meshgrid(np.arange(mul), np.arange(ir.dim), indexing="ij")
-        out_index[offsets_out[e] + w * ir.dim + k] = (comp_out[e] + k) * Wd + w
+        out_index[offsets_out[e] + w * ir.dim + k] = row_of[comp_out[e] + k] * Wd + w
     out_inverse = np.full(P * Wd, irreps_out.dim, dtype=np.int64)  # Z position -> e3nn position
     out_inverse[out_index] = np.arange(irreps_out.dim)
-    tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "X_INDEX": x_index, "W_INDEX": w_index, "OUT_INVERSE": out_inverse,
+    tables = {"CGV": cgv, "CGJ": cgj, "CGI": cgi, "PW": pw, "CGL": np.array([len(r) for r in rows], np.int64),
+              "X_INDEX": x_index, "W_INDEX": w_index, "OUT_INVERSE": out_inverse,
               "OUT_INDEX": out_index, "weight_numel": np.array(weight_numel)}
     entries = [(p, slab, value, j, c) for p, row in enumerate(rows) for slab, value, j, c in row]
     tables.update(_gradient_tables(entries, mode, n_components=len(x_index), n_slabs=len(w_index), n_in2=irreps2.dim))
@@ -197,7 +215,8 @@ def tensor_product_tables(
 
 def _grouped(entries: list[tuple], key: int, fields: tuple[int, ...], n_rows: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The CG entries (p, slab, value, j, c) grouped by entry[key] into n_rows padded rows;
-    one [n_rows, Q] table per field (value tables float64, index tables int64)."""
+    one [n_rows, Q] table per field (value tables float64, index tables int64), and the
+    entry count of each row under the first name's letter + "L" (XV -> XL)."""
     rows: list[list[tuple]] = [[] for _ in range(n_rows)]
     for entry in entries:
         rows[entry[key]].append(entry)
@@ -207,6 +226,7 @@ def _grouped(entries: list[tuple], key: int, fields: tuple[int, ...], n_rows: in
         for q, entry in enumerate(sorted(row)):
             for name, f in zip(names, fields):
                 out[name][r, q] = entry[f]
+    out[names[0][0] + "L"] = np.array([len(r) for r in rows], np.int64)
     return out
 
 

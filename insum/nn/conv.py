@@ -16,7 +16,10 @@ neighbours:
 
 - forward, output-stationary (`form="tiles"`, no atomics): output rows sorted by their
   neighbour mask, in tiles that read only the offsets they need:
-  `O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]`
+  `O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]`; on the generated kernel one
+  launch in which tile t stops after its TL[t] active offsets (`lengths={"j[t]": TL}`),
+  elsewhere (torch backend, torch.compile, `TILES_IN_ONE_LAUNCH = False`) one launch per
+  bucket of tiles of similar width
 - forward, grouped pairs (`form="pairs"`, scattered with fp32 atomics):
   `O[PO[p, q], co] += X[PI[p, q], ci] * W[PW[p], ci, co]`
 - input gradient: the same tiled statement on the transposed map, with X the output
@@ -33,6 +36,13 @@ plain insum statements and follow the code generator's improvements.
 
 The backward is written out rather than derived: the derived weight gradient of the tiled
 statement would add one (ci, co) block atomically per (tile, offset).
+
+`absent="mask"` (opt-in, not yet measured on a GPU) drops the zero row and its copy of the
+features (one in the forward, one of the output gradient in the backward): absent
+neighbours read row 0 and are multiplied by a 0/1 factor, e.g.
+`O[t, m, co] = X[NB[t, m, j], ci] * V[t, m, j] * W[TW[t, j], ci, co]`. The factor costs one
+multiply per gathered element inside the kernel. Caveat: a non-finite value in row 0 of
+the features (or of the output gradient) then reaches outputs that do not read it (0 * inf).
 """
 
 from __future__ import annotations
@@ -47,12 +57,34 @@ from ..dtypes import compute_dtype
 from ..errors import InsumError, InsumShapeError
 from .kernel_map import KernelMap, KernelMapCache, default_cache
 
-__all__ = ["SparseConv3d", "sparse_conv3d", "choose_form", "FORMS", "TILED", "PAIRS", "WEIGHT_GRAD", "PAIRS_BELOW"]
+__all__ = [
+    "SparseConv3d",
+    "sparse_conv3d",
+    "choose_form",
+    "FORMS",
+    "ABSENT",
+    "TILED",
+    "PAIRS",
+    "WEIGHT_GRAD",
+    "MASKED",
+    "PAIRS_BELOW",
+    "TILES_IN_ONE_LAUNCH",
+]
 
 TILED = "O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]"
 PAIRS = "O[PO[p, q], co] += X[PI[p, q], ci] * W[PW[p], ci, co]"
 WEIGHT_GRAD = "dWp[p, ci, co] = X[PI[p, q], ci] * dO[PO[p, q], co]"
+# absent="mask": the same statements with a 0/1 factor V in place of the zero row
+MASKED = {
+    TILED: "O[t, m, co] = X[NB[t, m, j], ci] * V[t, m, j] * W[TW[t, j], ci, co]",
+    PAIRS: "O[PO[p, q], co] += X[PI[p, q], ci] * V[p, q] * W[PW[p], ci, co]",
+    WEIGHT_GRAD: "dWp[p, ci, co] = X[PI[p, q], ci] * V[p, q] * dO[PO[p, q], co]",
+}
 FORMS = ("auto", "tiles", "pairs")
+ABSENT = ("zero_row", "mask")
+# The tiled statement as one launch whose tiles each stop at their active offsets (declared
+# lengths), rather than one launch per bucket of tiles padded to the bucket's widest tile.
+TILES_IN_ONE_LAUNCH = True
 PAIRS_BELOW = 4_000_000  # real pairs; see the module docstring
 
 
@@ -69,55 +101,119 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1, x.shape[1])])
 
 
-def _run_tiled(km: KernelMap, x0: torch.Tensor, w: torch.Tensor, tile: int, opts: dict):
-    """Run the tiled statement over every bucket of `km`'s tiles; rows back in map order."""
+def _gathered(x: torch.Tensor, absent: str) -> torch.Tensor:
+    """The tensor the statements gather from: x with a zero row, or x itself (mask)."""
+    return _with_zero_row(x) if absent == "zero_row" else x
+
+
+def _tile_buckets(km: KernelMap, tile: int, absent: str, dtype: torch.dtype) -> list[tuple[int, int, dict]]:
+    """(first tile, last tile + 1, index and mask tensors) per bucket of the tiled statement."""
+    if absent == "zero_row":
+        return [(start, end, {"NB": nb, "TW": tw}) for start, end, nb, tw in km.tiles(tile).buckets]
+    return [(start, end, {"NB": nb, "V": v, "TW": tw}) for start, end, nb, v, tw in km.masked_tiles(tile, dtype)]
+
+
+def _pair_tensors(km: KernelMap, group: int | None, absent: str, dtype: torch.dtype) -> dict:
+    """PI, PO, PW (and V for the mask) of the grouped pairs."""
+    groups = km.pair_groups(group)
+    if absent == "zero_row":
+        return {"PI": groups.PI, "PO": groups.PO, "PW": groups.PW}
+    PI, V = km.masked_pairs(group, dtype)
+    return {"PI": PI, "V": V, "PO": groups.PO, "PW": groups.PW}
+
+
+def _statement(stmt: str, absent: str) -> str:
+    return stmt if absent == "zero_row" else MASKED[stmt]
+
+
+def _one_launch(x: torch.Tensor, opts: dict) -> bool:
+    """Whether the tiles run as one launch with declared lengths: only where the generated
+    kernel honours them (a triton launch outside torch.compile); elsewhere the lengths would
+    be ignored and every tile would do the widest tile's work, so the buckets run."""
+    if not TILES_IN_ONE_LAUNCH or torch.compiler.is_compiling():
+        return False
+    return opts["backend"] == "triton" or (opts["backend"] == "auto" and x.is_cuda)
+
+
+def _run_tiled(km: KernelMap, x: torch.Tensor, w: torch.Tensor, tile: int, opts: dict, absent: str):
+    """Run the tiled statement over `km`'s tiles (x: `_gathered` features), in one launch
+    with each tile's declared length or one launch per bucket; rows back in map order
+    (`index_select`: one gather kernel, less host time than advanced indexing)."""
     tiled = km.tiles(tile)
     width = w.shape[2]
-    y = x0.new_empty(tiled.n_tiles, tiled.tile, width)
-    for start, end, nb, tw in tiled.buckets:
-        insum(TILED, O=y[start:end], X=x0, NB=nb, TW=tw, W=w, **opts)
-    return y.view(-1, width)[tiled.inverse]
+    if km.n_in == 0:  # no input: nothing to gather (the mask has no row 0 to read)
+        return x.new_zeros(km.n_out, width)
+    y = x.new_empty(tiled.n_tiles, tiled.tile, width)
+    stmt = _statement(TILED, absent)
+    if _one_launch(x, opts):
+        if absent == "zero_row":
+            NB, TW, TL = km.tiles_whole(tile)
+            tensors = {"NB": NB, "TW": TW}
+        else:
+            NB, V, TW, TL = km.masked_tiles_whole(tile, x.dtype)
+            tensors = {"NB": NB, "V": V, "TW": TW}
+        insum(stmt, O=y, X=x, W=w, lengths={"j[t]": TL}, **tensors, **opts)
+    else:
+        for start, end, tensors in _tile_buckets(km, tile, absent, x.dtype):
+            insum(stmt, O=y[start:end], X=x, W=w, **tensors, **opts)
+    return torch.index_select(y.view(-1, width), 0, tiled.inverse)
 
 
 class _SparseConv(torch.autograd.Function):
+    """The convolution with its bias: the bias is added where the output is written (the
+    grouped pairs accumulate onto it, the tiled rows get it in place after their gather),
+    never as a separate `out + bias` tensor."""
+
     @staticmethod
-    def forward(ctx, feats, weight, km, form, tile, backend, precision):
+    def forward(ctx, feats, weight, bias, km, form, tile, backend, precision, absent):
         volume, cin, cout = weight.shape
         # The packers guarantee every index is in range: no index check.
         opts = {"backend": backend, "precision": precision, "check_indices": False}
-        x0 = _with_zero_row(feats)
+        x = _gathered(feats, absent)
         if form == "tiles":
-            out = _run_tiled(km, x0, weight, tile, opts)
+            out = _run_tiled(km, x, weight, tile, opts, absent)
+            if bias is not None:
+                out.add_(bias)
         else:
-            groups = km.pair_groups(tile)
-            acc = torch.zeros(max(km.n_out, 1), cout, dtype=compute_dtype(feats.dtype), device=feats.device)
-            insum(PAIRS, O=acc, X=x0, PI=groups.PI, PO=groups.PO, PW=groups.PW, W=weight, **opts)
+            shape, acc_dtype = (max(km.n_out, 1), cout), compute_dtype(feats.dtype)
+            if bias is None:
+                acc = torch.zeros(shape, dtype=acc_dtype, device=feats.device)
+            else:
+                acc = bias.to(acc_dtype).expand(shape).contiguous()
+            if km.n_in:
+                pairs = _pair_tensors(km, tile, absent, feats.dtype)
+                insum(_statement(PAIRS, absent), O=acc, X=x, W=weight, **pairs, **opts)
             # Return the buffer itself, not a view of it: under torch 2.11's torch.compile a
             # Function output that views a buffer mutated by the insum op got no gradient.
             whole = (acc.shape[0], acc.dtype) == (km.n_out, feats.dtype)
             out = acc if whole else acc[: km.n_out].to(feats.dtype)
-        ctx.save_for_backward(x0, weight)
-        ctx.km, ctx.tile, ctx.opts = km, tile, opts
+        ctx.save_for_backward(x, weight)
+        ctx.km, ctx.tile, ctx.opts, ctx.absent = km, tile, opts, absent
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x0, weight = ctx.saved_tensors
-        km, opts = ctx.km, ctx.opts
+        x, weight = ctx.saved_tensors
+        km, opts, absent = ctx.km, ctx.opts, ctx.absent
         volume, cin, cout = weight.shape
         grad = grad.contiguous()
-        grad_feats = grad_weight = None
+        grad_feats = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad0 = _with_zero_row(grad)
-            grad_feats = _run_tiled(km.transpose(), grad0, weight.transpose(1, 2).contiguous(), ctx.tile, opts)
+            grad_x = _gathered(grad, absent)
+            grad_feats = _run_tiled(km.transpose(), grad_x, weight.transpose(1, 2).contiguous(), ctx.tile, opts, absent)
         if ctx.needs_input_grad[1]:
-            groups = km.pair_groups()
             acc_dtype = compute_dtype(weight.dtype)
-            partial = torch.empty(groups.PI.shape[0], cin, cout, dtype=acc_dtype, device=grad.device)
-            insum(WEIGHT_GRAD, dWp=partial, X=x0, PI=groups.PI, dO=grad, PO=groups.PO, **opts)
             total = torch.zeros(volume, cin, cout, dtype=acc_dtype, device=grad.device)
-            grad_weight = total.index_add_(0, groups.PW, partial).to(weight.dtype)
-        return grad_feats, grad_weight, None, None, None, None, None
+            if km.n_in:
+                pairs = _pair_tensors(km, None, absent, x.dtype)
+                partial = torch.empty(pairs["PI"].shape[0], cin, cout, dtype=acc_dtype, device=grad.device)
+                insum(_statement(WEIGHT_GRAD, absent), dWp=partial, X=x, dO=grad,
+                      **{k: v for k, v in pairs.items() if k != "PW"}, **opts)
+                total.index_add_(0, pairs["PW"], partial)
+            grad_weight = total.to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0, dtype=compute_dtype(grad.dtype)).to(grad.dtype)
+        return grad_feats, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def sparse_conv3d(
@@ -130,13 +226,17 @@ def sparse_conv3d(
     tile: int = 128,
     backend: str = "auto",
     precision: str = "tf32",
+    absent: str = "zero_row",
 ) -> torch.Tensor:
     """The convolution of `feats` [n_in, in] by `weight` [k, k, k, in, out] over a kernel
     map: [n_out, out] at `kernel_map.out_coords`. Differentiable in feats, weight, bias.
 
     form: "tiles" (output-stationary), "pairs" (grouped pairs, atomics) or "auto"
-    (`choose_form`); tile: rows per tile for "tiles", pairs per group for "pairs"."""
+    (`choose_form`); tile: rows per tile for "tiles", pairs per group for "pairs";
+    absent: "zero_row" or "mask", how absent neighbours read zero (module docstring)."""
     form = choose_form(kernel_map, form)
+    if absent not in ABSENT:
+        raise InsumError(f"unknown absent-neighbour handling {absent!r}; choose one of {', '.join(ABSENT)}")
     k = kernel_map.kernel_size
     if weight.dim() != 5 or tuple(weight.shape[:3]) != (k, k, k):
         raise InsumShapeError(f"weight must have shape [{k}, {k}, {k}, in, out], got {tuple(weight.shape)}")
@@ -146,8 +246,10 @@ def sparse_conv3d(
             f"got {tuple(feats.shape)}"
         )
     w = weight.to(feats.dtype).reshape(k**3, weight.shape[3], weight.shape[4])
-    out = _SparseConv.apply(feats, w, kernel_map, form, tile, backend, precision)
-    return out if bias is None else out + bias.to(out.dtype)
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.shape[2]):
+        raise InsumShapeError(f"bias must have shape [{w.shape[2]}] (out channels), got {tuple(bias.shape)}")
+    b = None if bias is None else bias.to(feats.dtype)
+    return _SparseConv.apply(feats, w, b, kernel_map, form, tile, backend, precision, absent)
 
 
 class SparseConv3d(nn.Module):
@@ -174,6 +276,7 @@ class SparseConv3d(nn.Module):
         tile: int = 128,
         backend: str = "auto",
         precision: str = "tf32",
+        absent: str = "zero_row",
         cache: KernelMapCache | None = None,
     ) -> None:
         super().__init__()
@@ -186,7 +289,9 @@ class SparseConv3d(nn.Module):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.dilation = kernel_size, stride, dilation
         self.subm, self.transposed = subm, transposed
-        self.form, self.tile, self.backend, self.precision = form, tile, backend, precision
+        if absent not in ABSENT:
+            raise InsumError(f"unknown absent-neighbour handling {absent!r}; choose one of {', '.join(ABSENT)}")
+        self.form, self.tile, self.backend, self.precision, self.absent = form, tile, backend, precision, absent
         self.cache = default_cache if cache is None else cache
         self.weight = nn.Parameter(torch.empty(kernel_size, kernel_size, kernel_size, in_channels, out_channels))
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
@@ -213,7 +318,7 @@ class SparseConv3d(nn.Module):
         km = self.kernel_map(coords, out_coords)
         out = sparse_conv3d(
             feats, self.weight, km, self.bias,
-            form=self.form, tile=self.tile, backend=self.backend, precision=self.precision,
+            form=self.form, tile=self.tile, backend=self.backend, precision=self.precision, absent=self.absent,
         )
         if self.mode == "subm":
             return out, coords

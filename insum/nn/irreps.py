@@ -72,8 +72,8 @@ class Irreps:
     def __init__(self, spec: Any = ()) -> None:
         object.__setattr__(self, "entries", _parse(spec))
 
-    @property
-    def dim(self) -> int:
+    @functools.cached_property
+    def dim(self) -> int:  # read on every layer call: computed once
         return sum(mul * ir.dim for mul, ir in self.entries)
 
     @property

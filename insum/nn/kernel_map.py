@@ -38,6 +38,7 @@ __all__ = [
     "output_coords",
     "tile_map",
     "pair_groups",
+    "bucket_bounds",
     "default_cache",
 ]
 
@@ -183,14 +184,19 @@ class KernelMap:
         """Real (input, output, offset) triples: the work of the convolution."""
         return self.cached("pairs", lambda: int((self.nbr >= 0).sum()))
 
-    def prepare(self, tile: int = 128, training: bool = True) -> KernelMap:
+    def prepare(self, tile: int = 128, training: bool = True, mask_dtype: torch.dtype | None = None) -> KernelMap:
         """Build the packings a forward (either form) and, with `training`, a backward pass
         read, so that a function compiled with `torch.compile(fullgraph=True)` only looks
-        them up."""
-        self.pairs, self.tiles(tile), self.pair_groups(tile)
+        them up. mask_dtype: also the masked packings (`absent="mask"`) for that dtype."""
+        self.pairs, self.tiles(tile), self.tiles_whole(tile), self.pair_groups(tile)
         if training:
-            self.transpose().tiles(tile)
+            self.transpose().tiles(tile), self.transpose().tiles_whole(tile)
             self.pair_groups()
+        if mask_dtype is not None:
+            self.masked_tiles(tile, mask_dtype), self.masked_tiles_whole(tile, mask_dtype), self.masked_pairs(tile, mask_dtype)
+            if training:
+                self.transpose().masked_tiles(tile, mask_dtype), self.transpose().masked_tiles_whole(tile, mask_dtype)
+                self.masked_pairs(None, mask_dtype)
         return self
 
     def transpose(self) -> KernelMap:
@@ -202,6 +208,54 @@ class KernelMap:
 
     def pair_groups(self, group: int | None = None) -> PairGroups:
         return self.cached(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group))
+
+    def tiles_whole(self, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every tile in one launch: NB [T, tile, J] and TW [T, J] padded to the widest tile
+        (NB = n_in, the zero row; TW = 0), and TL [T], each tile's active offsets (its first
+        TL[t] entries): `insum(..., lengths={"j[t]": TL})` stops each tile's loop there."""
+
+        def make():
+            tiled = self.tiles(tile)
+            width = max(nb.shape[2] for _, _, nb, _ in tiled.buckets)
+            device = self.nbr.device
+            NB = torch.full((tiled.n_tiles, tiled.tile, width), self.n_in, dtype=torch.int32, device=device)
+            TW = torch.zeros((tiled.n_tiles, width), dtype=torch.int32, device=device)
+            for start, end, nb, tw in tiled.buckets:
+                NB[start:end, :, : nb.shape[2]] = nb
+                TW[start:end, : tw.shape[1]] = tw
+            TL = (NB != self.n_in).any(1).sum(1).to(torch.int32)  # active offsets come first in a tile
+            return NB, TW, TL
+
+        return self.cached(("tiles whole", tile), make)
+
+    def masked_tiles_whole(self, tile: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`tiles_whole` without the zero row: (NB, V, TW, TL), absent neighbours reading row 0
+        with V = 0."""
+
+        def make():
+            NB, TW, TL = self.tiles_whole(tile)
+            return torch.where(NB == self.n_in, 0, NB), (NB != self.n_in).to(dtype), TW, TL
+
+        return self.cached(("masked tiles whole", tile, dtype), make)
+
+    def masked_tiles(self, tile: int, dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The tiled buckets without the zero row: (first tile, last tile + 1, NB, V, TW) with
+        absent neighbours reading row 0 and V = 0 there (1 elsewhere), V in `dtype`."""
+
+        def make():
+            return [(start, end, torch.where(nb == self.n_in, 0, nb), (nb != self.n_in).to(dtype), tw)
+                    for start, end, nb, tw in self.tiles(tile).buckets]
+
+        return self.cached(("masked tiles", tile, dtype), make)
+
+    def masked_pairs(self, group: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(PI, V) of the grouped pairs without the zero row: padding reads row 0, V = 0 there."""
+
+        def make():
+            real = self.pair_groups(group).PI != self.n_in
+            return torch.where(real, self.pair_groups(group).PI, 0), real.to(dtype)
+
+        return self.cached(("masked pairs", group, dtype), make)
 
     def cached(self, key, make):
         """`make()` once per key, kept on the map (packings, derived coordinates)."""
@@ -262,9 +316,10 @@ def build_kernel_map(
     return KernelMap(nbr, coords.shape[0], out, kernel_size)
 
 
-def _bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
-    """Split tiles sorted by offset count into at most `max_buckets` runs minimising the
-    padded work sum(run length * run maximum). Returns the run ends."""
+def bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
+    """Split items sorted by count (tiles by offsets, tensor-product rows by CG entries) into
+    at most `max_buckets` runs minimising the padded work sum(run length * run maximum).
+    Returns the run ends."""
     n = len(counts)
     if n == 0:
         return []
@@ -310,7 +365,7 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
     host_counts = counts.tolist()
     buckets = []
     start = 0
-    for end in _bucket_bounds(host_counts, max_buckets):
+    for end in bucket_bounds(host_counts, max_buckets):
         width = max(1, host_counts[end - 1])
         # The tile's active offsets first, in offset order.
         tw = torch.argsort((~active[start:end]).to(torch.int8), dim=1, stable=True)[:, :width]

@@ -19,14 +19,16 @@ CGI the component of input 1, and PW the weight slab of the entry's (path, v). T
 generator runs it as a `tl.dot` over the channels u (M = batch, N = output channels) with
 the CG entries as the loop: no dense CG tensor, no zero entries. The channel-wise ("uvu")
 product of MACE-style models keeps the channel: `Z[b,p,u] = ... X[b,CGI[p,q],u] * W[PW[p,q],u]`
-(or `W[b,PW[p,q],u]` with one weight vector per edge), a broadcast-multiply-and-sum.
+(or `W[b,PW[p,q],u]` with one weight vector per edge), a broadcast-multiply-and-sum; when each
+output component reads one weight slab (MACE: one path per output entry), `W[b,PR[p],u]`.
 
 Layouts and normalisation are e3nn's (`irrep_normalization="component"`,
 `path_normalization="element"` by default), and so is the flat weight vector (paths in
 instruction order, each `[mul1, mul2, mul_out]` or `[mul1, mul2]`), so `from_e3nn(tp)`
 copies an e3nn module's weights. Input 1 is permuted once into component-major
-`[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks (two gathers).
-Gradients are insum's derived statements; the layer runs under `torch.compile`.
+`[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks (two gathers, inside
+the autograd function: its backward returns each input's gradient by one inverse gather).
+Gradients are regrouped statements (`GRADIENT_STATEMENTS`); the layer runs under `torch.compile`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .cg_tables import (
     GRADIENT_STATEMENTS,
     IRREP_NORMALIZATIONS,
     PATH_NORMALIZATIONS,
+    ROW_SLAB_STATEMENTS,
     RUN_STATEMENTS,
     STATEMENTS,
     Instruction,
@@ -51,9 +54,17 @@ from .cg_tables import (
     normalised_instructions,
     tensor_product_tables,
 )
-from .irreps import Irreps, IrrepsError
+from .irreps import Irrep, Irreps, IrrepsError
+from .kernel_map import bucket_bounds
 
-__all__ = ["TensorProduct", "FullyConnectedTensorProduct", "Instruction", "STATEMENTS", "tensor_product_tables"]
+__all__ = [
+    "TensorProduct",
+    "FullyConnectedTensorProduct",
+    "Instruction",
+    "STATEMENTS",
+    "tensor_product_tables",
+    "mace_instructions",
+]
 
 _OUTPUTS = ("gather", "views")
 
@@ -70,6 +81,10 @@ class TensorProduct(nn.Module):
     output: "gather" (one launch into component-major Z, then one gather into e3nn's
     layout) or "views" (one launch per run of equal output entries, each writing its
     strided view of the e3nn-layout output: no gather pass, more launches).
+    row_buckets: with "gather", the output components sorted by their number of CG entries
+    and run in up to this many launches, each with its own entry count Q (less padded work
+    where counts differ, as in MACE's channel-wise product: 568 -> 239 entry slots per edge
+    with 4 buckets; one launch more per bucket). Default 1: one launch (not yet measured).
     """
 
     def __init__(
@@ -86,6 +101,7 @@ class TensorProduct(nn.Module):
         backend: str = "auto",
         precision: str = "tf32",
         output: str = "gather",
+        row_buckets: int = 1,
     ) -> None:
         super().__init__()
         if irrep_normalization not in IRREP_NORMALIZATIONS:
@@ -107,11 +123,14 @@ class TensorProduct(nn.Module):
         self.instructions = normalised_instructions(
             self.irreps_in1, self.irreps_in2, self.irreps_out, paths, irrep_normalization, path_normalization
         )
-        self._setup(shared_weights, internal_weights, backend, precision, output)
+        self._setup(shared_weights, internal_weights, backend, precision, output, row_buckets)
 
-    def _setup(self, shared_weights: bool, internal_weights: bool | None, backend: str, precision: str, output: str = "gather") -> None:
+    def _setup(self, shared_weights: bool, internal_weights: bool | None, backend: str, precision: str,
+               output: str = "gather", row_buckets: int = 1) -> None:
         if output not in _OUTPUTS:
             raise IrrepsError(f"output {output!r}: choose one of {', '.join(_OUTPUTS)}")
+        if row_buckets < 1 or (row_buckets > 1 and output != "gather"):
+            raise IrrepsError(f"row_buckets={row_buckets}: needs a positive count, and output='gather' above 1")
         self.output = output
         self._cast: dict = {}
         for ins in self.instructions:
@@ -125,23 +144,41 @@ class TensorProduct(nn.Module):
         if self.internal_weights and not shared_weights:
             raise IrrepsError("internal_weights=True needs shared_weights=True")
         self.backend, self.precision = backend, precision
-        tables = tensor_product_tables(self.irreps_in1, self.irreps_in2, self.irreps_out, self.instructions)
+        tables = tensor_product_tables(self.irreps_in1, self.irreps_in2, self.irreps_out, self.instructions,
+                                       sort_rows=row_buckets > 1)
         self.weight_numel = int(tables.pop("weight_numel"))
-        # Whether a padded (channel or weight) position reads the zero appended to x1 / weight.
+        # Whether a padded (channel, weight or output) position reads the zero appended to
+        # x1 / weight / the output gradient, and whether a layout gather is the identity (then
+        # it is a view: the uniform multiplicities of the paper's grid and of MACE's weights).
         self._pad_x = bool((tables["X_INDEX"] == self.irreps_in1.dim).any())
         self._pad_w = bool((tables["W_INDEX"] == self.weight_numel).any())
+        self._pad_dz = bool((tables["OUT_INVERSE"] == self.irreps_out.dim).any())
+        self._identity_w = _is_identity(tables["W_INDEX"], self.weight_numel)
+        self._identity_out = _is_identity(tables["OUT_INDEX"], tables["OUT_INVERSE"].size)
+        # The inverse layout gathers of the backward: the gradients of x1 and of the flat
+        # weight, read from the component-major / slab-major gradients (no zero-fill, no scatter).
+        tables["X_INVERSE"] = _inverse(tables["X_INDEX"], self.irreps_in1.dim)
+        tables["W_INVERSE"] = _inverse(tables["W_INDEX"], self.weight_numel)
         # float64, cast per call: the CG values must stay exact for a float64 product
         self._value_tables = {name: table for name, table in tables.items() if table.dtype == np.float64}
         for name, table in tables.items():
             if table.dtype == np.float64:
                 self.register_buffer(name, torch.from_numpy(table), persistent=False)
             else:
-                gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX", "OUT_INVERSE")  # torch indexing: int64
+                gathers = ("X_INDEX", "W_INDEX", "OUT_INDEX", "OUT_INVERSE", "X_INVERSE", "W_INVERSE")  # torch indexing: int64
                 self.register_buffer(name, torch.from_numpy(table).to(torch.int64 if name in gathers else torch.int32), persistent=False)
         self.statement = STATEMENTS[(self.mode, shared_weights)]
+        row_slab = _row_slab(tables["CGV"], tables["PW"])
+        if row_slab is not None and (self.mode, shared_weights) in ROW_SLAB_STATEMENTS and output == "gather":
+            self.statement = ROW_SLAB_STATEMENTS[(self.mode, shared_weights)]
+            self.register_buffer("PR", torch.from_numpy(row_slab).to(torch.int32), persistent=False)
         self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
         self.run_statement = RUN_STATEMENTS[(self.mode, shared_weights)]
-        self._runs = self._output_runs()
+        self._runs = self._output_runs() if output == "views" else []
+        counts = tables["CGL"].tolist()
+        ends = bucket_bounds(counts, row_buckets) if row_buckets > 1 else []
+        # (first row, last row + 1, entries) per launch; empty: one launch over all rows
+        self._buckets = [(start, end, max(1, counts[end - 1])) for start, end in zip([0] + ends, ends)] if len(ends) > 1 else []
         if self.internal_weights:
             self.weight = nn.Parameter(torch.randn(self.weight_numel))
         else:
@@ -160,7 +197,7 @@ class TensorProduct(nn.Module):
                 raise IrrepsError(f"from_e3nn: path {ins} has no weight; paths without weights are not supported")
             layer.instructions.append(Instruction(ins.i_in1, ins.i_in2, ins.i_out, ins.connection_mode, float(ins.path_weight)))
         layer._setup(tp.shared_weights, tp.internal_weights, options.get("backend", "auto"),
-                     options.get("precision", "tf32"), options.get("output", "gather"))
+                     options.get("precision", "tf32"), options.get("output", "gather"), options.get("row_buckets", 1))
         if layer.internal_weights:
             with torch.no_grad():
                 layer.weight.copy_(tp.weight.detach().reshape(-1))
@@ -185,15 +222,13 @@ class TensorProduct(nn.Module):
             raise InsumShapeError(f"weight has {weight.shape[-1]} entries (shape {tuple(weight.shape)}), the paths need {self.weight_numel}")
         lead = self._lead(x1, x2, weight)
         if math.prod(lead) == 0 or not self.instructions:
-            dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
-            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=dtype)
-        t = self.statement_tensors(x1, x2, weight, lead)
-        Y, X, W = t["Y"], t["X"], t["W"]
-        if torch.is_grad_enabled() and (Y.requires_grad or X.requires_grad or W.requires_grad):
-            out = _ProductFunction.apply(self, Y, X, W)
+            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=_promoted(x1, x2, weight))
+        x1, x2, weight = self._flat_inputs(x1, x2, weight, lead)
+        if torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or weight.requires_grad):
+            out = _ProductFunction.apply(self, x1, x2, weight)
         else:
-            out = self._product(Y, X, W)  # no autograd node: less host time per call
-        return out.reshape(*lead, self.irreps_out.dim)
+            out = self._product(*self._operands(x1, x2, weight))  # no autograd node: less host time per call
+        return out if len(lead) == 1 else out.reshape(*lead, self.irreps_out.dim)
 
     def _lead(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
         """The broadcast leading shape (torch.broadcast_shapes only when the shapes differ)."""
@@ -204,13 +239,11 @@ class TensorProduct(nn.Module):
 
     def _table(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A value table (kept in float64) in the product's dtype, converted once per dtype."""
-        table = getattr(self, name)
         if torch.compiler.is_compiling():
-            return table.to(dtype)  # a traced graph converts once anyway; no cache mutation in it
-        key = (name, dtype, table.device)
-        cached = self._cast.get(key)
+            return self._buffers[name].to(dtype)  # a traced graph converts once anyway; no cache mutation in it
+        cached = self._cast.get((name, dtype))  # emptied by _apply (a move to another device)
         if cached is None:
-            cached = self._cast[key] = table.to(dtype)
+            cached = self._cast[(name, dtype)] = self._buffers[name].to(dtype)
         return cached
 
     def _apply(self, fn, *args, **kwargs):
@@ -228,8 +261,38 @@ class TensorProduct(nn.Module):
         """The e3nn-layout output [batch, irreps_out.dim] of the forward statement(s)."""
         if self.output == "views":
             return self._forward_views(Y, X, W)
-        Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=self.CGJ, CGI=self.CGI, PW=self.PW)
-        return Z.reshape(Z.shape[0], -1).index_select(1, self.OUT_INDEX)
+        tables = self._buffers
+        if self._buckets:
+            Z = self._forward_buckets(Y, X, W)
+        else:
+            Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=tables["CGJ"],
+                          CGI=tables["CGI"], lengths={"q[p]": tables["CGL"]}, **self._weight_tables())
+        Z = Z.reshape(Z.shape[0], -1)
+        return Z if self._identity_out else Z.index_select(1, tables["OUT_INDEX"])
+
+    def _forward_buckets(self, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """Component-major Z [batch, P, channels], one launch per bucket of rows, each reading
+        its rows' tables trimmed to the bucket's entry count."""
+        channels = X.shape[2] if self.mode == "uvu" else W.shape[-1]
+        Z = Y.new_empty(Y.shape[0], self._buffers["CGV"].shape[0], channels)
+        for (start, end, _), bucket in zip(self._buckets, self._bucket_tables(Y.dtype)):
+            tables = {name: t for name, t in bucket.items() if name != "CGL"}  # the cached dict stays whole
+            self._run(self.statement, Z=Z[:, start:end], Y=Y, X=X, W=W, lengths={"q[p]": bucket["CGL"]}, **tables)
+        return Z
+
+    def _bucket_tables(self, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+        """Per bucket, the statement's tables sliced to its rows and entries (kept per dtype)."""
+        key = ("buckets", dtype)
+        if not torch.compiler.is_compiling() and key in self._cast:
+            return self._cast[key]
+        full = {"CGV": self._table("CGV", dtype), "CGJ": self._buffers["CGJ"], "CGI": self._buffers["CGI"],
+                **self._weight_tables()}
+        full["CGL"] = self._buffers["CGL"]
+        buckets = [{name: t[start:end] if t.dim() == 1 else t[start:end, :q] for name, t in full.items()}
+                   for start, end, q in self._buckets]
+        if not torch.compiler.is_compiling():
+            self._cast[key] = buckets
+        return buckets
 
     def _output_runs(self) -> list[tuple[int, int, int, int, int, int]]:
         """(first component row, entries, mul, dim, output offset, Q) per run of consecutive
@@ -265,8 +328,40 @@ class TensorProduct(nn.Module):
                       CGI=self.CGI[rows, :Q].view(n, dim, Q), PW=self.PW[rows, :Q].view(n, dim, Q))
         return out
 
-    def _run(self, statement: str, **tensors: torch.Tensor) -> torch.Tensor:
-        return insum(statement, backend=self.backend, precision=self.precision, **tensors)
+    def _run(self, statement: str, lengths: dict | None = None, **tensors: torch.Tensor) -> torch.Tensor:
+        """insum with the layer's options. lengths: each row's CG entry count, declared so
+        that the generated kernel skips the padding entries (a hint the torch backend and
+        torch.compile ignore: the padding is zero-valued either way)."""
+        return insum(statement, backend=self.backend, precision=self.precision, lengths=lengths, **tensors)
+
+    def _flat_inputs(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, lead: tuple[int, ...]):
+        """x1 [batch, dim1], x2 [batch, dim2] and the weight (flat, or [batch, numel]) in the
+        product's dtype: views when the shapes and dtypes already agree."""
+        batch = math.prod(lead)
+        dtype = _promoted(x1, x2, weight)
+        if x1.shape[:-1] != lead:
+            x1 = x1.expand(*lead, x1.shape[-1])
+        if x2.shape[:-1] != lead:
+            x2 = x2.expand(*lead, x2.shape[-1])
+        if len(lead) != 1:
+            x1, x2 = x1.reshape(batch, -1), x2.reshape(batch, -1)
+        if self.shared_weights:
+            weight = weight if weight.dim() == 1 else weight.reshape(-1)
+        else:
+            weight = weight if weight.shape[:-1] == lead else weight.expand(*lead, self.weight_numel)
+            weight = weight if len(lead) == 1 else weight.reshape(batch, -1)
+        # (a .to() that changes nothing still costs a dispatch per call)
+        return tuple(t if t.dtype == dtype else t.to(dtype) for t in (x1, x2, weight))
+
+    def _operands(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor):
+        """The statement's (Y, X, W) from flat inputs: input 1 gathered component-major, the
+        weight as slabs (a view when its layout already is)."""
+        tables = self._buffers
+        if self._identity_w:
+            W = weight.view(*weight.shape[:-1], *tables["W_INDEX"].shape)
+        else:
+            W = _gather(weight, tables["W_INDEX"], self._pad_w)
+        return x2, _gather(x1, tables["X_INDEX"], self._pad_x), W
 
     def statement_tensors(
         self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None, lead: tuple[int, ...] | None = None
@@ -275,31 +370,27 @@ class TensorProduct(nn.Module):
         weight slabs W, input 2 as Y, and the CG tables (Z, the output, is left to insum)."""
         weight = self.weight if weight is None else weight
         lead = self._lead(x1, x2, weight) if lead is None else lead
-        batch = math.prod(lead)
-        dtype = torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
-        if x1.shape[:-1] != lead:
-            x1 = x1.expand(*lead, x1.shape[-1])
-        if x2.shape[:-1] != lead:
-            x2 = x2.expand(*lead, x2.shape[-1])
-        x1, x2 = x1.reshape(batch, -1), x2.reshape(batch, -1)
-        if self.shared_weights:
-            W = _gather(weight.reshape(-1), self.W_INDEX, self._pad_w)
-        else:
-            weight = weight if weight.shape[:-1] == lead else weight.expand(*lead, self.weight_numel)
-            W = _gather(weight.reshape(batch, -1), self.W_INDEX, self._pad_w)
-        X = _gather(x1, self.X_INDEX, self._pad_x)
-        return {"CGV": self._table("CGV", dtype), "Y": x2.to(dtype), "X": X.to(dtype), "W": W.to(dtype),
-                "CGJ": self.CGJ, "CGI": self.CGI, "PW": self.PW}
+        Y, X, W = self._operands(*self._flat_inputs(x1, x2, weight, lead))
+        return {"CGV": self._table("CGV", Y.dtype), "Y": Y, "X": X, "W": W, "CGJ": self.CGJ, "CGI": self.CGI,
+                **self._weight_tables()}
 
+    def _weight_tables(self) -> dict[str, torch.Tensor]:
+        """The weight's index table of `self.statement`: PW [P, Q] per CG entry, or PR [P]
+        per output component (ROW_SLAB_STATEMENTS)."""
+        tables = self._buffers
+        return {"PR": tables["PR"]} if "PR" in tables else {"PW": tables["PW"]}
 
 
 class _ProductFunction(torch.autograd.Function):
-    """Z from (Y, X, W) by the layer's statement; the backward runs the regrouped
+    """The layer from flat inputs (x1, x2, weight) to e3nn's output layout, the layout gathers
+    included, so that its backward returns the inputs' gradients with one inverse gather each
+    (no zero-filled gradient and scatter per gather). The backward runs the regrouped
     statements of GRADIENT_STATEMENTS (each gradient element owned by one row: no atomics)
     instead of insum's derived ones, which scatter every CG entry into dX and dW."""
 
     @staticmethod
-    def forward(ctx, layer: TensorProduct, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, layer: TensorProduct, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        Y, X, W = layer._operands(x1, x2, weight)
         ctx.layer = layer
         ctx.save_for_backward(Y, X, W)
         return layer._product(Y, X, W)
@@ -308,31 +399,42 @@ class _ProductFunction(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor):
         layer: TensorProduct = ctx.layer
         Y, X, W = ctx.saved_tensors
+        batch = d_out.shape[0]
         # The output gradient, component-major like Z (padded channels read a zero).
         P, channels = layer.CGV.shape[0], (X.shape[2] if layer.mode == "uvu" else W.shape[-1])
-        DZ = _gather(d_out, layer.OUT_INVERSE, True).view(d_out.shape[0], P, channels)
+        if layer._identity_out:
+            DZ = d_out.contiguous().view(batch, P, channels)
+        else:
+            DZ = _gather(d_out, layer.OUT_INVERSE, layer._pad_dz).view(batch, P, channels)
         dtype, stmts = DZ.dtype, layer.gradient_statements
-        need_y, need_x, need_w = ctx.needs_input_grad[1:4]
-        dY = dX = dW = None
-        if need_x:
-            dX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS)
+        need_x1, need_x2, need_w = ctx.needs_input_grad[1:4]
+        dx1 = dx2 = dweight = None
+        if need_x1:
+            DX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS,
+                            lengths={"q[c]": layer.XL})
+            dx1 = DX.reshape(batch, -1).index_select(1, layer.X_INVERSE)
         if need_w:
             tables = {"WV": layer._table("WV", dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
             if layer.shared_weights:
-                groups = _batch_groups(Y.shape[0])
+                groups = _batch_groups(batch)
 
                 def split(t: torch.Tensor) -> torch.Tensor:
                     return t.reshape(groups, t.shape[0] // groups, *t.shape[1:])
 
-                dW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), **tables).sum(0)
+                DW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), lengths={"q[s]": layer.WL}, **tables)
+                DW = DW[0] if groups == 1 else DW.sum(0)
+                DW = DW.reshape(-1)
             else:
-                dW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, **tables)
-        if need_y and layer.mode == "uvu":
-            dY = layer._run(stmts["Y"], YV=layer._table("YV", dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP)
-        elif need_y:
+                DW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, lengths={"q[s]": layer.WL}, **tables).reshape(batch, -1)
+            dweight = DW if layer._identity_w else DW.index_select(DW.dim() - 1, layer.W_INVERSE)
+        if need_x2 and layer.mode == "uvu":
+            dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), X=X, W=W, DZ=DZ, YC=layer.YC, YS=layer.YS, YP=layer.YP,
+                             lengths={"q[j]": layer.YL})
+        elif need_x2:
             T = layer._run(stmts["T"], X=X, W=W, RC=layer.RC, RS=layer.RS)
-            dY = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP)
-        return None, dY, dX, dW
+            dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP,
+                             lengths={"q[j]": layer.YL})
+        return None, dx1, dx2, dweight
 
 
 def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
@@ -342,6 +444,38 @@ def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
         if batch % groups == 0:
             return groups
     return 1
+
+
+def _promoted(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The product's dtype (promote_types only when the three differ)."""
+    if x1.dtype == x2.dtype == weight.dtype:
+        return x1.dtype
+    return torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
+
+
+def _row_slab(cgv, pw):
+    """PR[p], the one weight slab every CG entry of output component p reads, or None when
+    some component reads two (rows without entries read slab 0)."""
+    real = cgv != 0
+    first = np.where(real.any(1), pw[np.arange(len(pw)), real.argmax(1)], 0)
+    if (real & (pw != first[:, None])).any():
+        return None
+    return first.astype(np.int64)
+
+
+def _is_identity(index, size: int) -> bool:
+    """Whether a layout table reads positions 0..size-1 in order (no padding): a view."""
+    return index.size == size and bool((index.reshape(-1) == np.arange(size)).all())
+
+
+def _inverse(index, size: int):
+    """inverse[index[k]] = k over the real (unpadded) positions of a layout table: the table
+    that gathers a gradient back into the flat layout (each flat position is read once)."""
+    flat = index.reshape(-1)
+    real = flat < size
+    inverse = np.zeros(size, dtype=np.int64)
+    inverse[flat[real]] = np.nonzero(real)[0]
+    return inverse
 
 
 def _gather(t: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -371,3 +505,34 @@ class FullyConnectedTensorProduct(TensorProduct):
             if ir_out in ir1 * ir2
         ]
         super().__init__(irreps1, irreps2, irreps_out_, paths, **options)
+
+
+def mace_instructions(irreps_in1: Any, irreps_in2: Any, target: Any) -> tuple[Irreps, list[tuple]]:
+    """The channel-wise ("uvu") paths of a MACE interaction block and their output irreps:
+    every (in1, in2) pair feeds each irrep of `target` that its product contains, one output
+    entry per path (input 1's multiplicity), outputs sorted by irrep as MACE's
+    `tp_out_irreps_with_instructions` (and e3nn's `Irreps.sort`) order them.
+
+    target: irreps (the allowed output irreps) or an int lmax (0e+1o+2e+... up to lmax).
+
+        >>> irreps_out, ins = mace_instructions("4x0e+4x1o", "0e+1o", 1)
+        >>> str(irreps_out), ins[:2]
+        ('4x0e+4x0e+4x1o+4x1o', [(0, 0, 0, 'uvu', True), (0, 1, 2, 'uvu', True)])
+    """
+    irreps1, irreps2 = Irreps(irreps_in1), Irreps(irreps_in2)
+    if isinstance(target, int):
+        allowed = {Irrep(l, (-1) ** l) for l in range(target + 1)}  # noqa: E741
+    else:
+        allowed = {ir for _, ir in Irreps(target)}
+    outs: list[tuple[int, Irrep]] = []
+    paths = []
+    for i, (mul, ir1) in enumerate(irreps1):
+        for j, (_, ir2) in enumerate(irreps2):
+            for ir in ir1 * ir2:
+                if ir in allowed:
+                    paths.append((i, j, len(outs)))
+                    outs.append((mul, ir))
+    order = sorted(range(len(outs)), key=lambda k: (outs[k][1], k, outs[k][0]))  # e3nn's Irreps.sort
+    position = {k: n for n, k in enumerate(order)}
+    irreps_out = Irreps([(outs[k][0], (outs[k][1].l, outs[k][1].p)) for k in order])
+    return irreps_out, [(i, j, position[k], "uvu", True) for i, j, k in paths]
