@@ -90,10 +90,9 @@ def insum(
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
     key = (backend, precision, autotune, check_indices, sorted_indices, unique_indices)
-    if not lengths:
-        repeat = prepared(expr, key, tensors)  # a call like an earlier one: straight to its launch
-        if repeat is not None:
-            return repeat(tensors)
+    repeat = prepared(expr, key, tensors, lengths)  # a call like an earlier one: straight to its launch
+    if repeat is not None:
+        return repeat(tensors, lengths)
     check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     stmt = parse(expr)
@@ -107,8 +106,8 @@ def insum(
     if lengths:
         bound, declared = length_facts(bound, lengths)
     out = run(bound, bound.output(), sorted_indices=facts, unique_indices=unique, lengths=declared, **options)
-    if not lengths:  # (a call with declared lengths is not kept: its dict of tensors is no key)
-        prepare(expr, key, bound, sorted_indices=facts, unique_indices=unique, **options)
+    prepare(expr, key, bound, tensors, lengths=lengths, declared=declared, sorted_indices=facts, unique_indices=unique,
+            **options)
     return out
 
 

@@ -227,10 +227,16 @@ class Prepared:
     given, checks indices if asked, and launches.
     """
 
-    __slots__ = ("bound", "out_name", "launcher", "device_check", "autotune", "env", "aligned", "requires_grad", "inputs")
+    __slots__ = (
+        "bound", "out_name", "launcher", "device_check", "autotune", "env", "aligned", "requires_grad", "inputs",
+        "lengths",
+    )
 
-    def __init__(self, bound: Bound, launcher, device_check: bool, autotune: bool | None, aligned: tuple | None):
+    def __init__(
+        self, bound: Bound, launcher, device_check: bool, autotune: bool | None, aligned: tuple | None, lengths: tuple
+    ):
         self.bound = bound.with_tensors({})
+        self.lengths = lengths  # (key in `lengths=`, the binding's name for its tensor), per declared length
         self.out_name = bound.output_name
         self.inputs = bound.value_names + bound.index_names
         self.launcher = launcher  # None: the torch lowering
@@ -240,7 +246,11 @@ class Prepared:
         self.aligned = aligned  # value tensors' 16-byte alignment when the kernel depends on it
         self.requires_grad = any(t.requires_grad for t in bound.tensors.values())
 
-    def __call__(self, tensors: dict) -> torch.Tensor:
+    def __call__(self, tensors: dict, lengths: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.lengths:
+            tensors = dict(tensors)
+            for key, name in self.lengths:
+                tensors[name] = lengths[key]
         out = tensors.get(self.out_name)
         bound = self.bound
         if out is None:
@@ -255,13 +265,29 @@ class Prepared:
 _PREPARED: BoundedCache[tuple, Prepared] = BoundedCache()  # (text, options, call signature) -> call
 
 
-def prepared(expr: str, options: tuple, tensors: dict) -> Prepared | None:
-    """The prepared call for `expr` with these options and tensors, or None when the full
-    path must run (nothing prepared, or something it depends on changed). Raises the full
-    path's error for an output that shares memory with an input."""
+def _lengths_signature(lengths: Mapping | None) -> tuple | None:
+    """The declared lengths' part of a call signature: () for none, None for anything but
+    plain tensors (the full path reports it)."""
+    if not lengths:
+        return ()
+    signature = []
+    for key, t in lengths.items():
+        if type(t) not in _PLAIN:
+            return None
+        signature.append((key, t.dtype, t.shape, t.stride(), t.device))
+    return tuple(signature)
+
+
+def prepared(expr: str, options: tuple, tensors: dict, lengths: Mapping | None = None) -> Prepared | None:
+    """The prepared call for `expr` with these options, tensors and declared lengths, or None
+    when the full path must run (nothing prepared, or something it depends on changed).
+    Raises the full path's error for an output that shares memory with an input."""
     signature = call_signature(tensors)
-    if signature is None:
+    extra = _lengths_signature(lengths)
+    if signature is None or extra is None:
         return None
+    if extra:
+        signature += extra
     try:
         call = _PREPARED.get((expr, options, signature))
     except TypeError:  # an unhashable option value: the full path reports it
@@ -284,7 +310,10 @@ def prepare(
     expr: str,
     options: tuple,
     bound: Bound,
+    tensors: dict,
     *,
+    lengths: Mapping | None = None,
+    declared: Lengths = (),
     backend: Backend = "auto",
     precision: Precision = "tf32",
     autotune: bool | None = None,
@@ -293,16 +322,22 @@ def prepare(
     unique_indices: frozenset[str] = frozenset(),
 ) -> None:
     """Keep what the call that just ran on `bound` decided, for `prepared` to find (only for
-    plain tensors, and only after the call succeeded: its checks have passed)."""
-    signature = call_signature(bound.tensors)
-    if signature is None or bound.signature is None:
+    plain tensors, and only after the call succeeded: its checks have passed). tensors: the
+    call's own (`bound` also holds the tensors of its declared lengths)."""
+    signature = call_signature(tensors)
+    extra = _lengths_signature(lengths)
+    if signature is None or extra is None or bound.signature is None:
         return
+    if extra:
+        signature += extra
     launcher, aligned = None, None
     if not (backend == "torch" or (backend == "auto" and bound.device.type != "cuda")):
         from .runtime import descriptors_supported, kernel_for
 
         try:
-            kernel = kernel_for(bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices)
+            kernel = kernel_for(
+                bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=declared
+            )
         except UnsupportedStatement:
             pass  # it fell back to the torch lowering (backend "auto"), as it will again
         else:
@@ -312,7 +347,8 @@ def prepare(
             if descriptors_supported(bound.device):
                 aligned = _alignment(bound, bound.tensors)
     try:
-        _PREPARED[(expr, options, signature)] = Prepared(bound, launcher, _checking(check_indices), autotune, aligned)
+        names = tuple((key, name) for key, (_, name, _) in zip(lengths or {}, declared))
+        _PREPARED[(expr, options, signature)] = Prepared(bound, launcher, _checking(check_indices), autotune, aligned, names)
     except TypeError:
         return
 

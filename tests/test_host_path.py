@@ -260,3 +260,32 @@ def test_batch_source_has_one_part_function_per_statement():
     for i in range(len(kernels)):
         assert f"def insum_part_{i}(" in batch.text and f"BLOCK_M_{i}: tl.constexpr" in batch.text
     compile(batch.text, "batch", "exec")  # valid Python
+
+
+def test_repeat_with_declared_lengths(monkeypatch):
+    """A call with `lengths=` repeats too: new length values are read, padding skipped."""
+    stmt = "C[m,n] = AV[m,q]*B[AK[m,q],n]"
+
+    def case(seed):
+        gen = torch.Generator().manual_seed(seed)
+        AL = torch.randint(0, 6, (9,), generator=gen)
+        AV = torch.randn(9, 5, generator=gen) * (torch.arange(5) < AL.unsqueeze(1))  # zero padding
+        AK = torch.randint(0, 7, (9, 5), generator=gen)
+        B = torch.randn(7, 3, generator=gen)
+        return dict(AV=AV, AK=AK, B=B), AL
+
+    tensors, AL = case(0)
+    insum.insum(stmt, backend="triton", lengths={"q[m]": AL}, **tensors)
+    calls = []
+    real = api.bind
+    monkeypatch.setattr(api, "bind", lambda *a: calls.append(1) or real(*a))
+    for seed in (1, 2):
+        tensors, AL = case(seed)
+        AV = tensors["AV"].clone()
+        tensors["AV"][:, :] += 100 * (torch.arange(5) >= AL.unsqueeze(1))  # poison what the lengths skip
+        out = insum.insum(stmt, backend="triton", lengths={"q[m]": AL}, **tensors)
+        expected = (AV.double().unsqueeze(2) * tensors["B"].double()[tensors["AK"]]).sum(1)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not calls
+    insum.insum(stmt, backend="triton", lengths={"q[m]": AL.int()}, **tensors)  # another length dtype
+    assert calls == [1]
