@@ -18,6 +18,7 @@ the environment switches, aliasing of output and input, descriptor alignment).
 
 from __future__ import annotations
 
+import operator
 import re
 import warnings
 from collections.abc import Mapping
@@ -42,6 +43,8 @@ __all__ = [
     "call_signature",
     "prepared_batch",
     "prepare_batch",
+    "pin",
+    "Pinned",
     "check_options",
     "check_names",
     "sorted_facts",
@@ -361,14 +364,24 @@ class PreparedBatch:
     shared by the calls (a format's B and C) is looked at once.
     """
 
-    __slots__ = ("launch", "outputs", "out_names", "env", "requires_grad")
+    __slots__ = ("launch", "outputs", "out_names", "env", "requires_grad", "aligned")
 
-    def __init__(self, launch, outputs: tuple[int, ...], out_names: tuple[str, ...], requires_grad: bool):
+    def __init__(
+        self, launch, outputs: tuple[int, ...], out_names: tuple[str, ...], requires_grad: bool, aligned: tuple = ()
+    ):
         self.launch = launch
         self.outputs = outputs  # positions of the outputs among the distinct tensors
         self.out_names = out_names
         self.env = snapshot()
         self.requires_grad = requires_grad
+        self.aligned = aligned  # (part, its Prepared) where the part's kernel depends on alignment
+
+    def misaligned(self, calls) -> bool:
+        """Whether a part's value tensors are aligned otherwise than when it was prepared."""
+        for i, call in self.aligned:
+            if call.aligned != _alignment(call.bound, calls[i][1]):
+                return True
+        return False
 
     def __call__(self, calls) -> list[torch.Tensor]:
         outs = [call[1][name] for call, name in zip(calls, self.out_names)]
@@ -425,6 +438,8 @@ def prepared_batch(calls, options: tuple) -> PreparedBatch | None:
     for position, t in enumerate(distinct):
         if position not in batch.outputs and t.numel() and t.untyped_storage().data_ptr() in written:
             return None
+    if batch.aligned and batch.misaligned(calls):
+        return None
     return batch
 
 
@@ -438,7 +453,7 @@ def prepare_batch(calls, options: tuple) -> None:
     if found is None or len(calls) < 2:
         return
     key, distinct = found
-    parts, outputs, out_names = [], set(), []
+    parts, outputs, out_names, aligned = [], set(), [], []
     backend, precision, autotune, check_indices, disjoint = options
     for expr, tensors, *facts in calls:
         facts = facts[0] if facts else {}
@@ -447,6 +462,8 @@ def prepare_batch(calls, options: tuple) -> None:
         call = _PREPARED.get((expr, one, call_signature(tensors)))
         if call is None or call.launcher is None or call.device_check or call.out_name not in tensors:
             return
+        if call.aligned is not None:
+            aligned.append((len(parts), call))
         parts.append(call.launcher)
         out_names.append(call.out_name)
         outputs.add(next(i for i, t in enumerate(distinct) if t is tensors[call.out_name]))
@@ -456,6 +473,107 @@ def prepare_batch(calls, options: tuple) -> None:
         return
     requires_grad = any(t.requires_grad for t in distinct)
     try:
-        _BATCHED[key] = PreparedBatch(launch, tuple(sorted(outputs)), tuple(out_names), requires_grad)
+        _BATCHED[key] = PreparedBatch(launch, tuple(sorted(outputs)), tuple(out_names), requires_grad, tuple(aligned))
     except TypeError:
         return
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class Pinned:
+    """Prepared calls (one `insum()`, or several as one `insum_many()` launch) whose tensors,
+    but for a few `varying` names, are the same objects on every call: a format's packed
+    tensors, with B and C varying.
+
+    The repeated call (`prepared`, `prepared_batch`) looks at every tensor on every call;
+    here a pinned tensor is looked at once, when the calls are pinned, and the kernels read
+    views of them taken then: an in-place change of a packed tensor's shape or strides
+    (`resize_`, `as_strided_`) cannot make a kernel read outside the memory checked then.
+    Per call `ready` checks what can still change: the environment switches, gradients
+    (`requires_grad_` works in place), and the pinned tensors' memory (`.data =`, `set_` or a
+    growing `resize_` move it: their pointers are compared); `run` checks the varying
+    tensors' alignment where a kernel depends on it. Values updated in place are read by
+    the next call (data, not signature). Not checked, the caller's part: the varying tensors'
+    signature (the caller keys its pin on it), and aliasing (the caller allocates the
+    outputs for each call, so nothing else shares their memory).
+    """
+
+    __slots__ = ("launch", "parts", "fixed", "pointers", "env", "out_names", "aligned")
+
+    def __init__(self, launch, calls, varying: frozenset[str], out_names: tuple[str, ...], aligned: tuple):
+        self.launch = launch  # a Prepared (one call) or a PreparedBatch
+        fixed: dict[int, torch.Tensor] = {}
+        parts = []
+        with torch.no_grad():
+            for call in calls:
+                part = {}
+                for name, t in call[1].items():
+                    if name not in varying:
+                        fixed[id(t)] = t
+                        part[name] = t.as_strided(t.shape, t.stride())
+                parts.append(part)
+        self.parts = tuple(parts)  # per call, views of its pinned tensors by name
+        self.fixed = tuple(fixed.values())
+        self.pointers = tuple(map(_DATA_PTR, self.fixed))
+        self.env = launch.env
+        self.out_names = out_names
+        self.aligned = aligned  # (call, its Prepared) where the call's kernel depends on alignment
+
+    def ready(self, *inputs: torch.Tensor) -> bool:
+        """Whether the pinned calls may run now, with varying `inputs` (for gradients)."""
+        if snapshot() != self.env:
+            return False
+        if torch.is_grad_enabled() and (any(map(_REQUIRES_GRAD, self.fixed)) or any(map(_REQUIRES_GRAD, inputs))):
+            return False
+        return tuple(map(_DATA_PTR, self.fixed)) == self.pointers
+
+    def run(self, varying: dict[str, torch.Tensor]) -> bool:
+        """Run the calls with the `varying` tensors (after `ready`); False, having run
+        nothing, when a varying tensor is aligned otherwise than the kernels were chosen for."""
+        calls = [{**part, **varying} for part in self.parts]
+        for i, call in self.aligned:
+            if call.aligned != _alignment(call.bound, calls[i]):
+                return False
+        launch = self.launch
+        if type(launch) is Prepared:
+            launch(calls[0])
+        else:
+            launch.launch.run([(tensors, tensors[name]) for tensors, name in zip(calls, self.out_names)])
+        return True
+
+
+def pin(
+    calls,
+    *,
+    varying: frozenset[str],
+    backend: Backend = "auto",
+    precision: Precision = "tf32",
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
+    disjoint: bool = False,
+) -> Pinned | None:
+    """The calls that just ran through `insum()` (one) or `insum_many()` (several) with these
+    options, pinned to their tensors but the `varying` ones; None where they would not
+    repeat (nothing prepared, gradients, torch.compile). Checks everything the repeat
+    checks, once."""
+    if torch.compiler.is_compiling():
+        return None
+    head = (backend, precision, autotune, check_indices)
+    if len(calls) == 1:
+        expr, tensors, *facts = calls[0]
+        facts = facts[0] if facts else {}
+        key = (*head, facts.get("sorted_indices", frozenset()), facts.get("unique_indices", frozenset()))
+        try:
+            launch = prepared(expr, key, tensors)
+        except InsumError:
+            return None
+        if launch is None:
+            return None
+        aligned = ((0, launch),) if launch.aligned is not None else ()
+        return Pinned(launch, calls, varying, (launch.out_name,), aligned)
+    batch = prepared_batch(calls, (*head, disjoint))
+    if batch is None:
+        return None
+    return Pinned(batch, calls, varying, batch.out_names, batch.aligned)

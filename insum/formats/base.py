@@ -35,6 +35,7 @@ import torch
 from ..api import insum, insum_many
 from ..cache import BoundedCache
 from ..errors import InsumError, InsumShapeError, InsumTypeError
+from ..execute import Pinned, pin
 from .coords import (
     VALUE_DTYPES,
     Coords,
@@ -277,7 +278,7 @@ class SparseFormat:
             plans = self.__dict__.get("_spmm_plans")
             plan = plans.get(key) if plans is not None else None
             if plan is not None:
-                return plan(self, B)
+                return plan.repeat(self, B)
         if not isinstance(B, torch.Tensor) or B.layout != torch.strided:
             raise InsumTypeError("spmm expects a dense torch.Tensor operand")
         vector = B.dim() == 1
@@ -420,6 +421,8 @@ class SparseFormat:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLANS_PER_FORMAT = 16  # B signatures remembered per format object
+_VARYING = frozenset({"B", "C"})  # the tensors of a format's calls that change from call to call
+_PIN_TRIES = 2  # repeats of a plan that try to pin its calls (each runs them through insum first)
 
 
 class _SpmmPlan:
@@ -432,6 +435,7 @@ class _SpmmPlan:
 
     __slots__ = (
         "vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "disjoint", "single", "options", "M", "N",
+        "pinned", "tries",
     )
 
     def __init__(self, fmt: SparseFormat, B: torch.Tensor, vector: bool, backend: str, precision: str):
@@ -459,29 +463,71 @@ class _SpmmPlan:
             self.statements.append((statement, dict(tensors), cast, facts))
         self.disjoint = fmt.disjoint_statements
         self.single = len(self.statements) == 1
+        self.pinned: Pinned | None = None  # the calls pinned to the format's tensors (on a repeat)
+        # Repeats that tried to pin them; none where values are cast per call (a copy per
+        # value tensor: not a call that the host's time limits).
+        self.tries = _PIN_TRIES if self.empty or any(cast for _, _, cast, _ in self.statements) else 0
+
+    def _calls(self, fmt: SparseFormat, B: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The output to write and the calls that write it, for B as given (not a vector)."""
+        dtype = self.dtype
+        if self.cast:
+            B = B.to(dtype)
+        C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
+        operand = fmt.operand(B)
+        calls = []
+        for statement, tensors, cast, facts in self.statements:
+            if cast:
+                tensors = {k: (v.to(dtype) if k in cast else v) for k, v in tensors.items()}
+            calls.append((statement, {"C": C, "B": operand, **tensors}, facts))
+        return C, calls
+
+    def _run(self, calls: list) -> None:
+        if self.single:
+            statement, tensors, facts = calls[0]
+            insum(statement, check_indices=False, **facts, **self.options, **tensors)
+        else:  # several statements into one C (buckets): one launch once they have run
+            insum_many(calls, check_indices=False, disjoint=self.disjoint, **self.options)
 
     def __call__(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
         if self.vector:
             B = B.unsqueeze(1)
-        dtype = self.dtype
         if self.empty:
-            C = torch.zeros(self.M, self.N, dtype=dtype, device=B.device)
-        else:
-            if self.cast:
-                B = B.to(dtype)
-            C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
-            operand = fmt.operand(B)
-            calls = []
-            for statement, tensors, cast, facts in self.statements:
-                if cast:
-                    tensors = {k: (v.to(dtype) if k in cast else v) for k, v in tensors.items()}
-                calls.append((statement, {"C": C, "B": operand, **tensors}, facts))
-            if self.single:
-                statement, tensors, facts = calls[0]
-                insum(statement, check_indices=False, **facts, **self.options, **tensors)
-            else:  # several statements into one C (buckets): one launch once they have run
-                insum_many(calls, check_indices=False, disjoint=self.disjoint, **self.options)
-            C = fmt.result(C)  # any strides
-            if C.dtype != dtype:
-                C = C.to(dtype)
+            C = torch.zeros(self.M, self.N, dtype=self.dtype, device=B.device)
+            return C.squeeze(1) if self.vector else C
+        C, calls = self._calls(fmt, B)
+        self._run(calls)
+        return self._finish(fmt, C)
+
+    def _finish(self, fmt: SparseFormat, C: torch.Tensor) -> torch.Tensor:
+        C = fmt.result(C)  # any strides
+        if C.dtype != self.dtype:
+            C = C.to(self.dtype)
         return C.squeeze(1) if self.vector else C
+
+    def repeat(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
+        """Another product with a B of the plan's kind, outside torch.compile: through the
+        pinned launch (`insum.execute.Pinned`: the format's tensors checked once, B and C
+        per call), pinned on the first repeat that finds the calls prepared."""
+        pinned = self.pinned
+        if pinned is None:
+            if self.tries >= _PIN_TRIES or torch.compiler.is_compiling():
+                return self(fmt, B)
+            self.tries += 1
+            if self.vector:
+                B = B.unsqueeze(1)
+            C, calls = self._calls(fmt, B)
+            self._run(calls)
+            self.pinned = pin(calls, varying=_VARYING, check_indices=False, disjoint=self.disjoint, **self.options)
+            return self._finish(fmt, C)
+        if not pinned.ready(B):
+            return self(fmt, B)
+        original = B
+        if self.vector:
+            B = B.unsqueeze(1)
+        if self.cast:
+            B = B.to(self.dtype)
+        C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
+        if not pinned.run({"C": C, "B": fmt.operand(B)}):
+            return self(fmt, original)
+        return self._finish(fmt, C)
