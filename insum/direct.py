@@ -75,13 +75,18 @@ class DirectLaunch:
         """Every parameter of the kernel in signature order, as the compiled launcher takes them."""
         return (*args, *self.constexprs)
 
-    def __call__(self, jit_fn, args: list) -> None:
+    def __call__(self, jit_fn, args: list, alignments: Callable[[], tuple] | None = None) -> None:
+        """Launch on `args`. alignments: what `args`' pointers give modulo 16, in order, from
+        a caller that knows most of them already (a pinned launch); read from `args` if None."""
         if not self.enabled or not flag("INSUM_DIRECT_LAUNCH", default=True):
             jit_fn[self.grid](*args, **self.config)
             return
         driver, knobs = _triton_runtime()
         device = driver.get_current_device()
-        key = (device, *[args[i].data_ptr() & 15 for i in self.pointers])  # (finer than aligned or not)
+        if alignments is None:
+            key = (device, *[args[i].data_ptr() & 15 for i in self.pointers])  # (finer than aligned or not)
+        else:
+            key = (device, *alignments())
         compiled = self.compiled.get(key)
         enter = knobs.launch_enter_hook
         hooked = enter is not None and getattr(enter, "calls", True)  # (3.9: an empty HookChain)

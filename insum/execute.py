@@ -500,9 +500,9 @@ class Pinned:
     outputs for each call, so nothing else shares their memory).
     """
 
-    __slots__ = ("launch", "parts", "fixed", "pointers", "env", "out_names", "aligned")
+    __slots__ = ("launch", "parts", "fixed", "pointers", "env", "aligned", "arguments")
 
-    def __init__(self, launch, calls, varying: frozenset[str], out_names: tuple[str, ...], aligned: tuple):
+    def __init__(self, launch, calls, varying: frozenset[str], aligned: tuple):
         self.launch = launch  # a Prepared (one call) or a PreparedBatch
         fixed: dict[int, torch.Tensor] = {}
         parts = []
@@ -518,8 +518,9 @@ class Pinned:
         self.fixed = tuple(fixed.values())
         self.pointers = tuple(map(_DATA_PTR, self.fixed))
         self.env = launch.env
-        self.out_names = out_names
         self.aligned = aligned  # (call, its Prepared) where the call's kernel depends on alignment
+        # A batch's argument list with the pinned tensors in place (one call: its Prepared's).
+        self.arguments = launch.launch.pin(self.parts) if type(launch) is PreparedBatch else None
 
     def ready(self, *inputs: torch.Tensor) -> bool:
         """Whether the pinned calls may run now, with varying `inputs` (for gradients)."""
@@ -532,15 +533,16 @@ class Pinned:
     def run(self, varying: dict[str, torch.Tensor]) -> bool:
         """Run the calls with the `varying` tensors (after `ready`); False, having run
         nothing, when a varying tensor is aligned otherwise than the kernels were chosen for."""
-        calls = [{**part, **varying} for part in self.parts]
-        for i, call in self.aligned:
-            if call.aligned != _alignment(call.bound, calls[i]):
-                return False
+        if self.aligned:
+            calls = [{**part, **varying} for part in self.parts]
+            for i, call in self.aligned:
+                if call.aligned != _alignment(call.bound, calls[i]):
+                    return False
         launch = self.launch
-        if type(launch) is Prepared:
-            launch(calls[0])
+        if self.arguments is None:
+            launch({**self.parts[0], **varying})
         else:
-            launch.launch.run([(tensors, tensors[name]) for tensors, name in zip(calls, self.out_names)])
+            launch.launch.run(self.arguments(varying))
         return True
 
 
@@ -572,8 +574,8 @@ def pin(
         if launch is None:
             return None
         aligned = ((0, launch),) if launch.aligned is not None else ()
-        return Pinned(launch, calls, varying, (launch.out_name,), aligned)
+        return Pinned(launch, calls, varying, aligned)
     batch = prepared_batch(calls, (*head, disjoint))
     if batch is None:
         return None
-    return Pinned(batch, calls, varying, batch.out_names, batch.aligned)
+    return Pinned(batch, calls, varying, batch.aligned)

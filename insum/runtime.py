@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -458,16 +459,84 @@ class BatchLaunch:
         self.direct = DirectLaunch(_python_fn(self.fn), (max(total, 1),), config, width + len(parts), tuple(pointers), allowed)
 
     def run(self, calls) -> None:
-        """Launch on `calls`: per part, (tensors, out) of its signature."""
+        """Launch on `calls`: per part, (tensors, out) of its signature; or a `PinnedCall` of
+        this batch (`pin`), its arguments made but for the varying tensors."""
         if self.descriptors:
             _ensure_descriptor_allocator()
         if self.total == 0:
+            return
+        if type(calls) is PinnedCall:
+            self.direct(self.fn, calls.arguments(), calls.alignments)
             return
         args = []
         for part, (tensors, out) in zip(self.parts, calls):
             args += part.args(tensors, out)
         args += self.ends
         self.direct(self.fn, args)
+
+    def pin(self, fixed: Sequence[Mapping[str, torch.Tensor]]) -> PinnedArguments:
+        """The batch's argument list with the tensors in `fixed` (per part, by name) filled
+        in; the others (and the outputs, and their strides) come with each call."""
+        template, slots, strides, aligned, free = [], [], [], [], []
+        for part, tensors in zip(self.parts, fixed):
+            offset = len(template)
+            template += part.template
+            for position, name in part.pointers:
+                tensor = tensors.get(name) if name != part.out_name else None
+                if tensor is None:
+                    slots.append((offset + position, name))
+                    free.append((len(aligned), name))
+                    aligned.append(0)
+                else:
+                    template[offset + position] = tensor
+                    aligned.append(tensor.data_ptr() & 15)
+            strides += [(offset + position, part.out_name, dim) for position, dim in part.out_strides]
+        template += self.ends
+        return PinnedArguments(template, tuple(slots), tuple(strides), tuple(aligned), tuple(free))
+
+
+class PinnedArguments:
+    """A launch's argument list with its pinned tensors in place (`BatchLaunch.pin`): a call
+    fills in the varying tensors by name, the outputs' strides, and their pointers' alignment."""
+
+    __slots__ = ("template", "slots", "strides", "aligned", "free")
+
+    def __init__(self, template: list, slots: tuple, strides: tuple, aligned: tuple, free: tuple):
+        self.template = template
+        self.slots = slots  # (position, name) of each varying tensor's pointer
+        self.strides = strides  # (position, output name, dimension) of each output stride
+        self.aligned = aligned  # every pointer's alignment (mod 16), the varying ones' 0
+        self.free = free  # (index in `aligned`, name) of the varying pointers
+
+    def __call__(self, varying: Mapping[str, torch.Tensor]) -> PinnedCall:
+        return PinnedCall(self, varying)
+
+
+class PinnedCall:
+    """One call of pinned arguments: what `BatchLaunch.run` takes instead of the parts' calls."""
+
+    __slots__ = ("pinned", "varying")
+
+    def __init__(self, pinned: PinnedArguments, varying: Mapping[str, torch.Tensor]):
+        self.pinned = pinned
+        self.varying = varying
+
+    def arguments(self) -> list:
+        pinned, varying = self.pinned, self.varying
+        args = pinned.template.copy()
+        for position, name in pinned.slots:
+            args[position] = varying[name]
+        for position, name, dim in pinned.strides:
+            args[position] = varying[name].stride(dim)
+        return args
+
+    def alignments(self) -> tuple:
+        """The pointers' alignments (mod 16), as `DirectLaunch` keys them."""
+        ptrs = {name: t.data_ptr() & 15 for name, t in self.varying.items()}
+        aligned = list(self.pinned.aligned)
+        for i, name in self.pinned.free:
+            aligned[i] = ptrs[name]
+        return tuple(aligned)
 
 
 _BATCHES: BoundedCache[tuple, BatchLaunch] = BoundedCache()  # (id of each part's launch, ...) -> batch
