@@ -499,12 +499,13 @@ class PinnedArguments:
     """A launch's argument list with its pinned tensors in place (`BatchLaunch.pin`): a call
     fills in the varying tensors by name, the outputs' strides, and their pointers' alignment."""
 
-    __slots__ = ("template", "slots", "strides", "aligned", "free")
+    __slots__ = ("template", "slots", "strides", "outputs", "aligned", "free")
 
     def __init__(self, template: list, slots: tuple, strides: tuple, aligned: tuple, free: tuple):
         self.template = template
         self.slots = slots  # (position, name) of each varying tensor's pointer
         self.strides = strides  # (position, output name, dimension) of each output stride
+        self.outputs = tuple({name: None for _, name, _ in strides})
         self.aligned = aligned  # every pointer's alignment (mod 16), the varying ones' 0
         self.free = free  # (index in `aligned`, name) of the varying pointers
 
@@ -526,8 +527,10 @@ class PinnedCall:
         args = pinned.template.copy()
         for position, name in pinned.slots:
             args[position] = varying[name]
-        for position, name, dim in pinned.strides:
-            args[position] = varying[name].stride(dim)
+        if pinned.strides:
+            strides = {name: varying[name].stride() for name in pinned.outputs}
+            for position, name, dim in pinned.strides:
+                args[position] = strides[name][dim]
         return args
 
     def alignments(self) -> tuple:

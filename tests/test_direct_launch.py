@@ -285,3 +285,15 @@ def test_batch_direct_arguments_are_the_bound_signature():
     assert len(got) == len(expected)
     for position, (a, b) in enumerate(zip(got, expected)):
         assert a is b or (not isinstance(a, torch.Tensor) and a == b), position
+
+
+def test_alignments_given_by_the_caller_key_the_same_compiled_kernel(mock_triton):
+    launch, args, _ = _direct()
+    compiled = _MockKernel()
+    jit = _MockJIT(compiled)
+    launch(jit, args)  # the JIT, keyed by the pointers it reads
+    given = []
+    launch(jit, args, lambda: given.append(1) or tuple(args[i].data_ptr() & 15 for i in launch.pointers))
+    assert len(jit.calls) == 1 and len(compiled.calls) == 1 and given == [1]
+    launch(jit, args, lambda: (3,) * len(launch.pointers))  # another alignment: the JIT again
+    assert len(jit.calls) == 2

@@ -121,13 +121,15 @@ class SparseFormat:
         device: torch.device,
         params: Mapping[str, Any] | None = None,
     ):
-        self.shape = (int(shape[0]), int(shape[1]))
-        self._tensors = dict(tensors)
-        self.nnz = int(nnz)
-        self.dtype = dtype  # of the values
-        self.index_dtype = index_dtype
-        self.device = normalise_device(device)
-        self.params = dict(params or {})
+        self.__dict__.update(  # (not through __setattr__: nothing to drop yet)
+            shape=(int(shape[0]), int(shape[1])),
+            _tensors=dict(tensors),
+            nnz=int(nnz),
+            dtype=dtype,  # of the values
+            index_dtype=index_dtype,
+            device=normalise_device(device),
+            params=dict(params or {}),
+        )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -204,6 +206,20 @@ class SparseFormat:
             return tensors[name]
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A packed tensor cannot be replaced (`fmt.AV = ...`): the products' plans are pinned
+        to the packed tensors (their signatures checked once, `insum.execute.Pinned`). Values
+        may change in place (`fmt.AV.copy_(...)`, a layer's weights). Any other assignment
+        (`expression`, `params`, `to()`'s tensors) drops the plans."""
+        tensors = self.__dict__.get("_tensors")
+        if tensors is not None and name in tensors:
+            raise InsumError(
+                f"{type(self).__name__}.{name} is a packed tensor and cannot be replaced: update its "
+                f"values in place ({name}.copy_(...)) or pack a new {type(self).__name__}"
+            )
+        self.__dict__.pop("_spmm_plans", None)
+        object.__setattr__(self, name, value)
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the packed tensors (indices, values and padding)."""
@@ -247,10 +263,9 @@ class SparseFormat:
     def to(self, device: torch.device | str) -> SparseFormat:
         """A copy with every tensor on `device` (the packing itself is not repeated)."""
         moved = copy.copy(self)
-        moved._tensors = {k: v.to(device) for k, v in self._tensors.items()}
+        moved._tensors = {k: v.to(device) for k, v in self._tensors.items()}  # (drops the plans: __setattr__)
         moved.device = normalise_device(device)
         moved.params = dict(self.params)
-        moved.__dict__.pop("_spmm_plans", None)  # made for the original's tensors
         return moved
 
     def to_dense(self) -> torch.Tensor:
