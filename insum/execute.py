@@ -519,8 +519,14 @@ class Pinned:
         self.pointers = tuple(map(_DATA_PTR, self.fixed))
         self.env = launch.env
         self.aligned = aligned  # (call, its Prepared) where the call's kernel depends on alignment
-        # A batch's argument list with the pinned tensors in place (one call: its Prepared's).
-        self.arguments = launch.launch.pin(self.parts) if type(launch) is PreparedBatch else None
+        # The argument list with the pinned tensors in place (None: the Prepared call runs on
+        # the tensors by name, as where the torch lowering runs or indices are checked).
+        if type(launch) is PreparedBatch:
+            self.arguments = launch.launch.pin(self.parts)
+        elif launch.launcher is not None and not launch.device_check:
+            self.arguments = launch.launcher.pin(self.parts[0])
+        else:
+            self.arguments = None
 
     def ready(self, *inputs: torch.Tensor) -> bool:
         """Whether the pinned calls may run now, with varying `inputs` (for gradients)."""
@@ -538,11 +544,13 @@ class Pinned:
             for i, call in self.aligned:
                 if call.aligned != _alignment(call.bound, calls[i]):
                     return False
-        launch = self.launch
-        if self.arguments is None:
+        launch, arguments = self.launch, self.arguments
+        if arguments is None:
             launch({**self.parts[0], **varying})
+        elif type(launch) is Prepared:
+            launch.launcher.run(arguments(varying), varying[launch.out_name], launch.autotune)
         else:
-            launch.launch.run(self.arguments(varying))
+            launch.launch.run(arguments(varying))
         return True
 
 

@@ -385,7 +385,8 @@ class _Launcher:
                                    tuple(position for position, _ in self.pointers), allowed)
 
     def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
-        """Launch on `tensors` (of this launch's signature) into `out`; returns `out`.
+        """Launch on `tensors` (of this launch's signature; or a `PinnedCall` of this launch,
+        `pin`) into `out`; returns `out`.
 
         The first call finds the configuration (autotune: as for `Kernel.launch`)."""
         target = out
@@ -396,18 +397,26 @@ class _Launcher:
         if self.descriptors:
             _ensure_descriptor_allocator()
         if self.launched:
-            args = self.args(tensors, target)
+            if type(tensors) is PinnedCall:  # (pinned only where no float32 buffer stands in for out)
+                args, alignments = tensors.arguments(), tensors.alignments
+            else:
+                args, alignments = self.args(tensors, target), None
             kernel = self.kernel
             if self.config is None:
                 kernel._first_run(self, args, self.device, kernel.autotune if autotune is None else autotune)
             else:
-                self.direct(kernel.fn, args)
+                self.direct(kernel.fn, args, alignments)
         if target is not out:
             if self.accumulate:
                 out.add_(target)
             else:
                 out.copy_(target)
         return out
+
+    def pin(self, fixed: Mapping[str, torch.Tensor]) -> PinnedArguments | None:
+        """The argument list with the tensors in `fixed` in place, the others (and the output)
+        coming with each call; None where a float32 buffer stands in for the output."""
+        return None if self.half_scratch else _pin_arguments([self], [fixed], [])
 
     def args(self, tensors, target: torch.Tensor) -> list:
         args = list(self.template)
@@ -477,22 +486,28 @@ class BatchLaunch:
     def pin(self, fixed: Sequence[Mapping[str, torch.Tensor]]) -> PinnedArguments:
         """The batch's argument list with the tensors in `fixed` (per part, by name) filled
         in; the others (and the outputs, and their strides) come with each call."""
-        template, slots, strides, aligned, free = [], [], [], [], []
-        for part, tensors in zip(self.parts, fixed):
-            offset = len(template)
-            template += part.template
-            for position, name in part.pointers:
-                tensor = tensors.get(name) if name != part.out_name else None
-                if tensor is None:
-                    slots.append((offset + position, name))
-                    free.append((len(aligned), name))
-                    aligned.append(0)
-                else:
-                    template[offset + position] = tensor
-                    aligned.append(tensor.data_ptr() & 15)
-            strides += [(offset + position, part.out_name, dim) for position, dim in part.out_strides]
-        template += self.ends
-        return PinnedArguments(template, tuple(slots), tuple(strides), tuple(aligned), tuple(free))
+        return _pin_arguments(self.parts, fixed, self.ends)
+
+
+def _pin_arguments(parts: Sequence[_Launcher], fixed: Sequence[Mapping[str, torch.Tensor]], tail: list) -> PinnedArguments:
+    """The parts' argument lists one after the other, then `tail`, with the tensors in `fixed`
+    (per part, by name) in place."""
+    template, slots, strides, aligned, free = [], [], [], [], []
+    for part, tensors in zip(parts, fixed):
+        offset = len(template)
+        template += part.template
+        for position, name in part.pointers:
+            tensor = tensors.get(name) if name != part.out_name else None
+            if tensor is None:
+                slots.append((offset + position, name))
+                free.append((len(aligned), name))
+                aligned.append(0)
+            else:
+                template[offset + position] = tensor
+                aligned.append(tensor.data_ptr() & 15)
+        strides += [(offset + position, part.out_name, dim) for position, dim in part.out_strides]
+    template += tail
+    return PinnedArguments(template, tuple(slots), tuple(strides), tuple(aligned), tuple(free))
 
 
 class PinnedArguments:
