@@ -20,8 +20,8 @@ What is cached, and where:
   execute.prepared            (text, options, call signature) -> a prepared call (no tensors)
   execute.prepared_batch      (texts, options, tensor structure, signatures) -> a batch launch
   runtime.batch_launch        the prepared launches of a batch -> its loaded batch kernel
-  formats.SparseFormat.spmm   per format object: B signature -> its SpMM plan (the format's
-                              own tensors only)
+  formats.SparseFormat.spmm   per format object: B signature -> its SpMM plan, with the calls
+                              pinned to views of the format's own tensors (no other tensor)
 
 Values computed once per process or per device (the triton import mode, the range-check
 kernel, a GPU's compute capability) use `functools.cache`: they are constants, not caches

@@ -6,7 +6,8 @@ its statements read B and write C through (`operand`, `output_shape`, `result`,
 `output_view`), the transposed pattern its input gradient runs on (`transposed_pattern`,
 `input_gradient`), its pruning granularity (`pruning_block`) and how far it pads rows
 (`row_padding_slots`). Nothing outside `insum.formats` needs to know which format it holds.
-`spmm` runs the statements through the public `insum()` (several as one `insum_many`).
+`spmm` runs the statements through the public `insum()` (several as one `insum_many`), and
+a repeated product through the same prepared launches pinned to the format's tensors.
 
 The packers' helpers live beside it: `coords` (coordinates and checks), `grouping` (group
 sizes, the accumulation rule, slot grouping), `tuning` (group_size="tune"), `registry`.
@@ -445,7 +446,10 @@ class _SpmmPlan:
     the output dtype and buffer, the statements with their tensors and facts. Checks passed
     when it was made; it is kept on the format object (not holding it) and run again for
     every B of that kind. Values are cast on each call (never cached: they may be updated in
-    place, as a layer's weights are).
+    place, as a layer's weights are). From the first repeat that finds its calls prepared,
+    it runs them pinned to the format's tensors (`insum.execute.Pinned`): checks of B and C
+    per call, of the format's tensors once (`SparseFormat.__setattr__` keeps them from being
+    replaced).
     """
 
     __slots__ = (
