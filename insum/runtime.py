@@ -514,7 +514,7 @@ class PinnedArguments:
     """A launch's argument list with its pinned tensors in place (`BatchLaunch.pin`): a call
     fills in the varying tensors by name, the outputs' strides, and their pointers' alignment."""
 
-    __slots__ = ("template", "slots", "strides", "outputs", "aligned", "free")
+    __slots__ = ("template", "slots", "strides", "outputs", "aligned", "free", "names", "keys")
 
     def __init__(self, template: list, slots: tuple, strides: tuple, aligned: tuple, free: tuple):
         self.template = template
@@ -523,13 +523,26 @@ class PinnedArguments:
         self.outputs = tuple({name: None for _, name, _ in strides})
         self.aligned = aligned  # every pointer's alignment (mod 16), the varying ones' 0
         self.free = free  # (index in `aligned`, name) of the varying pointers
+        self.names = tuple({name: None for _, name in free})  # the varying tensors' names
+        # The varying tensors' alignments -> every pointer's (at most 16 per varying tensor).
+        self.keys: BoundedCache[tuple, tuple] = BoundedCache(256)
 
     def __call__(self, varying: Mapping[str, torch.Tensor]) -> PinnedCall:
         return PinnedCall(self, varying)
 
+    def key(self, alignments: tuple) -> tuple:
+        """Every pointer's alignment, given the varying tensors' (in `names` order)."""
+        aligned = list(self.aligned)
+        of = dict(zip(self.names, alignments))
+        for i, name in self.free:
+            aligned[i] = of[name]
+        key = self.keys[alignments] = tuple(aligned)
+        return key
+
 
 class PinnedCall:
-    """One call of pinned arguments: what `BatchLaunch.run` takes instead of the parts' calls."""
+    """One call of pinned arguments: what `BatchLaunch.run` and `_Launcher.run` take instead
+    of the tensors by name."""
 
     __slots__ = ("pinned", "varying")
 
@@ -550,11 +563,10 @@ class PinnedCall:
 
     def alignments(self) -> tuple:
         """The pointers' alignments (mod 16), as `DirectLaunch` keys them."""
-        ptrs = {name: t.data_ptr() & 15 for name, t in self.varying.items()}
-        aligned = list(self.pinned.aligned)
-        for i, name in self.pinned.free:
-            aligned[i] = ptrs[name]
-        return tuple(aligned)
+        pinned, varying = self.pinned, self.varying
+        alignments = tuple([varying[name].data_ptr() & 15 for name in pinned.names])
+        key = pinned.keys.get(alignments)
+        return key if key is not None else pinned.key(alignments)
 
 
 _BATCHES: BoundedCache[tuple, BatchLaunch] = BoundedCache()  # (id of each part's launch, ...) -> batch
