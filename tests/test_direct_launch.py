@@ -297,3 +297,31 @@ def test_alignments_given_by_the_caller_key_the_same_compiled_kernel(mock_triton
     assert len(jit.calls) == 1 and len(compiled.calls) == 1 and given == [1]
     launch(jit, args, lambda: (3,) * len(launch.pointers))  # another alignment: the JIT again
     assert len(jit.calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the compiled kernels' own launchers")
+@pytest.mark.parametrize("name", ["GroupCOO", "ELL", "COO", "CELL"])
+def test_cuda_pinned_products_go_direct_and_match(name, monkeypatch):
+    """fmt @ B repeated runs pinned (`execute.Pinned`) through the direct launch; a B 4 bytes
+    off 16-byte alignment afterwards is still right (by whichever path its alignment takes)."""
+    from insum import execute, formats
+
+    gen = torch.Generator().manual_seed(8)
+    M, K = 200, 131
+    lengths = (K / (torch.arange(M) + 1.0) ** 0.8).long()
+    A = torch.zeros(M, K)
+    for r, n in enumerate(lengths.tolist()):
+        A[r, torch.randperm(K, generator=gen)[:n]] = torch.randn(n, generator=gen)
+    fmt = getattr(formats, name).from_dense(A.cuda())
+    runs = []
+    real = execute.Pinned.run
+    monkeypatch.setattr(execute.Pinned, "run", lambda self, varying: runs.append(1) or real(self, varying))
+    for i in range(7):
+        flat = torch.randn(K * 64 + 1, generator=gen).cuda()
+        B = (flat[1:] if i == 6 else flat[:-1]).view(K, 64)
+        torch.testing.assert_close((fmt @ B).double(), A.double().cuda() @ B.double(), rtol=2e-2, atol=2e-2)
+    assert len(runs) >= 4
+    plan = next(iter(fmt.__dict__["_spmm_plans"].values()))
+    direct = plan.pinned.launch.launch.direct if name == "CELL" else plan.pinned.launch.launcher.direct
+    assert direct.enabled and direct.compiled, "the pinned launch did not go direct"
