@@ -565,9 +565,9 @@ def pin(
     disjoint: bool = False,
 ) -> Pinned | None:
     """The calls that just ran through `insum()` (one) or `insum_many()` (several) with these
-    options, pinned to their tensors but the `varying` ones; None where they would not
-    repeat (nothing prepared, gradients, torch.compile). Checks everything the repeat
-    checks, once."""
+    options, pinned to their tensors but the `varying` ones, which must name the outputs
+    (given, allocated anew for each call); None where they would not repeat (nothing
+    prepared, gradients, torch.compile). Checks everything the repeat checks, once."""
     if torch.compiler.is_compiling():
         return None
     head = (backend, precision, autotune, check_indices)
@@ -579,11 +579,11 @@ def pin(
             launch = prepared(expr, key, tensors)
         except InsumError:
             return None
-        if launch is None:
+        if launch is None or launch.out_name not in varying:
             return None
         aligned = ((0, launch),) if launch.aligned is not None else ()
         return Pinned(launch, calls, varying, aligned)
     batch = prepared_batch(calls, (*head, disjoint))
-    if batch is None:
+    if batch is None or not varying.issuperset(batch.out_names):
         return None
     return Pinned(batch, calls, varying, batch.aligned)

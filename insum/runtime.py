@@ -50,7 +50,7 @@ from .settings import flag
 
 __all__ = [
     "Kernel", "BareLaunch", "BatchLaunch", "UnsupportedStatement", "kernel_for", "cached_kernel", "spec_for", "cache_dir",
-    "batch_launch",
+    "batch_launch", "PinnedArguments", "PinnedCall",
 ]
 
 _KERNELS: BoundedCache[KernelSpec, Kernel] = BoundedCache()
