@@ -175,3 +175,22 @@ def test_pinned_arguments_equal_the_parts_arguments():
         else:
             assert a == b, position
     assert call.alignments() == tuple(expected[i].data_ptr() & 15 for i in batch.direct.pointers)
+
+
+def test_vector_and_half_products_repeat_pinned(monkeypatch):
+    A = _skewed(8)
+    fmt = CELL.from_dense(A.half())  # half values and B: float32 accumulation, rounded once
+    gen = torch.Generator().manual_seed(10)
+    runs = _count_pinned(monkeypatch)
+    for _ in range(4):
+        B = torch.randn(13, 3, generator=gen).half()
+        torch.testing.assert_close(fmt.spmm(B, backend="triton").double(), A.half().double() @ B.double(),
+                                   rtol=1e-2, atol=1e-2)
+    assert len(runs) == 2
+    vec = GroupCOO.from_dense(A)
+    for _ in range(4):
+        v = torch.randn(13, generator=gen)
+        got = vec.spmm(v, backend="triton")
+        assert got.shape == (19,)
+        _close(got, A.double() @ v.double())
+    assert len(runs) == 4
