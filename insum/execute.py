@@ -534,7 +534,11 @@ class Pinned:
             return False
         if torch.is_grad_enabled() and (any(map(_REQUIRES_GRAD, self.fixed)) or any(map(_REQUIRES_GRAD, inputs))):
             return False
-        return tuple(map(_DATA_PTR, self.fixed)) == self.pointers
+        return not self.moved()
+
+    def moved(self) -> bool:
+        """Whether the memory under a pinned tensor moved (its views then read the old memory)."""
+        return tuple(map(_DATA_PTR, self.fixed)) != self.pointers
 
     def run(self, varying: dict[str, torch.Tensor]) -> bool:
         """Run the calls with the `varying` tensors (after `ready`); False, having run

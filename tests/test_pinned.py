@@ -121,6 +121,9 @@ def test_memory_moved_under_a_packed_tensor_takes_the_full_path(monkeypatch):
     B = torch.randn(13, 4, generator=gen)
     _close(fmt.spmm(B, backend="triton").double(), 3 * A.double() @ B.double())
     assert not runs and len(unpinned) == 1
+    for _ in range(2):  # pinned anew to the new memory, then run so
+        _close(fmt.spmm(B, backend="triton").double(), 3 * A.double() @ B.double())
+    assert len(runs) == 1 and len(unpinned) == 2
 
 
 def test_a_packed_tensor_reshaped_in_place_keeps_its_pinned_layout(monkeypatch):

@@ -540,6 +540,8 @@ class _SpmmPlan:
             self.pinned = pin(calls, varying=_VARYING, check_indices=False, disjoint=self.disjoint, **self.options)
             return self._finish(fmt, C)
         if not pinned.ready(B):
+            if pinned.moved():  # memory moved under a packed tensor: pinned anew (within the tries)
+                self.pinned = None
             return self(fmt, B)
         original = B
         if self.vector:
