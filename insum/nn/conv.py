@@ -173,7 +173,10 @@ class _SparseConv(torch.autograd.Function):
         if form == "tiles":
             out = _run_tiled(km, x, weight, tile, opts, absent)
             if bias is not None:
-                out.add_(bias)
+                # In place where it runs eagerly; a new tensor while torch.compile traces:
+                # under torch 2.11 a Function output mutated in place in forward got zero
+                # gradients for every input (2.13 is fine).
+                out = out + bias if torch.compiler.is_compiling() else out.add_(bias)
         else:
             shape, acc_dtype = (max(km.n_out, 1), cout), compute_dtype(feats.dtype)
             if bias is None:
