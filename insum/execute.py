@@ -361,14 +361,19 @@ class PreparedBatch:
     shared by the calls (a format's B and C) is looked at once.
     """
 
-    __slots__ = ("launch", "outputs", "out_names", "env", "requires_grad")
+    __slots__ = ("launch", "outputs", "out_names", "env", "requires_grad", "aligned")
 
-    def __init__(self, launch, outputs: tuple[int, ...], out_names: tuple[str, ...], requires_grad: bool):
+    def __init__(
+        self, launch, outputs: tuple[int, ...], out_names: tuple[str, ...], requires_grad: bool, aligned: tuple = ()
+    ):
         self.launch = launch
         self.outputs = outputs  # positions of the outputs among the distinct tensors
         self.out_names = out_names
         self.env = snapshot()
         self.requires_grad = requires_grad
+        # (position of the call, its Prepared) for each part whose kernel loads through
+        # tensor descriptors: they need the value tensors' alignment it was compiled for.
+        self.aligned = aligned
 
     def __call__(self, calls) -> list[torch.Tensor]:
         outs = [call[1][name] for call, name in zip(calls, self.out_names)]
@@ -417,6 +422,9 @@ def prepared_batch(calls, options: tuple) -> PreparedBatch | None:
         return None
     if batch.requires_grad and torch.is_grad_enabled():
         return None
+    for position, call in batch.aligned:
+        if call.aligned != _alignment(call.bound, calls[position][1]):
+            return None
     written = set()
     for position in batch.outputs:
         out = distinct[position]
@@ -438,7 +446,7 @@ def prepare_batch(calls, options: tuple) -> None:
     if found is None or len(calls) < 2:
         return
     key, distinct = found
-    parts, outputs, out_names = [], set(), []
+    parts, outputs, out_names, aligned = [], set(), [], []
     backend, precision, autotune, check_indices, disjoint = options
     for expr, tensors, *facts in calls:
         facts = facts[0] if facts else {}
@@ -449,6 +457,8 @@ def prepare_batch(calls, options: tuple) -> None:
             return
         parts.append(call.launcher)
         out_names.append(call.out_name)
+        if call.aligned is not None:
+            aligned.append((len(parts) - 1, call))
         outputs.add(next(i for i, t in enumerate(distinct) if t is tensors[call.out_name]))
     try:
         launch = batch_launch(parts, disjoint)
@@ -456,6 +466,6 @@ def prepare_batch(calls, options: tuple) -> None:
         return
     requires_grad = any(t.requires_grad for t in distinct)
     try:
-        _BATCHED[key] = PreparedBatch(launch, tuple(sorted(outputs)), tuple(out_names), requires_grad)
+        _BATCHED[key] = PreparedBatch(launch, tuple(sorted(outputs)), tuple(out_names), requires_grad, tuple(aligned))
     except TypeError:
         return
