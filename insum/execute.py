@@ -41,6 +41,7 @@ __all__ = [
     "Prepared",
     "call_signature",
     "prepared_batch",
+    "PreparedBatch",
     "prepare_batch",
     "check_options",
     "check_names",
