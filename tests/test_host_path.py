@@ -297,7 +297,10 @@ def test_batch_of_descriptor_kernels_repeats_only_at_their_alignment(monkeypatch
     part's tensors keep it, as a single prepared call does. The descriptor case is simulated
     by marking the prepared calls aligned (the CPU has no descriptors)."""
     from insum import execute
+    from insum.cache import BoundedCache
 
+    monkeypatch.setattr(execute, "_PREPARED", BoundedCache())  # calls prepared by other tests stay unmarked
+    monkeypatch.setattr(execute, "_BATCHED", BoundedCache())
     stmt = "C[I[p],n] += A[p]*B[p,n]"
     gen = torch.Generator().manual_seed(8)
     rows = torch.tensor([0, 2, 2, 1])
@@ -312,8 +315,7 @@ def test_batch_of_descriptor_kernels_repeats_only_at_their_alignment(monkeypatch
     for _, tensors in calls(torch.zeros(4, 3), A2):
         insum.insum(stmt, backend="triton", **tensors)  # prepares each call
     for call in execute._PREPARED.values():
-        if call.bound.stmt == insum.parse(stmt) and call.launcher is not None:
-            monkeypatch.setattr(call, "aligned", (True,) * len(call.bound.value_names))
+        call.aligned = (True,) * len(call.bound.value_names)
     options = ("triton", "tf32", None, None, False)
     insum.insum_many(calls(torch.zeros(4, 3), A2), backend="triton")  # one by one, prepares the batch
     assert execute.prepared_batch(calls(torch.zeros(4, 3), A2), options) is not None
