@@ -207,7 +207,7 @@ class _SparseConv(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             acc_dtype = compute_dtype(weight.dtype)
             total = torch.zeros(volume, cin, cout, dtype=acc_dtype, device=grad.device)
-            if km.n_in:
+            if km.n_in and km.n_out:  # (no output: the padded pairs would read row 0 of an empty grad)
                 pairs = _pair_tensors(km, None, absent, x.dtype)
                 partial = torch.empty(pairs["PI"].shape[0], cin, cout, dtype=acc_dtype, device=grad.device)
                 insum(_statement(WEIGHT_GRAD, absent), dWp=partial, X=x, dO=grad,
