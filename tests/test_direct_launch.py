@@ -209,6 +209,14 @@ def test_switch_and_hook_take_the_jit_path(mock_triton, monkeypatch):
     monkeypatch.setattr(_Knobs, "launch_enter_hook", None)
     launch(jit, args)
     assert len(compiled.calls) == 1
+    # An exit hook runs after the launch: the JIT path, never a direct launch that an
+    # exception from the hook would make the fallback repeat (adding into the output twice).
+    monkeypatch.setattr(_Knobs, "launch_exit_hook", lambda metadata: None)
+    launch(jit, args)
+    assert len(jit.calls) == 4 and len(compiled.calls) == 1
+    monkeypatch.setattr(_Knobs, "launch_exit_hook", type("HookChain", (), {"calls": []})())  # empty: direct
+    launch(jit, args)
+    assert len(compiled.calls) == 2
 
 
 def test_never_direct_in_the_interpreter():
