@@ -52,7 +52,9 @@ class BoundedCache(dict[_K, _V]):
 
     def __setitem__(self, key: _K, value: _V) -> None:
         if key not in self and len(self) >= self.limit:
-            del self[next(iter(self))]
+            # pop, not del: autograd runs backward calls on other threads, and two threads
+            # evicting at once may pick the same oldest key.
+            self.pop(next(iter(self), None), None)
         super().__setitem__(key, value)
 
 

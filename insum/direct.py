@@ -13,8 +13,8 @@ tile configuration. So after the JIT has run once for a (device, pointer alignme
 where every_parameter is the kernel's Python signature in order, constexprs included
 (Triton 3.6 to 3.9 launch so). What the JIT would specialise on beyond the signature is
 each pointer's 16-byte alignment, so that is the key, with the current device; the stream
-is read the way the JIT reads it. A launch-enter hook (a profiler) takes the JIT path, as
-do the interpreter and INSUM_DIRECT_LAUNCH=0. Any exception on the direct path switches it
+is read the way the JIT reads it. A launch hook (a profiler) takes the JIT path, as do the
+interpreter and INSUM_DIRECT_LAUNCH=0. Any exception on the direct path switches it
 off for good for that launch and falls back to the JIT.
 """
 
@@ -43,6 +43,12 @@ def _triton_runtime():
         _TRITON.extend((triton.runtime.driver, triton.knobs.runtime))
     driver, knobs = _TRITON
     return driver.active, knobs
+
+
+def _has_calls(hook) -> bool:
+    """Whether a launch hook would run anything (Triton 3.6 to 3.9 keep an empty HookChain
+    when none is set; a plain callable always runs)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class DirectLaunch:
@@ -88,8 +94,11 @@ class DirectLaunch:
         else:
             key = (device, *alignments())
         compiled = self.compiled.get(key)
-        enter = knobs.launch_enter_hook
-        hooked = enter is not None and getattr(enter, "calls", True)  # (3.9: an empty HookChain)
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+        # A hook takes the JIT path: an enter hook wants the launch metadata the JIT builds,
+        # and an exit hook runs after the launch, where an exception must not make the
+        # fallback below launch (and add into the output) a second time.
+        hooked = _has_calls(enter) or _has_calls(leave)
         if compiled is None or hooked:
             kernel = jit_fn[self.grid](*args, **self.config)
             if compiled is None and kernel is not None:
@@ -103,8 +112,8 @@ class DirectLaunch:
             return
         run, function, metadata = compiled
         try:
-            run(*self.grid3, driver.get_current_stream(device), function, metadata, None, enter,
-                knobs.launch_exit_hook, *args, *self.constexprs)
+            run(*self.grid3, driver.get_current_stream(device), function, metadata, None, enter, leave,
+                *args, *self.constexprs)
         except Exception:
             self.enabled = False  # for good: no retry cost on later calls
             jit_fn[self.grid](*args, **self.config)

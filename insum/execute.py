@@ -42,6 +42,7 @@ __all__ = [
     "Prepared",
     "call_signature",
     "prepared_batch",
+    "PreparedBatch",
     "prepare_batch",
     "pin",
     "Pinned",
@@ -374,14 +375,9 @@ class PreparedBatch:
         self.out_names = out_names
         self.env = snapshot()
         self.requires_grad = requires_grad
-        self.aligned = aligned  # (part, its Prepared) where the part's kernel depends on alignment
-
-    def misaligned(self, calls) -> bool:
-        """Whether a part's value tensors are aligned otherwise than when it was prepared."""
-        for i, call in self.aligned:
-            if call.aligned != _alignment(call.bound, calls[i][1]):
-                return True
-        return False
+        # (position of the call, its Prepared) for each part whose kernel loads through
+        # tensor descriptors: they need the value tensors' alignment it was compiled for.
+        self.aligned = aligned
 
     def __call__(self, calls) -> list[torch.Tensor]:
         outs = [call[1][name] for call, name in zip(calls, self.out_names)]
@@ -430,6 +426,9 @@ def prepared_batch(calls, options: tuple) -> PreparedBatch | None:
         return None
     if batch.requires_grad and torch.is_grad_enabled():
         return None
+    for position, call in batch.aligned:
+        if call.aligned != _alignment(call.bound, calls[position][1]):
+            return None
     written = set()
     for position in batch.outputs:
         out = distinct[position]
@@ -438,8 +437,6 @@ def prepared_batch(calls, options: tuple) -> PreparedBatch | None:
     for position, t in enumerate(distinct):
         if position not in batch.outputs and t.numel() and t.untyped_storage().data_ptr() in written:
             return None
-    if batch.aligned and batch.misaligned(calls):
-        return None
     return batch
 
 
@@ -462,10 +459,10 @@ def prepare_batch(calls, options: tuple) -> None:
         call = _PREPARED.get((expr, one, call_signature(tensors)))
         if call is None or call.launcher is None or call.device_check or call.out_name not in tensors:
             return
-        if call.aligned is not None:
-            aligned.append((len(parts), call))
         parts.append(call.launcher)
         out_names.append(call.out_name)
+        if call.aligned is not None:
+            aligned.append((len(parts) - 1, call))
         outputs.add(next(i for i, t in enumerate(distinct) if t is tensors[call.out_name]))
     try:
         launch = batch_launch(parts, disjoint)

@@ -378,11 +378,13 @@ class _Launcher:
         self.descriptors = bool(plan.boxes)
 
     def set_config(self, config: dict) -> None:
-        self.config = config
-        self.grid = self.grid_fn(config)
+        grid = self.grid_fn(config)
         allowed = self.device.type == "cuda" and not _interpreting()
-        self.direct = DirectLaunch(_python_fn(self.kernel.fn), self.grid, config, len(self.template),
+        self.direct = DirectLaunch(_python_fn(self.kernel.fn), grid, config, len(self.template),
                                    tuple(position for position, _ in self.pointers), allowed)
+        self.grid = grid
+        # Last: another thread (autograd's backward) that sees a configuration finds its launch.
+        self.config = config
 
     def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
         """Launch on `tensors` (of this launch's signature; or a `PinnedCall` of this launch,

@@ -230,6 +230,12 @@ def test_empty_input_and_one_point(absent):
         torch.testing.assert_close(y, up.bias.detach()[None])
         y.sum().backward()
         assert up.weight.grad.abs().max() == 0 and x.grad.shape == (0, 3)
+        # From one site onto no sites: an empty output, and zero gradients.
+        x = torch.randn(1, 3, dtype=torch.float64, requires_grad=True)
+        y, _ = up(x, one, torch.zeros(0, 4, dtype=torch.long))
+        assert y.shape == (0, 4)
+        y.sum().backward()
+        assert up.weight.grad.abs().max() == 0 and x.grad.abs().max() == 0
 
 
 def test_auto_form_picks_by_real_pairs(monkeypatch):

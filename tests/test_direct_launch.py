@@ -209,6 +209,30 @@ def test_switch_and_hook_take_the_jit_path(mock_triton, monkeypatch):
     monkeypatch.setattr(_Knobs, "launch_enter_hook", None)
     launch(jit, args)
     assert len(compiled.calls) == 1
+    # An exit hook runs after the launch: the JIT path, never a direct launch that an
+    # exception from the hook would make the fallback repeat (adding into the output twice).
+    monkeypatch.setattr(_Knobs, "launch_exit_hook", lambda metadata: None)
+    launch(jit, args)
+    assert len(jit.calls) == 4 and len(compiled.calls) == 1
+    monkeypatch.setattr(_Knobs, "launch_exit_hook", type("HookChain", (), {"calls": []})())  # empty: direct
+    launch(jit, args)
+    assert len(compiled.calls) == 2
+
+
+def test_a_configuration_is_published_after_its_launch(monkeypatch):
+    """Another thread (autograd runs backward on its own) that sees a launcher's
+    configuration must find its grid and direct launch already there."""
+    from insum import runtime
+
+    expr, tensors, options = CASES["dense"]()
+    bound = bind(parse(expr), tensors)
+    kernel = Kernel(spec_for(bound, **options))
+    launcher = _Launcher(kernel, bound)
+    seen = []
+    monkeypatch.setattr(runtime, "DirectLaunch", lambda *a: seen.append(launcher.config) or DirectLaunch(*a))
+    config = configs_for(kernel.plan)[-1]
+    launcher.set_config(config)
+    assert seen == [None] and launcher.config is config and launcher.direct.grid == launcher.grid
 
 
 def test_never_direct_in_the_interpreter():

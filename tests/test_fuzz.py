@@ -303,11 +303,10 @@ def test_fuzz_torch(seed):
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-    reason="needs CUDA or TRITON_INTERPRET=1",
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="CPU tensors: the generated kernel needs TRITON_INTERPRET=1",
 )
 @pytest.mark.parametrize("seed", TRITON_SEEDS)
 def test_fuzz_triton(seed):
-    # float64 on the interpreter (exact), float32 on a GPU (tl.dot in ieee would be needed
-    # for tight float32; float64 runs the reduce plans there too).
+    # float64 in the interpreter: exact, so the tolerance stays tight.
     _check(seed, "triton", torch.float64, 1e-9)

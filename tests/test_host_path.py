@@ -289,3 +289,37 @@ def test_repeat_with_declared_lengths(monkeypatch):
     assert not calls
     insum.insum(stmt, backend="triton", lengths={"q[m]": AL.int()}, **tensors)  # another length dtype
     assert calls == [1]
+
+
+def test_batch_of_descriptor_kernels_repeats_only_at_their_alignment(monkeypatch):
+    """A kernel that loads through tensor descriptors (a Hopper GPU) was compiled for its value
+    tensors' 16-byte alignment: a batch of such parts repeats as one launch only while every
+    part's tensors keep it, as a single prepared call does. The descriptor case is simulated
+    by marking the prepared calls aligned (the CPU has no descriptors)."""
+    from insum import execute
+    from insum.cache import BoundedCache
+
+    monkeypatch.setattr(execute, "_PREPARED", BoundedCache())  # calls prepared by other tests stay unmarked
+    monkeypatch.setattr(execute, "_BATCHED", BoundedCache())
+    stmt = "C[I[p],n] += A[p]*B[p,n]"
+    gen = torch.Generator().manual_seed(8)
+    rows = torch.tensor([0, 2, 2, 1])
+    A1, B = torch.randn(4, generator=gen), torch.randn(4, 3, generator=gen)
+    shifted = torch.randn(5, generator=gen)[1:]  # same signature, 4 bytes past an aligned start
+    assert shifted.data_ptr() % 16 != 0
+
+    def calls(C, A2):
+        return [(stmt, dict(C=C, I=rows, A=A1, B=B)), (stmt, dict(C=C, I=rows, A=A2, B=B))]
+
+    A2 = torch.randn(4, generator=gen)
+    for _, tensors in calls(torch.zeros(4, 3), A2):
+        insum.insum(stmt, backend="triton", **tensors)  # prepares each call
+    for call in execute._PREPARED.values():
+        call.aligned = (True,) * len(call.bound.value_names)
+    options = ("triton", "tf32", None, None, False)
+    insum.insum_many(calls(torch.zeros(4, 3), A2), backend="triton")  # one by one, prepares the batch
+    assert execute.prepared_batch(calls(torch.zeros(4, 3), A2), options) is not None
+    assert execute.prepared_batch(calls(torch.zeros(4, 3), shifted), options) is None
+    C = torch.zeros(4, 3)
+    insum.insum_many(calls(C, shifted), backend="triton")
+    torch.testing.assert_close(C, torch.zeros(4, 3).index_add_(0, rows, (A1 + shifted).unsqueeze(1) * B))

@@ -173,7 +173,10 @@ class _SparseConv(torch.autograd.Function):
         if form == "tiles":
             out = _run_tiled(km, x, weight, tile, opts, absent)
             if bias is not None:
-                out.add_(bias)
+                # In place where it runs eagerly; a new tensor while torch.compile traces:
+                # under torch 2.11 a Function output mutated in place in forward got zero
+                # gradients for every input (2.13 is fine).
+                out = out + bias if torch.compiler.is_compiling() else out.add_(bias)
         else:
             shape, acc_dtype = (max(km.n_out, 1), cout), compute_dtype(feats.dtype)
             if bias is None:
@@ -204,7 +207,7 @@ class _SparseConv(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             acc_dtype = compute_dtype(weight.dtype)
             total = torch.zeros(volume, cin, cout, dtype=acc_dtype, device=grad.device)
-            if km.n_in:
+            if km.n_in and km.n_out:  # (no output: the padded pairs would read row 0 of an empty grad)
                 pairs = _pair_tensors(km, None, absent, x.dtype)
                 partial = torch.empty(pairs["PI"].shape[0], cin, cout, dtype=acc_dtype, device=grad.device)
                 insum(_statement(WEIGHT_GRAD, absent), dWp=partial, X=x, dO=grad,
