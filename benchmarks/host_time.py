@@ -6,7 +6,9 @@ On the CPU (run it with TRITON_INTERPRET=1) the kernel launch itself is stubbed:
 cached kernel's JIT function is replaced by a no-op (and so is the compiled kernel that a
 direct launch calls), so what is measured is insum's own work per call, the part that a
 GPU host pays on top of Triton's launch. "stub launch" is the stubbed launch alone, as
-insum prepared it. The formats run through `fmt.spmm(B, backend="triton")` there, since
+insum prepared it. "SparseLinear forward" is a GroupCOO layer's forward (grad enabled, its
+parameters require grad) on a batch of N, "forward+backward" adds its backward (the transposed
+pattern's input gradient and the values' derived gradient, accumulated into .grad). The formats run through `fmt.spmm(B, backend="triton")` there, since
 `fmt @ B` takes the torch lowering on the CPU.
 
 On CUDA nothing is stubbed: beside the same rows it times the bare JIT launch of the
@@ -38,6 +40,7 @@ import insum
 from insum import runtime
 from insum.bind import bind
 from insum.formats import CELL, COO, ELL, GroupCOO
+from insum.nn import SparseLinear
 from insum.parser import parse
 
 __all__ = ["cases", "measure", "main"]
@@ -80,6 +83,10 @@ def cases(device: torch.device) -> dict[str, Callable[[], object]]:
             rows[f"{name} @ B"] = lambda f=fmt: f @ B
         else:
             rows[f"{name}.spmm(B)"] = lambda f=fmt: f.spmm(B, backend="triton")
+    layer = SparseLinear.from_format(group, torch.zeros(M, device=device), backend=backend)
+    x, dy = torch.randn(N, K, generator=gen).to(device), torch.randn(N, M, generator=gen).to(device)
+    rows["SparseLinear forward"] = lambda: layer(x)
+    rows["SparseLinear forward+backward"] = lambda: layer(x).backward(dy)
     # The launch insum() prepared for the first row, alone (built when first called, so
     # that on the CPU it picks up the stub).
     rows["bare JIT launch" if cuda else "stub launch"] = _bare_launch(GROUPCOO, tensors)
