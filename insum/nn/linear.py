@@ -27,7 +27,14 @@ from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..errors import InsumError, InsumShapeError
 from ..formats.auto import packer, pruning_block
 from ..formats.base import SparseFormat, format_class
-from .sparse_autograd import apply_sparse_linear, format_meta, gradient_statements, rebuild_format
+from .sparse_autograd import (
+    apply_linear,
+    apply_sparse_linear,
+    format_meta,
+    gradient_statements,
+    linear_info,
+    rebuild_format,
+)
 
 __all__ = ["SparseLinear", "sparse_linear", "magnitude_prune"]
 
@@ -143,6 +150,14 @@ class SparseLinear(nn.Module):
     A state_dict carries the format, its parameters and every tensor, so it loads into
     any SparseLinear of the same in/out features: tensors whose shapes differ (another
     pattern) are replaced, so build the optimizer after loading.
+
+    Outside torch.compile the layer keeps its format object (`weight`) and what its autograd
+    Function is handed, from one forward to the next, so that a repeated product runs pinned
+    to the format's tensors (`SparseFormat.spmm`) in the forward and the backward. Values
+    updated in place (an optimizer's step) are read by the next call; assigning any
+    attribute (a parameter or buffer replaced, `load_state_dict`, `backend = ...`) or
+    `.to()` / `.half()` / `.cuda()` drops what is kept. Replacing a tensor's `.data` by hand
+    with one of another dtype, shape or device is not seen: assign a new Parameter instead.
     """
 
     def __init__(
@@ -247,21 +262,73 @@ class SparseLinear(nn.Module):
 
     def _make_plan(self) -> None:
         """(Re)build the transposed pattern from the current index tensors."""
+        self._drop_kept()
         for name in getattr(self, "_pattern_names", ()):
             delattr(self, "grad_" + name)
-        pattern = self.weight.transposed_pattern() or {}
+        fmt = self._current_format()
+        pattern = fmt.transposed_pattern() or {}
         for name, tensor in pattern.items():
             self.register_buffer("grad_" + name, tensor, persistent=False)
         self._pattern_names = tuple(pattern)
-        self._gradients = gradient_statements(self.weight)
+        self._gradients = gradient_statements(fmt)
+        self._drop_kept()
+
+    # ------------------------------------------------------------------ the kept call
+
+    def _drop_kept(self) -> None:
+        """Forget the kept format object and call (`_kept_call`)."""
+        self.__dict__.pop("_kept", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._drop_kept()  # (register_parameter / register_buffer callers drop it themselves)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._drop_kept()
+        super().__delattr__(name)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .half() / .cuda() swap the tensors' data under the same Parameter objects.
+        self._drop_kept()
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._drop_kept()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_kept", None)  # (a copy or pickle builds its own)
+        return state
+
+    def _kept_call(self) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+        """(the autograd Function's info, its tensors) for the current tensors: built once and
+        kept outside torch.compile, so that the format object, and with it its pinned plans,
+        lives from one forward to the next; built anew for every trace."""
+        kept = None if torch.compiler.is_compiling() else self.__dict__.get("_kept")
+        if kept is not None:
+            return kept
+        fmt = self._current_format()
+        names = self._pattern_names if self.transposed_backward else ()
+        pattern = {name: getattr(self, "grad_" + name) for name in names}
+        info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision)
+        kept = (info, (*fmt._tensors.values(), *pattern.values()))
+        if not torch.compiler.is_compiling():
+            self.__dict__["_kept"] = kept  # (not through __setattr__, which drops it)
+        return kept
+
+    def _current_format(self) -> SparseFormat:
+        tensors = {name: getattr(self, name) for name in self._tensor_names}
+        return rebuild_format(self._format_cls, (self.out_features, self.in_features), self._format_meta, tensors)
 
     # ------------------------------------------------------------------ use
 
     @property
     def weight(self) -> SparseFormat:
-        """The weight as a format object over this layer's current tensors (not a copy)."""
-        tensors = {name: getattr(self, name) for name in self._tensor_names}
-        return rebuild_format(self._format_cls, (self.out_features, self.in_features), self._format_meta, tensors)
+        """The weight as a format object over this layer's current tensors (not a copy): the
+        one the forward runs on, kept across calls outside torch.compile."""
+        if torch.compiler.is_compiling():
+            return self._current_format()
+        return self._kept_call()[0][-1]
 
     @property
     def format(self) -> str:
@@ -273,10 +340,8 @@ class SparseLinear(nn.Module):
                 f"SparseLinear: x has {x.shape[-1]} features (shape {tuple(x.shape)}) but the "
                 f"layer has {self.in_features} in_features"
             )
-        names = self._pattern_names if self.transposed_backward else ()
-        pattern = {name: getattr(self, "grad_" + name) for name in names}
-        x2 = x.reshape(-1, self.in_features)
-        y = apply_sparse_linear(x2, self.weight, self._format_meta, pattern, self._gradients, self.backend, self.precision)
+        info, tensors = self._kept_call()
+        y = apply_linear(info, x.reshape(-1, self.in_features), tensors)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -329,6 +394,7 @@ class SparseLinear(nn.Module):
         )
         if not error_msgs:
             self._make_plan()  # the loaded indices: a new transposed pattern
+        self._drop_kept()
 
     def _adopt(self, state: dict[str, Any], state_dict, prefix: str) -> None:
         """Take the saved format and tensor shapes; the values are copied in afterwards."""

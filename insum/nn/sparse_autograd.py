@@ -20,7 +20,15 @@ from ..autograd import derive
 from ..dtypes import compute_dtype
 from ..formats.base import FORMATS, SparseFormat
 
-__all__ = ["Gradients", "apply_sparse_linear", "format_meta", "gradient_statements", "rebuild_format"]
+__all__ = [
+    "Gradients",
+    "apply_linear",
+    "apply_sparse_linear",
+    "format_meta",
+    "gradient_statements",
+    "linear_info",
+    "rebuild_format",
+]
 
 
 #: Per statement of a format: (dC's name, dB's name, tensor -> its gradient statements and
@@ -60,17 +68,17 @@ class _SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, info, x2, *tensors):
-        fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision = info
-        fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
+        fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision, kept = info
+        fmt = kept if kept is not None else rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
         ctx.info = info
         ctx.save_for_backward(x2, *tensors)
         return fmt.spmm(x2.t(), backend=backend, precision=precision).t()
 
     @staticmethod
     def backward(ctx, dy):
-        fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision = ctx.info
+        fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision, kept = ctx.info
         x2, *tensors = ctx.saved_tensors
-        fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
+        fmt = kept if kept is not None else rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
         pattern = dict(zip(pattern_names, tensors[len(names) :]))
         needs = ctx.needs_input_grad
         dtype = torch.promote_types(fmt.dtype, dy.dtype)
@@ -141,10 +149,24 @@ def rebuild_format(fmt_cls, shape, meta, tensors) -> SparseFormat:
     return fmt
 
 
+def linear_info(fmt: SparseFormat, meta, pattern, gradients: Gradients, backend: str, precision: str) -> tuple:
+    """What `_SparseLinearFunction` needs besides the tensors. Outside torch.compile it
+    carries `fmt` itself, which the forward and backward then run on (so that a repeated
+    product reaches its pinned plans, `SparseFormat.spmm`); traced, each rebuilds the format
+    object around the traced tensors."""
+    kept = None if torch.compiler.is_compiling() else fmt
+    return (type(fmt), fmt.shape, meta, tuple(fmt._tensors), tuple(pattern), gradients, backend, precision, kept)
+
+
+def apply_linear(info: tuple, x2: torch.Tensor, tensors: tuple) -> torch.Tensor:
+    """x2 (batch, in) @ W^T for `info` (`linear_info`) and the tensors it names (the
+    format's, then the transposed pattern's), through the one autograd path."""
+    return _SparseLinearFunction.apply(info, x2, *tensors)
+
+
 def apply_sparse_linear(x2, fmt, meta, pattern, gradients: Gradients, backend: str, precision: str) -> torch.Tensor:
     """x2 (batch, in) @ W^T through the one autograd path."""
-    tensors = fmt.tensors
-    info = (type(fmt), fmt.shape, meta, tuple(tensors), tuple(pattern), gradients, backend, precision)
-    return _SparseLinearFunction.apply(info, x2, *tensors.values(), *pattern.values())
+    info = linear_info(fmt, meta, pattern, gradients, backend, precision)
+    return apply_linear(info, x2, (*fmt._tensors.values(), *pattern.values()))
 
 
