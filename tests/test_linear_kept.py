@@ -1,0 +1,134 @@
+"""SparseLinear keeps its format object across forwards (outside torch.compile), so that a
+repeated forward runs its product pinned (`insum.execute.Pinned`); values updated in place
+are read by the next call, and a replaced tensor, `load_state_dict` or `.double()` drops
+what is kept. Each test compares with a float64 dense product; the kernels run in the
+interpreter at small sizes."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from insum.nn import SparseLinear  # noqa: E402
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(CUDA, reason="CPU tensors in the interpreter"),
+]
+
+
+def _layer(seed: int = 0, fmt: str = "GroupCOO") -> SparseLinear:
+    torch.manual_seed(seed)
+    return SparseLinear(13, 7, format=fmt, sparsity=0.5, backend="triton", precision="ieee")
+
+
+def _reference(layer: SparseLinear, x: torch.Tensor) -> torch.Tensor:
+    W = layer.weight.to_dense().double()
+    return x.double() @ W.t() + layer.bias.double()
+
+
+def _pinned(layer: SparseLinear) -> bool:
+    plans = layer.weight.__dict__.get("_spmm_plans")
+    return plans is not None and any(plan.pinned is not None for plan in plans.values())
+
+
+def _x(seed: int, rows: int = 5) -> torch.Tensor:
+    return torch.randn(rows, 13, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fmt", ["GroupCOO", "ELL"])
+def test_repeated_forward_is_pinned_and_reads_in_place_updates(fmt):
+    layer = _layer(fmt=fmt)
+    weight = layer.weight
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for step in range(4):
+        x = _x(step)
+        y = layer(x)
+        torch.testing.assert_close(y.double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
+        optimizer.zero_grad()
+        y.square().sum().backward()
+        optimizer.step()  # values changed in place: read by the next forward
+    assert layer.weight is weight and _pinned(layer)
+    with torch.no_grad():
+        x = _x(9)
+        torch.testing.assert_close(layer(x).double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_repeated_backward_matches_the_dense_gradients():
+    layer = _layer(1)
+    for seed in range(3):
+        x = _x(seed).requires_grad_(True)
+        layer.zero_grad()
+        layer(x).square().sum().backward()
+        W = layer.weight.to_dense().detach().double().requires_grad_(True)
+        xd = x.detach().double().requires_grad_(True)
+        (xd @ W.t() + layer.bias.double()).square().sum().backward()
+        torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+        # The values' gradient as a dense matrix: dW at the stored positions.
+        dense_grad = torch.zeros(7, 13, dtype=torch.float64)
+        AV = layer.AV.grad.double().reshape(-1)
+        rows = layer.weight._slot_rows()[0].reshape(-1).long()
+        dense_grad.index_put_((rows, layer.AK.reshape(-1).long()), AV, accumulate=True)
+        mask = layer.weight.to_dense() != 0
+        torch.testing.assert_close(dense_grad[mask], W.grad[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_replaced_parameter_drops_the_kept_format():
+    layer = _layer()
+    for _ in range(3):
+        layer(_x(0))
+    weight = layer.weight
+    layer.AV = nn.Parameter(torch.randn(layer.AV.shape))
+    assert layer.weight is not weight and layer.weight.AV is layer.AV
+    x = _x(1)
+    torch.testing.assert_close(layer(x).double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_load_state_dict_with_assign_drops_the_kept_format():
+    layer, twin = _layer(), _layer()  # same seed: same pattern
+    with torch.no_grad():
+        twin.AV.mul_(-3)
+    for _ in range(3):
+        layer(_x(0))
+    weight = layer.weight
+    layer.load_state_dict(twin.state_dict(), assign=True)
+    assert layer.weight is not weight and layer.weight.AV is layer.AV
+    x = _x(2)
+    torch.testing.assert_close(layer(x), twin(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x).double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_module_conversion_drops_the_kept_format():
+    layer = _layer()
+    for _ in range(3):
+        layer(_x(0))
+    AV = layer.AV
+    layer.double()  # the same Parameter object, its data swapped
+    assert layer.AV is AV and layer.weight.dtype == torch.float64 and layer.weight.AV.dtype == torch.float64
+    x = _x(3).double()
+    y = layer(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, _reference(layer, x), rtol=1e-9, atol=1e-9)
+    layer.to("cpu")
+    torch.testing.assert_close(layer(x), _reference(layer, x), rtol=1e-9, atol=1e-9)
+
+
+def test_a_deep_copy_keeps_its_own_format():
+    layer = _layer()
+    for _ in range(3):
+        layer(_x(0))
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        layer.AV.mul_(2)
+    assert twin.weight.AV is twin.AV
+    x = _x(4)
+    torch.testing.assert_close(twin(x).double(), _reference(twin, x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x).double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
