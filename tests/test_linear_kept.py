@@ -129,3 +129,16 @@ def test_a_deep_copy_keeps_its_own_format():
     x = _x(4)
     torch.testing.assert_close(twin(x).double(), _reference(twin, x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x).double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+def test_functional_call_runs_on_the_tensors_it_swaps_in():
+    layer = _layer()
+    x = _x(5)
+    for _ in range(3):
+        before = layer(x)
+    doubled = {name: p * 2 if name == "AV" else p for name, p in layer.named_parameters()}
+    y = torch.func.functional_call(layer, doubled, (x,))  # swaps the module's dicts' entries
+    W = layer.weight.to_dense().detach().double()
+    torch.testing.assert_close(y.double(), x.double() @ (2 * W).t() + layer.bias.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x), before)  # the layer's own tensors again
+    assert layer.weight.AV is layer.AV

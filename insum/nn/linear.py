@@ -306,15 +306,21 @@ class SparseLinear(nn.Module):
         lives from one forward to the next; built anew for every trace."""
         kept = None if torch.compiler.is_compiling() else self.__dict__.get("_kept")
         if kept is not None:
-            return kept
+            info, tensors, held = kept
+            # A tensor swapped in the module's dicts (torch.func.functional_call): built anew.
+            if all(where.get(name) is t for where, name, t in held):
+                return info, tensors
         fmt = self._current_format()
         names = self._pattern_names if self.transposed_backward else ()
         pattern = {name: getattr(self, "grad_" + name) for name in names}
         info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision)
-        kept = (info, (*fmt._tensors.values(), *pattern.values()))
+        tensors = (*fmt._tensors.values(), *pattern.values())
         if not torch.compiler.is_compiling():
-            self.__dict__["_kept"] = kept  # (not through __setattr__, which drops it)
-        return kept
+            held = []
+            for name, t in (*fmt._tensors.items(), *(("grad_" + n, t) for n, t in pattern.items())):
+                held.append((self._parameters if name in self._parameters else self._buffers, name, t))
+            self.__dict__["_kept"] = (info, tensors, tuple(held))  # (not through __setattr__, which drops it)
+        return info, tensors
 
     def _current_format(self) -> SparseFormat:
         tensors = {name: getattr(self, name) for name in self._tensor_names}
