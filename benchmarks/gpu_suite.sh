@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
 #   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop, kernel-map builds
 #   bash benchmarks/gpu_suite.sh layers                 # layer_overhead: ops/bytes per layer call, a profile of the conv layer
+#   bash benchmarks/gpu_suite.sh schedule               # ownership, ranked tilings, declared lengths: A/B against the conventional plans
 #   bash benchmarks/gpu_suite.sh tp                     # tensor products vs e3nn, cuEquivariance, OEQ
 #   bash benchmarks/gpu_suite.sh distributed            # 2 GPUs (nvidia-h200-x2): NCCL tests, study_distributed
 # conv installs the spconv-triton wheel from .carry-conv-whl/ when carried; tp unpacks
@@ -54,6 +55,9 @@ case "$PART" in
     ;;
   layers)
     timeout 560 python -m benchmarks.layer_overhead --profile --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/layer_overhead.log"
+    ;;
+  schedule)
+    timeout 560 python -m benchmarks.explore.schedule --out "$DIR/schedule_ab.json" "$@" 2>&1 | quiet | tee "$DIR/schedule_ab.log"
     ;;
   tp)
     [ -f .carry-tp-whl1/cue_all.tar.xz ] && tar xJf .carry-tp-whl1/cue_all.tar.xz -C /tmp/site
