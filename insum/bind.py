@@ -21,7 +21,7 @@ from .dtypes import INDEX_DTYPES, VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .ir import Access, Role, Statement
 
-__all__ = ["Bound", "bind", "check_aliasing"]
+__all__ = ["Bound", "bind", "tensor_signature", "PLAIN_TENSORS", "check_aliasing"]
 
 
 @dataclass(frozen=True)
@@ -123,16 +123,18 @@ def _analyse(stmt: Statement) -> _Analysis:
 _BOUND: BoundedCache[tuple, Bound] = BoundedCache()  # (statement, signature) -> a checked binding
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: The tensor types whose signature is cached; anything else (fake and functional tensors
+#: while tracing, subclasses, non-tensors) takes the uncached path.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _signature(tensors: Mapping[str, object]) -> tuple | None:
+def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:
     """What a binding depends on: names, dtypes, shapes, strides, devices.
 
     None (not cached) for anything but plain tensors: fake and functional tensors seen while
     tracing, non-tensors (which `_bind` rejects).
     """
-    if any(type(t) not in _PLAIN for t in tensors.values()):
+    if any(type(t) not in PLAIN_TENSORS for t in tensors.values()):
         return None
     return tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
 
@@ -144,7 +146,7 @@ def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
     repeated signature reuses the checked binding and only re-checks output aliasing. The
     cache keeps the binding without its tensors, so it never holds user memory alive.
     """
-    signature = _signature(tensors)
+    signature = tensor_signature(tensors)
     if signature is not None:
         known = _BOUND.get((stmt, signature))
         if known is not None:

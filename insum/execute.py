@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from .bind import Bound, check_aliasing
+from .bind import PLAIN_TENSORS, Bound, check_aliasing, tensor_signature
 from .bounds import check_indices as _check_indices
 from .cache import BoundedCache, memoize
 from .dtypes import INDEX_DTYPES
@@ -208,16 +208,13 @@ def run(
     return kernel.launch(bound, out, autotune=autotune)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 def call_signature(tensors: dict) -> tuple | None:
     """What a repeated call must share with the prepared one: per tensor its name, dtype,
     shape, strides, device and requires_grad (None for anything but plain tensors: fake and
     functional tensors while tracing, non-tensors, which the full path reports)."""
     signature = []
     for name, t in tensors.items():
-        if type(t) not in _PLAIN:
+        if type(t) not in PLAIN_TENSORS:
             return None
         signature.append((name, t.dtype, t.shape, t.stride(), t.device, t.requires_grad))
     return tuple(signature)
@@ -272,14 +269,7 @@ _PREPARED: BoundedCache[tuple, Prepared] = BoundedCache()  # (text, options, cal
 def _lengths_signature(lengths: Mapping | None) -> tuple | None:
     """The declared lengths' part of a call signature: () for none, None for anything but
     plain tensors (the full path reports it)."""
-    if not lengths:
-        return ()
-    signature = []
-    for key, t in lengths.items():
-        if type(t) not in _PLAIN:
-            return None
-        signature.append((key, t.dtype, t.shape, t.stride(), t.device))
-    return tuple(signature)
+    return tensor_signature(lengths) if lengths else ()
 
 
 def prepared(expr: str, options: tuple, tensors: dict, lengths: Mapping | None = None) -> Prepared | None:
@@ -399,7 +389,7 @@ def _batch_key(calls, options: tuple) -> tuple[tuple, list] | None:
         for t in tensors.values():
             position = seen.get(id(t))
             if position is None:
-                if type(t) not in _PLAIN:
+                if type(t) not in PLAIN_TENSORS:
                     return None
                 position = seen[id(t)] = len(distinct)
                 distinct.append(t)

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..api import insum, insum_many
+from ..bind import PLAIN_TENSORS
 from ..cache import BoundedCache
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import Pinned, pin
@@ -288,7 +289,7 @@ class SparseFormat:
         half-precision results are accumulated in float32 and rounded once.
         """
         key = None
-        if type(B) in _PLAIN and B.layout == torch.strided and not torch.compiler.is_compiling():
+        if type(B) in PLAIN_TENSORS and B.layout == torch.strided and not torch.compiler.is_compiling():
             # A repeated product (same format, same kind of B) skips the checks and decisions.
             key = (B.dtype, B.shape, B.stride(), B.device, backend, precision)
             plans = self.__dict__.get("_spmm_plans")
@@ -435,7 +436,6 @@ class SparseFormat:
         return frozenset(name for name in self.unique_indices if name in tensors)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLANS_PER_FORMAT = 16  # B signatures remembered per format object
 _VARYING = frozenset({"B", "C"})  # the tensors of a format's calls that change from call to call
 _PIN_TRIES = 2  # repeats of a plan that try to pin its calls (each runs them through insum first)
