@@ -1,7 +1,7 @@
 """The generated Triton kernels against the torch reference lowering.
 
 On a CPU-only machine the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by
-`make test` and below); on a CUDA machine the same tests run compiled, in fp32, fp16 and bf16.
+`make test` and by kernel_env.py); on a CUDA machine the same tests run compiled, in fp32, fp16 and bf16.
 """
 
 from __future__ import annotations
@@ -12,23 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_env import (  # before insum: the interpreter on CPU-only machines
+    CUDA,
+    DEVICE,
+    KERNEL_MARK,
+)
+from statements import CASES, build, case, clone, strided, tolerance
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-# Hundreds of small statements: compile one configuration each (one test below tunes).
-os.environ.setdefault("INSUM_AUTOTUNE", "0")
+import insum
+from insum.bind import bind
+from insum.codegen import emit, schedule
+from insum.parser import parse
+from insum.runtime import Kernel, kernel_for, spec_for
 
-from statements import CASES, build, case, clone, strided, tolerance  # noqa: E402
-
-import insum  # noqa: E402
-from insum.bind import bind  # noqa: E402
-from insum.codegen import emit, schedule  # noqa: E402
-from insum.parser import parse  # noqa: E402
-from insum.runtime import Kernel, kernel_for, spec_for  # noqa: E402
-
-pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = KERNEL_MARK
 # The interpreter has no bf16 and its fp16 atomics fail: half precision is tested on the GPU.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32]
 GOLDEN = Path(__file__).parent / "golden"

@@ -1,24 +1,22 @@
 """Every format's statement through the generated Triton kernel (backend="triton").
 
 On a CPU-only machine the kernels run in the Triton interpreter (TRITON_INTERPRET=1 is set
-below, as in test_codegen.py); on a CUDA machine they run compiled, also in half precision,
+by kernel_env.py, as for test_codegen.py); on a CUDA machine they run compiled, also in half precision,
 and GroupCOO's group_size="tune" times real kernels.
 """
 
-import os
 
 import pytest
 import torch
+from kernel_env import (  # before insum: the interpreter on CPU-only machines
+    CUDA,
+    DEVICE,
+    KERNEL_MARK,
+)
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("INSUM_AUTOTUNE", "0")  # one configuration per kernel is enough here
+from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, power_law_matrix
 
-from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, power_law_matrix  # noqa: E402
-
-pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = KERNEL_MARK
 # The interpreter has no bf16 and its fp16 atomics fail: half precision runs on the GPU only.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}

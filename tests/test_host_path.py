@@ -7,19 +7,14 @@ notices. The kernel path runs in the interpreter at small sizes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import CUDA  # before insum: the interpreter on CPU-only machines
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import insum  # noqa: E402
-from insum import api, runtime  # noqa: E402
-from insum.errors import InsumError, InsumIndexError, InsumTypeError  # noqa: E402
-from insum.formats import CELL, COO, ELL, GroupCOO  # noqa: E402
+import insum
+from insum import api, runtime
+from insum.errors import InsumError, InsumIndexError, InsumTypeError
+from insum.formats import CELL, COO, ELL, GroupCOO
 
 pytestmark = [
     pytest.mark.interpreter,

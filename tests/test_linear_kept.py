@@ -7,17 +7,13 @@ interpreter at small sizes."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
+from kernel_env import CUDA  # before insum: the interpreter on CPU-only machines
 from torch import nn
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from insum.nn import SparseLinear  # noqa: E402
+from insum.nn import SparseLinear
 
 pytestmark = [
     pytest.mark.interpreter,

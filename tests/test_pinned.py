@@ -8,18 +8,13 @@ where it may. The kernels run in the interpreter at small sizes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import CUDA  # before insum: the interpreter on CPU-only machines
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from insum import api, execute, runtime  # noqa: E402
-from insum.errors import InsumError  # noqa: E402
-from insum.formats import CELL, COO, ELL, BlockGroupCOO, GroupCOO  # noqa: E402
+from insum import api, execute, runtime
+from insum.errors import InsumError
+from insum.formats import CELL, COO, ELL, BlockGroupCOO, GroupCOO
 
 pytestmark = [
     pytest.mark.interpreter,

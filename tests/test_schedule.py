@@ -8,25 +8,22 @@ without atomics; the kernel's results equal the torch lowering on poisoned outpu
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import (  # before insum: the interpreter on CPU-only machines
+    CUDA,
+    DEVICE,
+    KERNEL_MARK,
+)
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("INSUM_AUTOTUNE", "0")
+import insum
+from insum.bind import bind
+from insum.errors import InsumError
+from insum.formats import CELL
+from insum.parser import parse
+from insum.runtime import kernel_for
 
-import insum  # noqa: E402
-from insum.bind import bind  # noqa: E402
-from insum.errors import InsumError  # noqa: E402
-from insum.formats import CELL  # noqa: E402
-from insum.parser import parse  # noqa: E402
-from insum.runtime import kernel_for  # noqa: E402
-
-pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = KERNEL_MARK
 
 
 def _distinct(g: torch.Generator, high: int, *shape: int, index_dtype=torch.int64) -> torch.Tensor:

@@ -13,20 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_env import (  # before insum: the interpreter on CPU-only machines
+    DEVICE,
+    KERNEL_MARK,
+)
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("INSUM_AUTOTUNE", "0")
+import insum
+from insum.bind import bind
+from insum.errors import InsumError
+from insum.parser import parse
+from insum.runtime import kernel_for
 
-import insum  # noqa: E402
-from insum.bind import bind  # noqa: E402
-from insum.errors import InsumError  # noqa: E402
-from insum.parser import parse  # noqa: E402
-from insum.runtime import kernel_for  # noqa: E402
-
-pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = KERNEL_MARK
 GOLDEN = Path(__file__).parent / "golden"
 SPMM = "C[AM[p], n] += AV[p, q] * B[AK[p, q], n]"
 

@@ -13,21 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_env import (  # before insum: the interpreter on CPU-only machines
+    CUDA,
+    DEVICE,
+    KERNEL_MARK,
+)
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("INSUM_AUTOTUNE", "0")
+import insum
+from insum.bind import bind
+from insum.codegen import emit, schedule, tune
+from insum.codegen.schedule import box_layout
+from insum.parser import parse
+from insum.runtime import spec_for
 
-import insum  # noqa: E402
-from insum.bind import bind  # noqa: E402
-from insum.codegen import emit, schedule, tune  # noqa: E402
-from insum.codegen.schedule import box_layout  # noqa: E402
-from insum.parser import parse  # noqa: E402
-from insum.runtime import spec_for  # noqa: E402
-
-pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = KERNEL_MARK
 GOLDEN = Path(__file__).parent / "golden"
 DENSE = "C[m, n] = A[m, k] * B[k, n]"
 GATHERED = "C[m, n] = A[m, k] * B[I[k], n]"
