@@ -73,6 +73,11 @@ class DirectLaunch:
         # configuration key must be a parameter or a launch option: else take the JIT path.
         self.fits = all(n in config for n in rest) and all(k in LAUNCH_OPTIONS or k in rest for k in config)
         self.enabled = allowed and self.fits
+        #: Why the launch goes through the JIT (None while direct launches apply).
+        self.why_not: str | None = None if self.enabled else (
+            "not on a CUDA device outside the interpreter" if not allowed else
+            f"parameters {[n for n in rest if n not in config]} and configuration keys "
+            f"{[k for k in config if k not in LAUNCH_OPTIONS and k not in rest]} do not match")
         self.constexprs = tuple(config[n] for n in rest) if self.fits else ()
         self.pointers = pointers
         self.compiled: dict[tuple, tuple] = {}  # (device, alignments) -> (run, function, metadata)
@@ -107,13 +112,14 @@ class DirectLaunch:
                         kernel = kernel.result()
                     run = kernel.run  # (initialises the handles first)
                     self.compiled[key] = (run, kernel.function, kernel.packed_metadata)
-                except Exception:  # not a compiled kernel this module knows: the JIT path
-                    self.enabled = False
+                except Exception as error:  # not a compiled kernel this module knows: the JIT path
+                    self.enabled, self.why_not = False, f"the JIT returned {type(kernel).__name__}: {error!r}"
             return
         run, function, metadata = compiled
         try:
             run(*self.grid3, driver.get_current_stream(device), function, metadata, None, enter, leave,
                 *args, *self.constexprs)
-        except Exception:
+        except Exception as error:
             self.enabled = False  # for good: no retry cost on later calls
+            self.why_not = f"the compiled launcher raised {error!r}"
             jit_fn[self.grid](*args, **self.config)

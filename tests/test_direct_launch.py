@@ -254,10 +254,11 @@ def test_cuda_repeats_go_direct_and_match(name):
         out = insum.insum(expr, sorted_indices=sorted_indices, **tensors)
         ref = insum.insum(expr, backend="torch", **{k: (v.double() if v.is_floating_point() else v).clone()
                                                      for k, v in tensors.items()} | {"C": torch.zeros_like(tensors["C"], dtype=torch.float64)})
-        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+        # tf32 dots (the default precision): the tolerance scales with the inputs' size
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * max(1.0, ref.abs().max().item()))
     bound = bind(parse(expr), tensors)
     launcher = kernel_for(bound, sorted_indices=sorted_indices).prepared(bound)
-    assert launcher.direct.enabled and launcher.direct.compiled, "the direct path was not taken"
+    assert launcher.direct.enabled and launcher.direct.compiled, launcher.direct.why_not
 
 
 @pytest.mark.gpu
@@ -279,7 +280,9 @@ def test_cuda_cell_buckets_run_as_one_direct_launch(partitions):
         B = torch.randn(K, 64, generator=gen).cuda()
         torch.testing.assert_close((fmt @ B).double(), A.double().cuda() @ B.double(), rtol=2e-2, atol=2e-2)
     batches = [b for b in runtime._BATCHES.values() if len(b.parts) == len(fmt.widths)]
-    assert batches and all(b.direct.enabled and b.direct.compiled for b in batches)
+    assert batches
+    for b in batches:
+        assert b.direct.enabled and b.direct.compiled, b.direct.why_not
 
 
 @pytest.mark.skipif(CUDA, reason="builds the batch in the interpreter")

@@ -135,7 +135,7 @@ def test_unique_indices_names_an_index_tensor():
 
 def test_explain_says_owned():
     tensors, unique = _tensors(OWNED[3], torch.Generator().manual_seed(6), torch.int64)
-    text = insum.explain(OWNED[3], unique_indices=unique, **tensors)
+    text = insum.explain(OWNED[3], unique_indices=unique, **{k: v.to(DEVICE) for k, v in tensors.items()})
     assert "one writer per element: plain stores" in text
 
 
@@ -146,7 +146,7 @@ def test_cell_declares_unique_rows_only_where_true(params):
     g = torch.Generator().manual_seed(7)
     A = torch.randn(40, 30, generator=g) * (torch.rand(40, 30, generator=g) < 0.15)
     A[3, :20] = 1.0  # one long row: folded at small caps
-    fmt = CELL.from_dense(A, **params)
+    fmt = CELL.from_dense(A.to(DEVICE), **params)
     declared = 0
     for _, tensors in fmt.statements():
         if "RI" in fmt.unique_in(tensors):
@@ -156,7 +156,8 @@ def test_cell_declares_unique_rows_only_where_true(params):
     if params.get("partitions", 1) > 1:
         assert declared == 0
     B = torch.randn(30, 6, generator=g)
-    torch.testing.assert_close(fmt.spmm(B, backend="triton"), A @ B, rtol=1e-4, atol=1e-4)
+    out = fmt.spmm(B.to(DEVICE), backend="triton", precision="ieee")
+    torch.testing.assert_close(out.cpu(), A @ B, rtol=1e-4, atol=1e-4)
 
 
 # -- ranking candidate plans ----------------------------------------------------------------
@@ -287,7 +288,7 @@ def test_tuned_families_keep_their_plan(stmt, shapes, dtype, axes, grid, loops):
 
 def test_explain_prints_ranked_candidates():
     tensors = _cg_tensors("bur", b=10, u=6, r=5, q=3, meta=False)
-    text = insum.explain(CG_ORDERS["bur"][0], **tensors)
+    text = insum.explain(CG_ORDERS["bur"][0], **{k: v.to(DEVICE) for k, v in tensors.items()})
     head = text.split("candidates (cost model")[1].split("plan:")[0]
     rows = [line for line in head.splitlines()[1:] if line.strip()]
     plain = [r for r in rows if "M=(" not in r]
@@ -360,7 +361,8 @@ def test_declared_lengths_skip_padded_entries(case, index_dtype):
 def test_lengths_appear_in_the_plan_and_source():
     stmt, key = LENGTH_CASES["block_row"]
     t, lengths = _padded("block_row", torch.Generator().manual_seed(9), torch.int32, 0.0)
-    source = insum.explain(stmt, precision="ieee", lengths={key: lengths}, **t)
+    source = insum.explain(stmt, precision="ieee", lengths={key: lengths.to(DEVICE)},
+                           **{k: v.to(DEVICE) for k, v in t.items()})
     assert "length: q < LEN_q[p]" in source
     assert "for step in range(0, len_q * steps_k):" in source
 

@@ -181,7 +181,9 @@ class _Emitter:
             value = self.gather(Access(tensor, tuple(Index.of(Var(v)) for v in index)))
             name = self.fresh(f"len_{var}")
             longest = f"tl.max({value.expr}, axis=0)" if value.axes else value.expr
-            self.put(0, f"{name} = tl.minimum({longest}, {self.size[var]})  # []")
+            # 32-bit (bounded by the extent): a loop over an int64 length would give int64
+            # tensor-descriptor coordinates, which Triton refuses.
+            self.put(0, f"{name} = tl.minimum({longest}, {self.size[var]}).to(tl.int32)  # []")
             self.count[var] = name
             if value.axes and self.plan.axis_var("K") == var:
                 lanes = Value(self.offs[var], ("K",), 1)

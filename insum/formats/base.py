@@ -123,7 +123,7 @@ class SparseFormat:
         device: torch.device,
         params: Mapping[str, Any] | None = None,
     ):
-        self.__dict__.update(  # (not through __setattr__: nothing to drop yet)
+        fields = dict(
             shape=(int(shape[0]), int(shape[1])),
             _tensors=dict(tensors),
             nnz=int(nnz),
@@ -132,6 +132,8 @@ class SparseFormat:
             device=normalise_device(device),
             params=dict(params or {}),
         )
+        for name, value in fields.items():  # not through __setattr__: nothing to drop yet
+            object.__setattr__(self, name, value)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
