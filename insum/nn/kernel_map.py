@@ -17,14 +17,24 @@ The map is then packed into the tensors of the statements that run the convoluti
 (`tiles`, `pairs`); packings are computed once per map and kept on it, and maps are kept in
 a `KernelMapCache` keyed by the coordinate tensors' identity, so the layers of a network
 that share coordinates share one map.
+
+On a GPU, at 100k-1M voxels, the build's time is host time (kernel launches, host syncs),
+not bandwidth, so it is written to few torch ops and few syncs (counted by
+`benchmarks/map_overhead.py`): the range check and the per-offset pair counts are read back
+in one sync at the end of the build; the one-launch tiles read one value (their width);
+the transposed map of a submanifold map with an odd kernel is the offset-mirrored map and
+reuses the forward tiles; the pair groups are sized from the counts already on the host.
+Shape-deciding values come to the host only there, never through `nonzero` or a mask.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..arith import cdiv, next_power_of_2
 from ..errors import InsumError, InsumShapeError, InsumTypeError
@@ -59,12 +69,20 @@ def _as_batched(coords: torch.Tensor, name: str) -> torch.Tensor:
     return coords
 
 
+@functools.cache
+def _key_layout(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bias, shift) per column of [N, 4] coordinates: key = sum((c + bias) << shift).
+    Kept per device: a tensor built from a list is a host-to-device copy, a sync on CUDA."""
+    bias = torch.tensor([0, _BIAS, _BIAS, _BIAS], device=device)
+    shift = torch.tensor([3 * _BITS, 2 * _BITS, _BITS, 0], device=device)
+    return bias, shift
+
+
 def _keys(coords: torch.Tensor) -> torch.Tensor:
-    """int64 keys of [N, 4] coordinates whose axes lie in [-2**15, 2**15)."""
-    key = coords[:, 0]
-    for axis in range(1, 4):
-        key = (key << _BITS) | (coords[:, axis] + _BIAS)
-    return key
+    """int64 keys of [N, 4] coordinates whose axes lie in [-2**15, 2**15) (the fields do not
+    overlap, so their sum is their bitwise or)."""
+    bias, shift = _key_layout(coords.device)
+    return ((coords + bias) << shift).sum(1)
 
 
 def _decode(keys: torch.Tensor) -> torch.Tensor:
@@ -72,19 +90,33 @@ def _decode(keys: torch.Tensor) -> torch.Tensor:
     return torch.stack([keys >> (3 * _BITS)] + axes, 1)
 
 
-def _check_range(coords: torch.Tensor, reach: int, name: str) -> None:
-    if coords.numel() == 0:
-        return
-    lo, hi = coords[:, 1:].min().item(), coords[:, 1:].max().item()
-    if lo - reach < -_BIAS or hi + reach >= _BIAS or coords[:, 0].min().item() < 0:
+def _range_stats(coords: torch.Tensor) -> list[torch.Tensor]:
+    """Device scalars (least axis value, greatest axis value, least batch index) of
+    non-empty [N, 4] coordinates, for `_check_stats` once they are on the host."""
+    lo, hi = torch.aminmax(coords[:, 1:])
+    return [lo.view(1), hi.view(1), coords[:, 0].min().view(1)]
+
+
+def _check_stats(stats: list[int], scale: int, reach: int, name: str) -> None:
+    """Raise unless (lo, hi, batch) from `_range_stats`, axes times `scale`, leave `reach`
+    of room on both sides of the key's 16-bit axes."""
+    lo, hi, batch = stats
+    if lo * scale - reach < -_BIAS or hi * scale + reach >= _BIAS or batch < 0:
         raise InsumError(
             f"{name}: coordinates must lie in [{-_BIAS + reach}, {_BIAS - reach}) with a non-negative batch "
-            f"index for this kernel, got [{lo}, {hi}]"
+            f"index for this kernel, got [{lo * scale}, {hi * scale}]"
         )
 
 
-def _taps(kernel_size: int, dilation: int, device) -> torch.Tensor:
-    """Per-axis offsets dilation * (i - r) of the kernel taps, r = (k - 1) // 2."""
+def _check_range(coords: torch.Tensor, reach: int, name: str) -> None:
+    if coords.numel():
+        _check_stats(torch.cat(_range_stats(coords)).tolist(), 1, reach, name)
+
+
+@functools.cache
+def _taps(kernel_size: int, dilation: int, device: torch.device) -> torch.Tensor:
+    """Per-axis offsets dilation * (i - r) of the kernel taps, r = (k - 1) // 2 (kept per
+    device and geometry: built once, not per map)."""
     return dilation * (torch.arange(kernel_size, device=device) - (kernel_size - 1) // 2)
 
 
@@ -112,8 +144,10 @@ def _query_keys(coords: torch.Tensor, mode: str, kernel_size: int, stride: int, 
     """Keys [N, k**3] of the input positions each output row reads, and their validity."""
     taps = _taps(kernel_size, dilation, coords.device)
     pos, ok = _per_axis_positions(coords, mode, taps, stride)
-    shifts = torch.tensor([2 * _BITS, _BITS, 0], device=coords.device)[None, :, None]
-    keys = _combine((pos + _BIAS) << shifts) + (coords[:, :1] << (3 * _BITS))
+    bias, shift = _key_layout(coords.device)
+    per_axis = (pos + bias[1:, None]) << shift[1:, None]  # [N, 3, k]
+    per_axis[:, 0] += coords[:, :1] << (3 * _BITS)  # the batch field rides on the x term
+    keys = _combine(per_axis)
     valid = None if ok is None else _combine(ok.to(torch.int8)) == 3
     return keys, valid
 
@@ -131,7 +165,6 @@ def output_coords(coords: torch.Tensor, kernel_size: int = 3, stride: int = 1, d
     return _decode(torch.unique(keys[valid]))
 
 
-@dataclass
 class TiledMap:
     """The output-stationary packing: output rows sorted by their neighbour mask, cut in
     tiles of `tile` rows, each tile reading only the offsets some row in it needs.
@@ -139,14 +172,72 @@ class TiledMap:
     For bucket b (tiles with at most J_b offsets), rows `tiles[b]` of the tiled output:
         O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]
     with X the input and one zero row appended (absent neighbours read it). `inverse[v]` is
-    where output row v sits in the tiled output ([T * tile] rows)."""
+    where output row v sits in the tiled output ([T * tile] rows). `whole()` is every tile
+    in one launch. The buckets (a host loop over the tiles' offset counts) and the pair
+    totals are computed on first use: the one-launch path never reads them."""
 
-    tile: int
-    n_tiles: int
-    buckets: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (first tile, last tile + 1, NB, TW)
-    inverse: torch.Tensor
-    real_pairs: int
-    padded_pairs: int
+    def __init__(self, tile: int, nbr: torch.Tensor, n_in: int, rows: torch.Tensor, active: torch.Tensor,
+                 counts: torch.Tensor, inverse: torch.Tensor, max_buckets: int, mirror_of: TiledMap | None = None):
+        self.tile, self.n_tiles, self.inverse = tile, rows.shape[0], inverse
+        # rows [T, tile] (-1: padding), active [T, volume], counts [T] ascending: the tiles
+        self._nbr, self._n_in, self._rows, self._active, self._counts = nbr, n_in, rows, active, counts
+        self._max_buckets, self._mirror_of = max_buckets, mirror_of
+        self._buckets: list | None = None
+        self._whole: tuple | None = None
+
+    def mirrored(self, nbr_t: torch.Tensor) -> TiledMap:
+        """The same tiles over the offset-mirrored map `nbr_t = nbr.flip(1)` (the transpose
+        of a submanifold map with an odd kernel): each row reads the same inputs at the
+        mirrored offsets."""
+        return TiledMap(self.tile, nbr_t, self._n_in, self._rows, self._active.flip(1), self._counts,
+                        self.inverse, self._max_buckets, mirror_of=self)
+
+    @property
+    def buckets(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(first tile, last tile + 1, NB, TW) per bucket of tiles of similar width."""
+        if self._buckets is None:
+            self._buckets = self._make_buckets()
+        return self._buckets
+
+    @property
+    def real_pairs(self) -> int:
+        return int((self._nbr >= 0).sum())
+
+    @property
+    def padded_pairs(self) -> int:
+        return sum((end - start) * self.tile * nb.shape[2] for start, end, nb, _ in self.buckets)
+
+    def _make_buckets(self):
+        host_counts = self._counts.tolist()
+        nbr_padded = F.pad(self._nbr, (0, 0, 0, 1), value=-1)  # row -1 (padding) reads no neighbour
+        buckets = []
+        start = 0
+        for end in bucket_bounds(host_counts, self._max_buckets):
+            width = max(1, host_counts[end - 1])
+            # The tile's active offsets first, in offset order.
+            tw = torch.argsort((~self._active[start:end]).to(torch.int8), dim=1, stable=True)[:, :width]
+            nb = nbr_padded[self._rows[start:end, :, None], tw[:, None, :]].long()  # [t, tile, width]
+            nb = torch.where(nb >= 0, nb, self._n_in)
+            buckets.append((start, end, nb.to(torch.int32).contiguous(), tw.to(torch.int32).contiguous()))
+            start = end
+        return buckets
+
+    def whole(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every tile in one launch: NB [T, tile, J] and TW [T, J] with J the widest tile's
+        offsets, each tile's active offsets first (then offsets no row of it reads, NB = n_in,
+        the zero row), and TL [T], each tile's active offsets: `insum(..., lengths={"j[t]": TL})`
+        stops each tile's loop there. One host sync (J)."""
+        if self._whole is None:
+            if self._mirror_of is not None:
+                NB, TW, TL = self._mirror_of.whole()
+                self._whole = NB, (self._nbr.shape[1] - 1) - TW, TL
+            else:
+                width = max(1, int(self._counts[-1]))
+                tw = torch.argsort((~self._active).to(torch.int8), dim=1, stable=True)[:, :width]
+                nbr_zero_row = F.pad(torch.where(self._nbr >= 0, self._nbr, self._n_in), (0, 0, 0, 1), value=self._n_in)
+                NB = nbr_zero_row[self._rows[:, :, None], tw[:, None, :]].to(torch.int32)  # [T, tile, J]
+                self._whole = NB, tw.to(torch.int32), self._counts.to(torch.int32)
+        return self._whole
 
 
 @dataclass
@@ -163,13 +254,24 @@ class PairGroups:
 
 @dataclass
 class KernelMap:
-    """nbr[v, w]: the input row read by output row v at offset w (-1: absent)."""
+    """nbr[v, w]: the input row read by output row v at offset w (-1: absent).
+
+    offset_pairs: the real pairs per offset, on the host (read back with the build's range
+    check; None: counted when asked). symmetric: the output sites are the input sites, in
+    order, and the taps are symmetric (submanifold, odd kernel): the transpose is the map
+    with its offsets mirrored."""
 
     nbr: torch.Tensor
     n_in: int
     out_coords: torch.Tensor
     kernel_size: int
+    offset_pairs: list[int] | None = None
+    symmetric: bool = False
     _packed: dict = field(default_factory=dict, repr=False)
+    # Tilings by tile size, apart from `_packed` so that a mirrored transpose can read them
+    # without holding this map (no reference cycle through `_packed["transpose"]`).
+    _tilings: dict = field(default_factory=dict, repr=False)
+    _mirror_tilings: dict | None = field(default=None, repr=False)
 
     @property
     def n_out(self) -> int:
@@ -182,7 +284,12 @@ class KernelMap:
     @property
     def pairs(self) -> int:
         """Real (input, output, offset) triples: the work of the convolution."""
-        return self.cached("pairs", lambda: int((self.nbr >= 0).sum()))
+        return self.cached("pairs", lambda: sum(self._offset_pairs()))
+
+    def _offset_pairs(self) -> list[int]:
+        if self.offset_pairs is None:
+            self.offset_pairs = (self.nbr >= 0).sum(0).tolist()
+        return self.offset_pairs
 
     def prepare(self, tile: int = 128, training: bool = True, mask_dtype: torch.dtype | None = None) -> KernelMap:
         """Build the packings a forward (either form) and, with `training`, a backward pass
@@ -204,29 +311,21 @@ class KernelMap:
         return self.cached("transpose", lambda: _transpose(self))
 
     def tiles(self, tile: int = 128) -> TiledMap:
-        return self.cached(("tiles", tile), lambda: tile_map(self.nbr, self.n_in, tile))
+        if tile not in self._tilings:
+            if self._mirror_tilings is not None:  # the forward map's tiles, offsets mirrored
+                if tile not in self._mirror_tilings:
+                    self._mirror_tilings[tile] = tile_map(self.nbr.flip(1), self.n_out, tile)
+                self._tilings[tile] = self._mirror_tilings[tile].mirrored(self.nbr)
+            else:
+                self._tilings[tile] = tile_map(self.nbr, self.n_in, tile)
+        return self._tilings[tile]
 
     def pair_groups(self, group: int | None = None) -> PairGroups:
-        return self.cached(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group))
+        return self.cached(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group, self._offset_pairs()))
 
     def tiles_whole(self, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every tile in one launch: NB [T, tile, J] and TW [T, J] padded to the widest tile
-        (NB = n_in, the zero row; TW = 0), and TL [T], each tile's active offsets (its first
-        TL[t] entries): `insum(..., lengths={"j[t]": TL})` stops each tile's loop there."""
-
-        def make():
-            tiled = self.tiles(tile)
-            width = max(nb.shape[2] for _, _, nb, _ in tiled.buckets)
-            device = self.nbr.device
-            NB = torch.full((tiled.n_tiles, tiled.tile, width), self.n_in, dtype=torch.int32, device=device)
-            TW = torch.zeros((tiled.n_tiles, width), dtype=torch.int32, device=device)
-            for start, end, nb, tw in tiled.buckets:
-                NB[start:end, :, : nb.shape[2]] = nb
-                TW[start:end, : tw.shape[1]] = tw
-            TL = (NB != self.n_in).any(1).sum(1).to(torch.int32)  # active offsets come first in a tile
-            return NB, TW, TL
-
-        return self.cached(("tiles whole", tile), make)
+        """Every tile in one launch (`TiledMap.whole`): NB [T, tile, J], TW [T, J], TL [T]."""
+        return self.tiles(tile).whole()
 
     def masked_tiles_whole(self, tile: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`tiles_whole` without the zero row: (NB, V, TW, TL), absent neighbours reading row 0
@@ -265,6 +364,11 @@ class KernelMap:
 
 
 def _transpose(km: KernelMap) -> KernelMap:
+    if km.symmetric:
+        # nbr[v, w] = i: site i = site v + t_w, so v = site i + t_(mirror w) = nbr[i, mirror w].
+        offset_pairs = None if km.offset_pairs is None else km.offset_pairs[::-1]
+        return KernelMap(km.nbr.flip(1), km.n_out, km.out_coords, km.kernel_size, offset_pairs, symmetric=True,
+                         _mirror_tilings=km._tilings)
     out, w = (km.nbr >= 0).nonzero(as_tuple=True)
     nbr_t = torch.full((km.n_in, km.volume), -1, dtype=km.nbr.dtype, device=km.nbr.device)
     nbr_t[km.nbr[out, w].long(), w] = out.to(km.nbr.dtype)
@@ -292,7 +396,6 @@ def build_kernel_map(
         raise InsumError(f"kernel_size, stride and dilation must be positive, got {kernel_size}, {stride}, {dilation}")
     coords = _as_batched(coords, "coords")
     reach = dilation * kernel_size
-    _check_range(coords, reach, "coords")
     if mode == "subm":
         out = coords
     elif out_coords is None:
@@ -301,19 +404,27 @@ def build_kernel_map(
         out = output_coords(coords, kernel_size, stride, dilation)
     else:
         out = _as_batched(out_coords, "out_coords")
-        scale = stride if mode == "strided" else 1
-        _check_range(out * torch.tensor([1, scale, scale, scale], device=out.device), reach, "out_coords")
     in_keys, order = torch.sort(_keys(coords))
     query, valid = _query_keys(out, mode, kernel_size, stride, dilation)
     if coords.shape[0] == 0:
         nbr = torch.full(query.shape, -1, dtype=torch.int32, device=coords.device)
+        hit = nbr >= 0
     else:
-        pos = torch.searchsorted(in_keys, query).clamp_max_(coords.shape[0] - 1)
+        pos = torch.searchsorted(in_keys, query, out_int32=True).clamp_max_(coords.shape[0] - 1)
         hit = in_keys[pos] == query
         if valid is not None:
             hit &= valid
-        nbr = torch.where(hit, order[pos], -1).to(torch.int32)
-    return KernelMap(nbr, coords.shape[0], out, kernel_size)
+        nbr = torch.where(hit, order.to(torch.int32)[pos], -1)
+    # One sync: the coordinates' ranges (checked now: keys out of range would alias) and the
+    # pairs per offset (sizing the pair groups, the form choice).
+    checks = [(coords, 1, "coords")] if coords.shape[0] else []
+    if mode != "subm" and out_coords is not None and out.shape[0]:
+        checks.append((out, stride if mode == "strided" else 1, "out_coords"))
+    host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [hit.sum(0)]).tolist()
+    for i, (_, scale, name) in enumerate(checks):
+        _check_stats(host[3 * i: 3 * i + 3], scale, reach, name)
+    symmetric = mode == "subm" and kernel_size % 2 == 1
+    return KernelMap(nbr, coords.shape[0], out, kernel_size, offset_pairs=host[3 * len(checks):], symmetric=symmetric)
 
 
 def bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
@@ -339,68 +450,63 @@ def bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
     return best[n][1]
 
 
+@functools.cache
+def _bit_weights(bits: int, device: torch.device) -> torch.Tensor:
+    """2**w for the first `bits` offsets, in the narrowest integer type that holds them."""
+    dtype = torch.int32 if bits <= 31 else torch.int64
+    return torch.ones((), dtype=dtype, device=device) << torch.arange(bits, dtype=dtype, device=device)
+
+
 def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6) -> TiledMap:
-    """Pack a kernel map into the output-stationary tiled form (see `TiledMap`)."""
+    """Pack a kernel map into the output-stationary tiled form (see `TiledMap`). No host
+    sync: the buckets and the one-launch tensors are made when first read."""
     n_out, volume = nbr.shape
     device = nbr.device
     found = nbr >= 0
-    bits = min(volume, 62)
-    mask = (found[:, :bits].long() << torch.arange(bits, device=device)).sum(1)
+    weights = _bit_weights(min(volume, 62), device)
+    mask = torch.where(found[:, : weights.shape[0]], weights, 0).sum(1, dtype=weights.dtype)
     order = torch.argsort(mask, stable=True)
     n_tiles = max(1, cdiv(n_out, tile))
-    rows = torch.full((n_tiles * tile,), -1, dtype=torch.long, device=device)
-    rows[:n_out] = order
-    rows = rows.view(n_tiles, tile)
-    # Row -1 (padding) reads an appended row with no neighbours.
-    nbr_padded = torch.cat([nbr, nbr.new_full((1, volume), -1)])
-    row_found = nbr_padded[rows] >= 0  # [T, tile, volume]
-    active = row_found.any(1)  # [T, volume]
-    counts = active.sum(1)
-    counts, tile_order = torch.sort(counts, stable=True)
+    rows = F.pad(order, (0, n_tiles * tile - n_out), value=-1).view(n_tiles, tile)
+    active = F.pad(found[order], (0, 0, 0, n_tiles * tile - n_out)).view(n_tiles, tile, volume).any(1)  # [T, volume]
+    counts, tile_order = torch.sort(active.sum(1), stable=True)
     rows, active = rows[tile_order], active[tile_order]
-    inverse = torch.empty(n_out, dtype=torch.long, device=device)
+    # Padding rows (-1) all land in one spare slot past the end.
     flat = rows.flatten()
-    real = flat >= 0
-    inverse[flat[real]] = torch.arange(flat.numel(), device=device)[real]
-    host_counts = counts.tolist()
-    buckets = []
-    start = 0
-    for end in bucket_bounds(host_counts, max_buckets):
-        width = max(1, host_counts[end - 1])
-        # The tile's active offsets first, in offset order.
-        tw = torch.argsort((~active[start:end]).to(torch.int8), dim=1, stable=True)[:, :width]
-        nb = nbr_padded[rows[start:end, :, None], tw[:, None, :]].long()  # [t, tile, width]
-        nb = torch.where(nb >= 0, nb, n_in)
-        buckets.append((start, end, nb.to(torch.int32).contiguous(), tw.to(torch.int32).contiguous()))
-        start = end
-    padded = sum((end - start) * tile * nb.shape[2] for start, end, nb, _ in buckets)
-    return TiledMap(tile, n_tiles, buckets, inverse, int(found.sum()), padded)
+    inverse = torch.empty(n_out + 1, dtype=torch.long, device=device)
+    inverse.scatter_(0, torch.where(flat >= 0, flat, n_out), torch.arange(flat.numel(), device=device))
+    return TiledMap(tile, nbr, n_in, rows, active, counts, inverse[:n_out], max_buckets)
 
 
-def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None) -> PairGroups:
-    """Pack a kernel map into per-offset groups of `group` pairs (default: about 384 groups)."""
-    w, out = (nbr.t() >= 0).nonzero(as_tuple=True)  # sorted by offset, then output row
-    inp = nbr[out, w].long()
+def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_pairs: list[int] | None = None) -> PairGroups:
+    """Pack a kernel map into per-offset groups of `group` pairs (default: about 384 groups).
+    offset_pairs: the real pairs per offset, when the host has them (`KernelMap.offset_pairs`);
+    with them no host sync."""
     volume = nbr.shape[1]
-    n_pairs = int(w.numel())
+    device = nbr.device
+    found_t = nbr.t() >= 0
+    if offset_pairs is None:
+        offset_pairs = found_t.sum(1).tolist()
+    n_pairs = sum(offset_pairs)
     if group is None:
         group = min(16384, max(256, next_power_of_2(cdiv(max(1, n_pairs), 384))))
-    per_offset = torch.bincount(w, minlength=volume)
-    groups = cdiv(per_offset, group)
-    first_group = torch.cumsum(groups, 0) - groups
-    first_pair = torch.cumsum(per_offset, 0) - per_offset
-    n_groups = max(1, int(groups.sum()))
-    rank = torch.arange(n_pairs, device=nbr.device) - first_pair[w]
-    gid = first_group[w] + rank // group
-    slot = rank % group
-    PI = torch.full((n_groups, group), n_in, dtype=torch.int32, device=nbr.device)
-    PO = torch.zeros((n_groups, group), dtype=torch.int32, device=nbr.device)
-    PI[gid, slot] = inp.to(torch.int32)
-    PO[gid, slot] = out.to(torch.int32)
-    PW = torch.repeat_interleave(torch.arange(volume, device=nbr.device), groups)
-    if PW.numel() == 0:
-        PW = torch.zeros(1, dtype=torch.long, device=nbr.device)
-    return PairGroups(group, PI, PO, PW)
+    groups = [cdiv(c, group) for c in offset_pairs]
+    n_groups = max(1, sum(groups))
+    # Pair r of offset w (r-th in output order) goes to slot first_group[w] * group + r.
+    w, out = torch.nonzero_static(found_t, size=n_pairs).unbind(1)  # by offset, then output row
+    per_offset = found_t.sum(1)
+    groups_dev = (per_offset + (group - 1)) // group
+    shift = (torch.cumsum(groups_dev, 0) - groups_dev) * group - (torch.cumsum(per_offset, 0) - per_offset)
+    slot = shift[w] + torch.arange(n_pairs, device=device)
+    PI = torch.full((n_groups * group,), n_in, dtype=torch.int32, device=device)
+    PO = torch.zeros((n_groups * group,), dtype=torch.int32, device=device)
+    PI.scatter_(0, slot, nbr[out, w].to(torch.int32))
+    PO.scatter_(0, slot, out.to(torch.int32))
+    if sum(groups):
+        PW = torch.repeat_interleave(torch.arange(volume, device=device), groups_dev, output_size=n_groups)
+    else:
+        PW = torch.zeros(1, dtype=torch.long, device=device)
+    return PairGroups(group, PI.view(n_groups, group), PO.view(n_groups, group), PW)
 
 
 class KernelMapCache:
