@@ -3,6 +3,7 @@ forward build (map + one-launch tiles, what SparseConv3d's forward reads on a GP
 training extras (transposed map and its tiles, pair groups), on a voxelised room.
 
     python -m benchmarks.map_overhead [--voxels 3000] [--out DIR]
+    TRITON_INTERPRET=1 python -m benchmarks.map_overhead   # also the CUDA path (fused lookup kernel)
 
 On a GPU every counted op is at least one kernel launch (a few host microseconds each) and
 every sync stalls the host until the device has drained its queue, so at 100k-1M voxels
@@ -10,7 +11,9 @@ these counts, not bandwidth, set the build time. Counted by a TorchDispatchMode:
 (view and metadata ops apart), and as host syncs the ops whose result or output size the
 host must read: `_local_scalar_dense` (`.item()`, `int(t)`), `Tensor.tolist`, `nonzero`,
 `unique`, `masked_select`, boolean-mask indexing and `repeat_interleave` without
-`output_size`. Triton kernels launched by the build count as one launch each.
+`output_size`. Triton kernels launched by the build count as one op each. On the CPU the
+build takes its torch lookup; under TRITON_INTERPRET=1 the cases are also counted with the
+lookup kernel that CUDA takes (`kernel_map._fused_lookup` switched on).
 """
 
 from __future__ import annotations
@@ -39,9 +42,12 @@ class _Count(TorchDispatchMode):
         self.ops: Counter = Counter()
         self.syncs: Counter = Counter()
         self.views = 0
+        self.paused = False  # inside a Triton launch (the interpreter's own tensor work)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         if name in _VIEWS:
             self.views += 1
@@ -74,7 +80,11 @@ def _counting_tolist_and_kernels(counter: _Count):
     if launch is not None:
         def counted_launch(kernel, grid, *args, **kwargs):
             counter.ops[f"triton:{kernel.fn.__name__}"] += 1
-            return launch(kernel, grid, *args, **kwargs)
+            counter.paused = True
+            try:
+                return launch(kernel, grid, *args, **kwargs)
+            finally:
+                counter.paused = False
 
         kernel_map._launch = counted_launch
     try:
@@ -83,6 +93,18 @@ def _counting_tolist_and_kernels(counter: _Count):
         torch.Tensor.tolist = tolist
         if launch is not None:
             kernel_map._launch = launch
+
+
+@contextlib.contextmanager
+def _lookup_path(fused: bool):
+    import insum.nn.kernel_map as kernel_map
+
+    chosen = kernel_map._fused_lookup
+    kernel_map._fused_lookup = lambda device: fused
+    try:
+        yield
+    finally:
+        kernel_map._fused_lookup = chosen
 
 
 def count(step) -> dict:
@@ -125,13 +147,17 @@ def main(argv=None) -> int:
     coords = room_scene(args.voxels, seed=args.voxels, device=torch.device("cpu"))
     rows = []
     print(f"room scene: {coords.shape[0]} voxels (CPU counts; on a GPU every op is at least one launch)")
-    print(f"{'case':<46} {'ops':>4} {'syncs':>5} {'views':>5}  syncs by kind | ops")
-    for name, step in cases(coords):
-        row = {"case": name, "voxels": coords.shape[0], **count(step)}
-        rows.append(row)
-        syncs = " ".join(f"{k}x{v}" for k, v in row["by_sync"].items()) or "-"
-        ops = " ".join(f"{k}x{v}" if v > 1 else k for k, v in row["by_op"].items())
-        print(f"{name:<46} {row['ops']:>4} {row['syncs']:>5} {row['views']:>5}  {syncs} | {ops}", flush=True)
+    print(f"{'case':<52} {'ops':>4} {'syncs':>5} {'views':>5}  syncs by kind | ops")
+    paths = [("torch lookup", False)] + ([("fused lookup", True)] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+    for path, fused in paths:
+        for name, step in cases(coords):
+            with _lookup_path(fused):
+                row = {"case": name, "path": path, "voxels": coords.shape[0], **count(step)}
+            rows.append(row)
+            syncs = " ".join(f"{k}x{v}" for k, v in row["by_sync"].items()) or "-"
+            ops = " ".join(f"{k}x{v}" if v > 1 else k for k, v in row["by_op"].items())
+            print(f"{path + ': ' + name:<52} {row['ops']:>4} {row['syncs']:>5} {row['views']:>5}  {syncs} | {ops}",
+                  flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "map_overhead.json").write_text(json.dumps(rows, indent=1))

@@ -375,6 +375,103 @@ def _transpose(km: KernelMap) -> KernelMap:
     return KernelMap(nbr_t, km.n_out, km.out_coords.new_empty(0, 4), km.kernel_size)
 
 
+def _lookup(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor, mode: str, kernel_size: int,
+            stride: int, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """nbr [M, k**3] (int32) and the pairs per offset [k**3] by torch ops: every (output,
+    offset) query key at once, one `searchsorted` into the sorted input keys."""
+    query, valid = _query_keys(out, mode, kernel_size, stride, dilation)
+    if in_keys.shape[0] == 0:
+        nbr = torch.full(query.shape, -1, dtype=torch.int32, device=query.device)
+        return nbr, nbr.new_zeros(query.shape[1], dtype=torch.int64)
+    pos = torch.searchsorted(in_keys, query, out_int32=True).clamp_max_(in_keys.shape[0] - 1)
+    hit = in_keys[pos] == query
+    if valid is not None:
+        hit &= valid
+    return torch.where(hit, order.to(torch.int32)[pos], -1), hit.sum(0)
+
+
+def _fused_lookup(device: torch.device) -> bool:
+    """Whether the map is looked up by `_lookup_kernel` (one launch, no [M, k**3] int64
+    temporaries) rather than `_lookup`'s torch ops: on CUDA. Tests switch it on in the
+    Triton interpreter."""
+    return device.type == "cuda"
+
+
+def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """One Triton launch (benchmarks/map_overhead.py counts them here)."""
+    kernel[grid](*args, **kwargs)
+
+
+def _lookup_fused(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor, kernel_size: int, stride: int,
+                  dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_lookup` for submanifold and strided maps as one kernel: each program takes
+    BLOCK_M output rows and every offset, forms the query keys in registers, binary-searches
+    the sorted input keys, writes nbr and adds its hits per offset to the counts."""
+    volume = kernel_size**3
+    n_out, n_in = out.shape[0], in_keys.shape[0]
+    nbr = torch.empty((n_out, volume), dtype=torch.int32, device=out.device)
+    counts = torch.zeros(volume, dtype=torch.int32, device=out.device)
+    if n_out:
+        block_w = next_power_of_2(volume)
+        block_m = max(1, 2048 // block_w)
+        _launch(_lookup_kernel(), (cdiv(n_out, block_m),), out, in_keys, order, nbr, counts, n_out, n_in,
+                n_in.bit_length(), out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size, BLOCK_M=block_m, BLOCK_W=block_w)
+    return nbr, counts
+
+
+@functools.cache
+def _lookup_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_lookup(
+        # pointers
+        out_ptr, keys_ptr, order_ptr, nbr_ptr, counts_ptr,
+        # sizes
+        n_out, n_in, search_steps,
+        # strides
+        stride_om, stride_oc,
+        # meta-parameters
+        STRIDE: tl.constexpr, DILATION: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        VOLUME: tl.constexpr = K * K * K
+        R: tl.constexpr = (K - 1) // 2
+        pid_m = tl.program_id(0)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        mask_m = offs_m < n_out
+        mask_w = offs_w < VOLUME
+        site_ptrs = out_ptr + offs_m.to(tl.int64) * stride_om
+        batch = tl.load(site_ptrs, mask=mask_m, other=0)  # [BLOCK_M]
+        x = tl.load(site_ptrs + stride_oc, mask=mask_m, other=0) * STRIDE  # [BLOCK_M]
+        y = tl.load(site_ptrs + 2 * stride_oc, mask=mask_m, other=0) * STRIDE  # [BLOCK_M]
+        z = tl.load(site_ptrs + 3 * stride_oc, mask=mask_m, other=0) * STRIDE  # [BLOCK_M]
+        # offset w = (i, j, l), z fastest; tap t = DILATION * (i - R), biased into 16 bits
+        tap_x = DILATION * (offs_w // (K * K) - R) + 32768  # [BLOCK_W]
+        tap_y = DILATION * ((offs_w // K) % K - R) + 32768  # [BLOCK_W]
+        tap_z = DILATION * (offs_w % K - R) + 32768  # [BLOCK_W]
+        query = ((batch[:, None] << 48) | ((x[:, None] + tap_x[None, :]) << 32)
+                 | ((y[:, None] + tap_y[None, :]) << 16) | (z[:, None] + tap_z[None, :]))  # [BLOCK_M, BLOCK_W]
+        # The first sorted key >= query: lo == hi after bit_length(n_in) halvings.
+        lo = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.int32)  # [BLOCK_M, BLOCK_W]
+        hi = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.int32) + n_in  # [BLOCK_M, BLOCK_W]
+        for _ in range(search_steps):
+            open_ = lo < hi
+            mid = (lo + hi) >> 1
+            below = tl.load(keys_ptr + mid, mask=open_, other=0) < query  # [BLOCK_M, BLOCK_W]
+            lo = tl.where(open_ & below, mid + 1, lo)
+            hi = tl.where(open_ & (below == 0), mid, hi)
+        valid = mask_m[:, None] & mask_w[None, :] & (lo < n_in)  # [BLOCK_M, BLOCK_W]
+        hit = valid & (tl.load(keys_ptr + lo, mask=valid, other=-1) == query)  # [BLOCK_M, BLOCK_W]
+        row = tl.load(order_ptr + lo, mask=hit, other=-1).to(tl.int32)  # [BLOCK_M, BLOCK_W]
+        nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
+        tl.store(nbr_ptrs, tl.where(hit, row, -1), mask=mask_m[:, None] & mask_w[None, :])
+        tl.atomic_add(counts_ptr + offs_w, tl.sum(hit.to(tl.int32), axis=0), mask=mask_w)
+
+    return insum_kernel_map_lookup
+
+
 def build_kernel_map(
     coords: torch.Tensor,
     kernel_size: int = 3,
@@ -405,22 +502,16 @@ def build_kernel_map(
     else:
         out = _as_batched(out_coords, "out_coords")
     in_keys, order = torch.sort(_keys(coords))
-    query, valid = _query_keys(out, mode, kernel_size, stride, dilation)
-    if coords.shape[0] == 0:
-        nbr = torch.full(query.shape, -1, dtype=torch.int32, device=coords.device)
-        hit = nbr >= 0
+    if mode != "transposed" and _fused_lookup(coords.device):
+        nbr, offset_pairs = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
     else:
-        pos = torch.searchsorted(in_keys, query, out_int32=True).clamp_max_(coords.shape[0] - 1)
-        hit = in_keys[pos] == query
-        if valid is not None:
-            hit &= valid
-        nbr = torch.where(hit, order.to(torch.int32)[pos], -1)
+        nbr, offset_pairs = _lookup(in_keys, order, out, mode, kernel_size, stride, dilation)
     # One sync: the coordinates' ranges (checked now: keys out of range would alias) and the
     # pairs per offset (sizing the pair groups, the form choice).
     checks = [(coords, 1, "coords")] if coords.shape[0] else []
     if mode != "subm" and out_coords is not None and out.shape[0]:
         checks.append((out, stride if mode == "strided" else 1, "out_coords"))
-    host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [hit.sum(0)]).tolist()
+    host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [offset_pairs]).tolist()
     for i, (_, scale, name) in enumerate(checks):
         _check_stats(host[3 * i: 3 * i + 3], scale, reach, name)
     symmetric = mode == "subm" and kernel_size % 2 == 1

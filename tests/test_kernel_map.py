@@ -1,0 +1,150 @@
+"""The kernel-map build's fast paths against its plain ones (test_conv.py checks the plain
+ones against a dictionary lookup and the dense convolution):
+
+- the fused lookup kernel (CUDA's path; here in the Triton interpreter) against the torch
+  lookup, every mode it serves, int32/int64, negative and non-contiguous coordinates;
+- the mirrored transpose of a submanifold map (odd kernel) and its tiles, which reuse the
+  forward tiles, against the general transpose;
+- the pair groups sized from the host's per-offset counts against the ones counted anew;
+- the build's host syncs: a forward and a training build read the device twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_env import DEVICE, KERNEL_MARK  # before insum: the interpreter on CPU-only machines
+
+import insum.nn.kernel_map as kernel_map
+from insum.errors import InsumError
+from insum.nn.kernel_map import KernelMap, build_kernel_map, pair_groups
+
+
+def random_sites(n: int, extent: int, batches: int = 2, seed: int = 0, dtype=torch.int64) -> torch.Tensor:
+    """Unique [M, 4] sites (batch first) in [-3, extent - 3)^3, in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    pts = torch.cat([torch.randint(0, batches, (n, 1), generator=gen),
+                     torch.randint(-3, extent - 3, (n, 3), generator=gen)], 1)
+    pts = torch.unique(pts, dim=0)
+    return pts[torch.randperm(pts.shape[0], generator=gen)].to(dtype)
+
+
+def pair_set(km: KernelMap) -> set[tuple[int, int, int]]:
+    v, w = (km.nbr >= 0).nonzero().unbind(1)
+    return set(zip(v.tolist(), w.tolist(), km.nbr[v, w].tolist()))
+
+
+def tiled_pair_set(km: KernelMap, tile: int) -> set[tuple[int, int, int]]:
+    """The (output, offset, input) triples the one-launch tiles hold, each within its tile's
+    declared length, and those of the buckets (they must agree)."""
+    tiled = km.tiles(tile)
+    rows = torch.full((tiled.n_tiles * tile,), -1, dtype=torch.long)
+    rows[tiled.inverse] = torch.arange(km.n_out)
+    NB, TW, TL = km.tiles_whole(tile)
+    t, m, j = (NB < km.n_in).nonzero().unbind(1)
+    assert (j < TL[t]).all()
+    whole = list(zip(rows[t * tile + m].tolist(), TW[t, j].tolist(), NB[t, m, j].tolist()))
+    assert len(set(whole)) == len(whole)
+    buckets = []
+    for start, _end, nb, tw in tiled.buckets:
+        t, m, j = (nb < km.n_in).nonzero().unbind(1)
+        buckets += zip(rows[(start + t) * tile + m].tolist(), tw[t, j].tolist(), nb[t, m, j].tolist())
+    assert set(buckets) == set(whole) and len(buckets) == len(whole)
+    assert tiled.real_pairs == len(whole) <= tiled.padded_pairs
+    return set(whole)
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("k,s,d,mode", [
+    (3, 1, 1, "subm"), (3, 1, 2, "subm"), (2, 1, 1, "subm"), (5, 1, 1, "subm"), (1, 1, 1, "subm"),
+    (2, 2, 1, "strided"), (3, 2, 1, "strided"),
+])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_fused_lookup_equals_the_torch_lookup(monkeypatch, k, s, d, mode, dtype):
+    coords = random_sites(150, 8, seed=k + s + d, dtype=dtype).to(DEVICE)
+    plain = build_kernel_map(coords, k, s, d, mode)
+    monkeypatch.setattr(kernel_map, "_fused_lookup", lambda device: True)
+    fused = build_kernel_map(coords, k, s, d, mode)
+    assert torch.equal(fused.out_coords, plain.out_coords)
+    assert torch.equal(fused.nbr, plain.nbr) and fused.nbr.dtype == torch.int32
+    assert fused.offset_pairs == plain.offset_pairs == (plain.nbr >= 0).sum(0).tolist()
+
+
+@KERNEL_MARK
+def test_fused_lookup_edge_cases(monkeypatch):
+    monkeypatch.setattr(kernel_map, "_fused_lookup", lambda device: True)
+    wide = random_sites(70, 6, seed=4).to(DEVICE).t().contiguous().t()  # column-major [N, 4]
+    assert not wide.is_contiguous()
+    assert torch.equal(build_kernel_map(wide).nbr, build_kernel_map(wide.contiguous()).nbr)
+    one = build_kernel_map(torch.tensor([[0, 0, 0]], device=DEVICE))
+    assert one.nbr.tolist() == [[-1] * 13 + [0] + [-1] * 13] and one.pairs == 1
+    empty = build_kernel_map(torch.zeros(0, 3, dtype=torch.long, device=DEVICE))
+    assert empty.nbr.shape == (0, 27) and empty.pairs == 0
+    # strided onto given sites, none of which reads an input
+    far = build_kernel_map(random_sites(20, 4).to(DEVICE), 3, 2, 1, "strided", torch.tensor([[0, 50, 50, 50]], device=DEVICE))
+    assert far.nbr.tolist() == [[-1] * 27] and far.offset_pairs == [0] * 27
+
+
+@pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1)])
+def test_mirrored_transpose_equals_the_general_one(k, d):
+    coords = random_sites(300, 9, seed=k * d)
+    km = build_kernel_map(coords, k, 1, d)
+    assert km.symmetric
+    general = KernelMap(km.nbr, km.n_in, km.out_coords, k).transpose()  # scattered, not mirrored
+    mirrored = km.transpose()
+    assert torch.equal(mirrored.nbr, general.nbr)
+    assert mirrored.offset_pairs == (general.nbr >= 0).sum(0).tolist() and mirrored.pairs == km.pairs
+    forward_tiles = km.tiles(16)
+    assert torch.equal(mirrored.tiles(16).inverse, forward_tiles.inverse)  # the forward's tiles, reused
+    assert mirrored.tiles_whole(16)[0] is km.tiles_whole(16)[0]
+    assert tiled_pair_set(mirrored, 16) == pair_set(general)
+    assert tiled_pair_set(km, 16) == pair_set(km)
+    # The transposed map's tiles first: the forward tiles are made from its mirror.
+    km2 = build_kernel_map(coords, k, 1, d)
+    assert tiled_pair_set(km2.transpose(), 8) == pair_set(general)
+    assert km2.tiles_whole(8)[0] is km2.transpose().tiles_whole(8)[0] and tiled_pair_set(km2, 8) == pair_set(km)
+
+
+def test_even_kernels_and_strided_maps_are_not_mirrored():
+    coords = random_sites(80, 6, seed=9)
+    assert not build_kernel_map(coords, 2).symmetric
+    assert not build_kernel_map(coords, 3, 2, 1, "strided").symmetric
+
+
+@pytest.mark.parametrize("group", [None, 4, 32])
+def test_pair_groups_from_host_counts_equal_counted_ones(group):
+    km = build_kernel_map(random_sites(200, 7, seed=3), 3)
+    counted = pair_groups(km.nbr, km.n_in, group)
+    given = km.pair_groups(group)
+    assert torch.equal(given.PI, counted.PI) and torch.equal(given.PO, counted.PO) and torch.equal(given.PW, counted.PW)
+    real = given.PI < km.n_in
+    p, q = real.nonzero().unbind(1)
+    got = list(zip(given.PO[p, q].tolist(), given.PW[p].tolist(), given.PI[p, q].tolist()))
+    assert set(got) == pair_set(km) and len(got) == km.pairs
+    empty = pair_groups(torch.full((5, 27), -1, dtype=torch.int32), 3, group)
+    assert empty.PW.tolist() == [0] and (empty.PI == 3).all()
+
+
+def test_out_coords_range_is_checked_at_their_scale():
+    coords = random_sites(30, 5)
+    with pytest.raises(InsumError, match="out_coords"):
+        build_kernel_map(coords, 3, 2, 1, "strided", torch.tensor([[0, 20000, 0, 0]]))  # 40000 at stride 2
+    build_kernel_map(coords, 3, 2, 1, "strided", torch.tensor([[0, 16000, 0, 0]]))
+
+
+def test_a_training_build_reads_the_device_twice(monkeypatch):
+    """Host syncs of the build, the one-launch tiles, the pairs count, the transposed tiles
+    and the pair groups: the build's range check with its per-offset counts, and the tiles'
+    width. Counted as host reads of tensor values (tolist, item) and sizes (nonzero)."""
+    reads = []
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item") or item(t))
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: reads.append("int") or int(item(t)))
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: reads.append("nonzero"))  # must not be called
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda *a, **k: reads.append("nonzero"))
+    coords = random_sites(200, 7, seed=1)
+    km = build_kernel_map(coords)
+    assert reads == ["tolist"]
+    km.pairs, km.tiles_whole(128), km.transpose().tiles_whole(128), km.pair_groups(), km.pair_groups(128)
+    assert reads == ["tolist", "int"]
