@@ -3,7 +3,7 @@ forward build (map + one-launch tiles, what SparseConv3d's forward reads on a GP
 training extras (transposed map and its tiles, pair groups), on a voxelised room.
 
     python -m benchmarks.map_overhead [--voxels 3000] [--out DIR]
-    TRITON_INTERPRET=1 python -m benchmarks.map_overhead   # also the CUDA path (fused lookup kernel)
+    TRITON_INTERPRET=1 python -m benchmarks.map_overhead   # also the CUDA path (its Triton kernels)
 
 On a GPU every counted op is at least one kernel launch (a few host microseconds each) and
 every sync stalls the host until the device has drained its queue, so at 100k-1M voxels
@@ -13,7 +13,7 @@ host must read: `_local_scalar_dense` (`.item()`, `int(t)`), `Tensor.tolist`, `n
 `unique`, `masked_select`, boolean-mask indexing and `repeat_interleave` without
 `output_size`. Triton kernels launched by the build count as one op each. On the CPU the
 build takes its torch lookup; under TRITON_INTERPRET=1 the cases are also counted with the
-lookup kernel that CUDA takes (`kernel_map._fused_lookup` switched on).
+lookup kernel that CUDA takes (`kernel_map._use_kernels` switched on).
 """
 
 from __future__ import annotations
@@ -99,12 +99,12 @@ def _counting_tolist_and_kernels(counter: _Count):
 def _lookup_path(fused: bool):
     import insum.nn.kernel_map as kernel_map
 
-    chosen = kernel_map._fused_lookup
-    kernel_map._fused_lookup = lambda device: fused
+    chosen = kernel_map._use_kernels
+    kernel_map._use_kernels = lambda device: fused
     try:
         yield
     finally:
-        kernel_map._fused_lookup = chosen
+        kernel_map._use_kernels = chosen
 
 
 def count(step) -> dict:
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     rows = []
     print(f"room scene: {coords.shape[0]} voxels (CPU counts; on a GPU every op is at least one launch)")
     print(f"{'case':<52} {'ops':>4} {'syncs':>5} {'views':>5}  syncs by kind | ops")
-    paths = [("torch lookup", False)] + ([("fused lookup", True)] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+    paths = [("torch lookup", False)] + ([("triton kernels (the CUDA path)", True)] if os.environ.get("TRITON_INTERPRET") == "1" else [])
     for path, fused in paths:
         for name, step in cases(coords):
             with _lookup_path(fused):

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import insum.nn.conv as conv_module
+import insum.nn.kernel_map as kernel_map_module
 from benchmarks.common import cpu_median_ms, relative_error, shorten_autotune
 from benchmarks.common import median_ms as _gpu_median_ms
 from insum import insum
@@ -221,13 +222,28 @@ def main(argv=None) -> int:
 
 def _map_times(coords) -> dict:
     """insum's kernel map: for inference (map + tiles, one-launch packing) and for training
-    (+ the transposed map's, pair groups)."""
+    (+ the transposed map's, pair groups); the build alone; the same with the build's torch
+    ops in place of its Triton kernels (`kernel_map._use_kernels`), and whether both give the
+    same map and tiles."""
     def build_train():
         km = build_kernel_map(coords)
         km.tiles_whole(128), km.transpose().tiles_whole(128), km.pair_groups()
 
-    # tiles_whole: the one-launch packing the layer reads on a GPU (it builds the buckets first)
-    return {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles_whole(128)), "map_train_ms": median_ms(build_train)}
+    # tiles_whole: the one-launch packing the layer reads on a GPU
+    times = {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles_whole(128)),
+             "map_train_ms": median_ms(build_train), "map_build_ms": median_ms(lambda: build_kernel_map(coords))}
+    if coords.is_cuda:
+        fast = build_kernel_map(coords)
+        chosen = kernel_map_module._use_kernels
+        kernel_map_module._use_kernels = lambda device: False
+        try:
+            times["map_fwd_torch_ops_ms"] = median_ms(lambda: build_kernel_map(coords).tiles_whole(128))
+            plain = build_kernel_map(coords)
+            times["map_kernels_equal_torch_ops"] = torch.equal(fast.nbr, plain.nbr) and all(
+                torch.equal(a, b) for a, b in zip(fast.tiles_whole(128), plain.tiles_whole(128)))
+        finally:
+            kernel_map_module._use_kernels = chosen
+    return times
 
 
 def _spconv_map_times(spconv, coords) -> dict:
@@ -254,16 +270,19 @@ def _spconv_map_times(spconv, coords) -> dict:
 def _map_table(rows) -> None:
     if not rows:
         return
-    print("\nkernel-map build, ms (median): insum (map + tiles | + transposed tiles, pair groups) vs spconv-triton "
-          "(get_indice_pairs_implicit_gemm, inference | training)")
+    print("\nkernel-map build, ms (median): insum (map + tiles | + transposed tiles, pair groups | the build alone) vs "
+          "spconv-triton (get_indice_pairs_implicit_gemm, inference | training)")
     for r in rows:
         def f(key, r=r):
             v = r.get(key)
             return f"{v:8.3f}" if isinstance(v, (int, float)) else f"{'-':>8}"
 
         ratio = r["spconv_map_fwd_ms"] / r["map_fwd_ms"] if "spconv_map_fwd_ms" in r else None
-        print(f"{r['voxels']:>8} voxels | insum {f('map_fwd_ms')} {f('map_train_ms')} | spconv-triton {f('spconv_map_fwd_ms')}"
-              f" {f('spconv_map_train_ms')} | spconv/insum inference {ratio if ratio is None else f'{ratio:.2f}x'}")
+        print(f"{r['voxels']:>8} voxels | insum {f('map_fwd_ms')} {f('map_train_ms')} {f('map_build_ms')}"
+              f" | spconv-triton {f('spconv_map_fwd_ms')} {f('spconv_map_train_ms')}"
+              f" | spconv/insum inference {ratio if ratio is None else f'{ratio:.2f}x'}"
+              f" | insum with torch ops for its kernels {f('map_fwd_torch_ops_ms')}"
+              f" (same map: {r.get('map_kernels_equal_torch_ops', '-')})")
 
 
 def _case(km, coords, ins, outs, c, spconv) -> dict:

@@ -63,16 +63,19 @@ def tiled_pair_set(km: KernelMap, tile: int) -> set[tuple[int, int, int]]:
 def test_fused_lookup_equals_the_torch_lookup(monkeypatch, k, s, d, mode, dtype):
     coords = random_sites(150, 8, seed=k + s + d, dtype=dtype).to(DEVICE)
     plain = build_kernel_map(coords, k, s, d, mode)
-    monkeypatch.setattr(kernel_map, "_fused_lookup", lambda device: True)
+    plain_tiles = [plain.tiles_whole(tile) for tile in (16, 12)]
+    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: True)
     fused = build_kernel_map(coords, k, s, d, mode)
     assert torch.equal(fused.out_coords, plain.out_coords)
     assert torch.equal(fused.nbr, plain.nbr) and fused.nbr.dtype == torch.int32
     assert fused.offset_pairs == plain.offset_pairs == (plain.nbr >= 0).sum(0).tolist()
+    for tile, expected in zip((16, 12), plain_tiles):  # the pack kernel (12: not a power of two)
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(fused.tiles_whole(tile), expected))
 
 
 @KERNEL_MARK
 def test_fused_lookup_edge_cases(monkeypatch):
-    monkeypatch.setattr(kernel_map, "_fused_lookup", lambda device: True)
+    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: True)
     wide = random_sites(70, 6, seed=4).to(DEVICE).t().contiguous().t()  # column-major [N, 4]
     assert not wide.is_contiguous()
     assert torch.equal(build_kernel_map(wide).nbr, build_kernel_map(wide.contiguous()).nbr)

@@ -233,11 +233,54 @@ class TiledMap:
                 self._whole = NB, (self._nbr.shape[1] - 1) - TW, TL
             else:
                 width = max(1, int(self._counts[-1]))
-                tw = torch.argsort((~self._active).to(torch.int8), dim=1, stable=True)[:, :width]
-                nbr_zero_row = F.pad(torch.where(self._nbr >= 0, self._nbr, self._n_in), (0, 0, 0, 1), value=self._n_in)
-                NB = nbr_zero_row[self._rows[:, :, None], tw[:, None, :]].to(torch.int32)  # [T, tile, J]
-                self._whole = NB, tw.to(torch.int32), self._counts.to(torch.int32)
+                tw = torch.argsort((~self._active).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
+                self._whole = _pack_tiles(self._nbr, self._n_in, self._rows, tw), tw, self._counts.to(torch.int32)
         return self._whole
+
+
+def _pack_tiles(nbr: torch.Tensor, n_in: int, rows: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
+    """NB[t, m, j] = nbr[rows[t, m], tw[t, j]], n_in where absent or rows[t, m] = -1."""
+    if not _use_kernels(nbr.device):
+        nbr_zero_row = F.pad(torch.where(nbr >= 0, nbr, n_in), (0, 0, 0, 1), value=n_in)  # row -1: padding
+        return nbr_zero_row[rows[:, :, None], tw[:, None, :]].to(torch.int32)  # [T, tile, J]
+    n_tiles, tile = rows.shape
+    width = tw.shape[1]
+    NB = torch.empty((n_tiles, tile, width), dtype=torch.int32, device=nbr.device)
+    _launch(_pack_kernel(), (n_tiles,), nbr, rows, tw, NB, n_in, tile, width, nbr.stride(0), nbr.stride(1),
+            rows.stride(0), tw.stride(0), BLOCK_M=next_power_of_2(tile), BLOCK_J=next_power_of_2(width))
+    return NB
+
+
+@functools.cache
+def _pack_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_pack_tiles(
+        # pointers
+        nbr_ptr, rows_ptr, tw_ptr, nb_ptr,
+        # sizes
+        n_in, tile, width,
+        # strides
+        stride_nv, stride_nw, stride_rt, stride_twt,
+        # meta-parameters
+        BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        offs_j = tl.arange(0, BLOCK_J)  # [BLOCK_J]
+        mask_m = offs_m < tile
+        mask_j = offs_j < width
+        rows = tl.load(rows_ptr + pid_t * stride_rt + offs_m, mask=mask_m, other=-1).to(tl.int64)  # [BLOCK_M]
+        tw = tl.load(tw_ptr + pid_t * stride_twt + offs_j, mask=mask_j, other=0)  # [BLOCK_J]
+        real = (rows[:, None] >= 0) & mask_j[None, :]  # [BLOCK_M, BLOCK_J]
+        nbr_ptrs = nbr_ptr + rows[:, None] * stride_nv + tw[None, :] * stride_nw
+        v = tl.load(nbr_ptrs, mask=real, other=-1)  # [BLOCK_M, BLOCK_J]
+        nb_ptrs = nb_ptr + (pid_t.to(tl.int64) * tile + offs_m)[:, None] * width + offs_j[None, :]
+        tl.store(nb_ptrs, tl.where(v >= 0, v, n_in).to(tl.int32), mask=mask_m[:, None] & mask_j[None, :])
+
+    return insum_kernel_map_pack_tiles
 
 
 @dataclass
@@ -390,10 +433,11 @@ def _lookup(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor, mode:
     return torch.where(hit, order.to(torch.int32)[pos], -1), hit.sum(0)
 
 
-def _fused_lookup(device: torch.device) -> bool:
-    """Whether the map is looked up by `_lookup_kernel` (one launch, no [M, k**3] int64
-    temporaries) rather than `_lookup`'s torch ops: on CUDA. Tests switch it on in the
-    Triton interpreter."""
+def _use_kernels(device: torch.device) -> bool:
+    """Whether the build runs its Triton kernels (`_lookup_kernel`: the lookup in one launch,
+    no [M, k**3] int64 temporaries; `_pack_kernel`: the one-launch tiles in one gather)
+    rather than the torch ops that do the same: on CUDA. Tests switch them on in the Triton
+    interpreter."""
     return device.type == "cuda"
 
 
@@ -502,7 +546,7 @@ def build_kernel_map(
     else:
         out = _as_batched(out_coords, "out_coords")
     in_keys, order = torch.sort(_keys(coords))
-    if mode != "transposed" and _fused_lookup(coords.device):
+    if mode != "transposed" and _use_kernels(coords.device):
         nbr, offset_pairs = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
     else:
         nbr, offset_pairs = _lookup(in_keys, order, out, mode, kernel_size, stride, dilation)
