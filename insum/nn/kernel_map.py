@@ -315,6 +315,8 @@ class KernelMap:
     # without holding this map (no reference cycle through `_packed["transpose"]`).
     _tilings: dict = field(default_factory=dict, repr=False)
     _mirror_tilings: dict | None = field(default=None, repr=False)
+    # Each output row's neighbour bitmask (tile_map's sort key), when the lookup kernel made it.
+    _row_mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def n_out(self) -> int:
@@ -360,7 +362,7 @@ class KernelMap:
                     self._mirror_tilings[tile] = tile_map(self.nbr.flip(1), self.n_out, tile)
                 self._tilings[tile] = self._mirror_tilings[tile].mirrored(self.nbr)
             else:
-                self._tilings[tile] = tile_map(self.nbr, self.n_in, tile)
+                self._tilings[tile] = tile_map(self.nbr, self.n_in, tile, mask=self._row_mask)
         return self._tilings[tile]
 
     def pair_groups(self, group: int | None = None) -> PairGroups:
@@ -447,20 +449,24 @@ def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
 
 
 def _lookup_fused(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor, kernel_size: int, stride: int,
-                  dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  dilation: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_lookup` for submanifold and strided maps as one kernel: each program takes
     BLOCK_M output rows and every offset, forms the query keys in registers, binary-searches
-    the sorted input keys, writes nbr and adds its hits per offset to the counts."""
+    the sorted input keys, writes nbr and each row's neighbour bitmask (`tile_map`'s sort
+    key), and adds its hits per offset to the counts."""
     volume = kernel_size**3
     n_out, n_in = out.shape[0], in_keys.shape[0]
     nbr = torch.empty((n_out, volume), dtype=torch.int32, device=out.device)
     counts = torch.zeros(volume, dtype=torch.int32, device=out.device)
+    bits = min(volume, _MASK_BITS)
+    mask = torch.empty(n_out, dtype=_mask_dtype(bits), device=out.device)
     if n_out:
         block_w = next_power_of_2(volume)
         block_m = max(1, 2048 // block_w)
-        _launch(_lookup_kernel(), (cdiv(n_out, block_m),), out, in_keys, order, nbr, counts, n_out, n_in,
-                n_in.bit_length(), out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size, BLOCK_M=block_m, BLOCK_W=block_w)
-    return nbr, counts
+        _launch(_lookup_kernel(), (cdiv(n_out, block_m),), out, in_keys, order, nbr, counts, mask, n_out, n_in,
+                n_in.bit_length(), out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
+                BITS=bits, BLOCK_M=block_m, BLOCK_W=block_w)
+    return nbr, counts, mask
 
 
 @functools.cache
@@ -471,13 +477,14 @@ def _lookup_kernel():
     @triton.jit
     def insum_kernel_map_lookup(
         # pointers
-        out_ptr, keys_ptr, order_ptr, nbr_ptr, counts_ptr,
+        out_ptr, keys_ptr, order_ptr, nbr_ptr, counts_ptr, mask_ptr,
         # sizes
         n_out, n_in, search_steps,
         # strides
         stride_om, stride_oc,
         # meta-parameters
-        STRIDE: tl.constexpr, DILATION: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+        STRIDE: tl.constexpr, DILATION: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_W: tl.constexpr,
     ):
         VOLUME: tl.constexpr = K * K * K
         R: tl.constexpr = (K - 1) // 2
@@ -512,6 +519,9 @@ def _lookup_kernel():
         nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
         tl.store(nbr_ptrs, tl.where(hit, row, -1), mask=mask_m[:, None] & mask_w[None, :])
         tl.atomic_add(counts_ptr + offs_w, tl.sum(hit.to(tl.int32), axis=0), mask=mask_w)
+        bit = tl.where(offs_w < BITS, tl.full((BLOCK_W,), 1, tl.int64) << offs_w.to(tl.int64), 0)  # [BLOCK_W]
+        row_mask = tl.sum(tl.where(hit, bit[None, :], 0), axis=1)  # [BLOCK_M]
+        tl.store(mask_ptr + offs_m, row_mask.to(mask_ptr.dtype.element_ty), mask=mask_m)
 
     return insum_kernel_map_lookup
 
@@ -546,8 +556,9 @@ def build_kernel_map(
     else:
         out = _as_batched(out_coords, "out_coords")
     in_keys, order = torch.sort(_keys(coords))
+    row_mask = None
     if mode != "transposed" and _use_kernels(coords.device):
-        nbr, offset_pairs = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
+        nbr, offset_pairs, row_mask = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
     else:
         nbr, offset_pairs = _lookup(in_keys, order, out, mode, kernel_size, stride, dilation)
     # One sync: the coordinates' ranges (checked now: keys out of range would alias) and the
@@ -559,7 +570,8 @@ def build_kernel_map(
     for i, (_, scale, name) in enumerate(checks):
         _check_stats(host[3 * i: 3 * i + 3], scale, reach, name)
     symmetric = mode == "subm" and kernel_size % 2 == 1
-    return KernelMap(nbr, coords.shape[0], out, kernel_size, offset_pairs=host[3 * len(checks):], symmetric=symmetric)
+    return KernelMap(nbr, coords.shape[0], out, kernel_size, offset_pairs=host[3 * len(checks):], symmetric=symmetric,
+                     _row_mask=row_mask)
 
 
 def bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
@@ -585,32 +597,87 @@ def bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
     return best[n][1]
 
 
+_MASK_BITS = 62  # offsets in a row's neighbour bitmask (the sort key of the tiles)
+
+
+def _mask_dtype(bits: int) -> torch.dtype:
+    return torch.int32 if bits <= 31 else torch.int64
+
+
 @functools.cache
 def _bit_weights(bits: int, device: torch.device) -> torch.Tensor:
     """2**w for the first `bits` offsets, in the narrowest integer type that holds them."""
-    dtype = torch.int32 if bits <= 31 else torch.int64
+    dtype = _mask_dtype(bits)
     return torch.ones((), dtype=dtype, device=device) << torch.arange(bits, dtype=dtype, device=device)
 
 
-def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6) -> TiledMap:
+def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6,
+             mask: torch.Tensor | None = None) -> TiledMap:
     """Pack a kernel map into the output-stationary tiled form (see `TiledMap`). No host
-    sync: the buckets and the one-launch tensors are made when first read."""
+    sync: the buckets and the one-launch tensors are made when first read. mask: each row's
+    neighbour bitmask (offsets below 62), when the lookup kernel already made it."""
     n_out, volume = nbr.shape
     device = nbr.device
-    found = nbr >= 0
-    weights = _bit_weights(min(volume, 62), device)
-    mask = torch.where(found[:, : weights.shape[0]], weights, 0).sum(1, dtype=weights.dtype)
+    if mask is None:
+        weights = _bit_weights(min(volume, _MASK_BITS), device)
+        mask = torch.where(nbr[:, : weights.shape[0]] >= 0, weights, 0).sum(1, dtype=weights.dtype)
     order = torch.argsort(mask, stable=True)
     n_tiles = max(1, cdiv(n_out, tile))
     rows = F.pad(order, (0, n_tiles * tile - n_out), value=-1).view(n_tiles, tile)
-    active = F.pad(found[order], (0, 0, 0, n_tiles * tile - n_out)).view(n_tiles, tile, volume).any(1)  # [T, volume]
-    counts, tile_order = torch.sort(active.sum(1), stable=True)
+    active, counts = _tile_activity(nbr, rows)
+    counts, tile_order = torch.sort(counts, stable=True)
     rows, active = rows[tile_order], active[tile_order]
     # Padding rows (-1) all land in one spare slot past the end.
     flat = rows.flatten()
     inverse = torch.empty(n_out + 1, dtype=torch.long, device=device)
     inverse.scatter_(0, torch.where(flat >= 0, flat, n_out), torch.arange(flat.numel(), device=device))
     return TiledMap(tile, nbr, n_in, rows, active, counts, inverse[:n_out], max_buckets)
+
+
+def _tile_activity(nbr: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """active [T, volume]: whether some row of tile t (rows [T, tile], -1: padding) reads
+    offset w; counts [T] (int64): the active offsets per tile."""
+    n_tiles, tile = rows.shape
+    volume = nbr.shape[1]
+    if not _use_kernels(nbr.device):
+        found = F.pad(nbr >= 0, (0, 0, 0, 1))  # row -1 (padding) reads no neighbour
+        active = found[rows].any(1)
+        return active, active.sum(1)
+    active = torch.empty((n_tiles, volume), dtype=torch.int8, device=nbr.device)
+    counts = torch.empty(n_tiles, dtype=torch.int64, device=nbr.device)
+    _launch(_activity_kernel(), (n_tiles,), nbr, rows, active, counts, tile, volume, nbr.stride(0), nbr.stride(1),
+            rows.stride(0), BLOCK_M=next_power_of_2(tile), BLOCK_W=next_power_of_2(volume))
+    return active.view(torch.bool), counts
+
+
+@functools.cache
+def _activity_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_tile_activity(
+        # pointers
+        nbr_ptr, rows_ptr, active_ptr, counts_ptr,
+        # sizes
+        tile, volume,
+        # strides
+        stride_nv, stride_nw, stride_rt,
+        # meta-parameters
+        BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        mask_w = offs_w < volume
+        rows = tl.load(rows_ptr + pid_t * stride_rt + offs_m, mask=offs_m < tile, other=-1).to(tl.int64)  # [BLOCK_M]
+        real = (rows[:, None] >= 0) & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
+        v = tl.load(nbr_ptr + rows[:, None] * stride_nv + offs_w[None, :] * stride_nw, mask=real, other=-1)
+        active = tl.max((v >= 0).to(tl.int8), axis=0)  # [BLOCK_W]
+        tl.store(active_ptr + pid_t.to(tl.int64) * volume + offs_w, active, mask=mask_w)
+        tl.store(counts_ptr + pid_t, tl.sum(active.to(tl.int64), axis=0))
+
+    return insum_kernel_map_tile_activity
 
 
 def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_pairs: list[int] | None = None) -> PairGroups:
