@@ -42,7 +42,7 @@ from .codegen import (
     prune_configs,
     schedule,
 )
-from .codegen.schedule import NARROW, SIZE_CAP, box_layout
+from .codegen.schedule import NARROW, SIZE_CAP, box_layout, permuted_output
 from .direct import LAUNCH_OPTIONS, DirectLaunch
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
@@ -370,10 +370,13 @@ class _Launcher:
         scatters = plan.output in ("atomic", "segment")
         self.half_scratch = scatters and bound.out_dtype in HALF_DTYPES and not _half_atomics(bound.out_dtype, bound.device)
         # An owned scatter (a plain store through an indirect index) writes only the elements
-        # it reaches: overwriting, it starts from zeros too.
-        self.zero_fill = not plan.stmt.accumulate and (
-            (scatters and not self.half_scratch) or (not scatters and not plan.covers_output)
+        # it reaches: overwriting, it starts from zeros too, unless its declared-unique index
+        # holds as many values as the dimension it indexes (a permutation of it).
+        permuted = permuted_output(plan)
+        covered = plan.covers_output or (
+            permuted is not None and bound.tensors[permuted[0]].numel() == bound.out_shape[permuted[1]]
         )
+        self.zero_fill = not plan.stmt.accumulate and ((scatters and not self.half_scratch) or (not scatters and not covered))
         self.accumulate = plan.stmt.accumulate
         self.descriptors = bool(plan.boxes)
 
