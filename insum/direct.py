@@ -11,7 +11,9 @@ tile configuration. So after the JIT has run once for a (device, pointer alignme
                launch_metadata, launch_enter_hook, launch_exit_hook, *every_parameter)
 
 where every_parameter is the kernel's Python signature in order, constexprs included
-(Triton 3.6 to 3.9 launch so). What the JIT would specialise on beyond the signature is
+(Triton 3.6 to 3.9 launch so). Its pointers may be given as device addresses (integers): a
+pinned call does so, which spares the launcher a `data_ptr()` call and a driver query
+(`cuPointerGetAttribute`) per tensor, the largest part of a many-tensor launch. What the JIT would specialise on beyond the signature is
 each pointer's 16-byte alignment, so that is the key, with the current device; the stream
 is read the way the JIT reads it. A launch hook (a profiler) takes the JIT path, as do the
 interpreter and INSUM_DIRECT_LAUNCH=0. Any exception on the direct path switches it
@@ -86,16 +88,32 @@ class DirectLaunch:
         """Every parameter of the kernel in signature order, as the compiled launcher takes them."""
         return (*args, *self.constexprs)
 
-    def __call__(self, jit_fn, args: list, alignments: Callable[[], tuple] | None = None) -> None:
-        """Launch on `args`. alignments: what `args`' pointers give modulo 16, in order, from
-        a caller that knows most of them already (a pinned launch); read from `args` if None."""
+    def __call__(
+        self,
+        jit_fn,
+        args: list | Callable[[], list],
+        alignments: Callable[[], tuple] | None = None,
+        addresses: Callable[[], list] | None = None,
+    ) -> None:
+        """Launch on `args` (the argument list, or what makes it: a pinned call makes it only
+        for the JIT). alignments: what `args`' pointers give modulo 16, in order, from a caller
+        that knows most of them already (a pinned launch); read from `args` if None.
+        addresses: the argument list with every pointer as its device address, from a caller
+        that checked the tensors' device (a pinned launch): the compiled launcher then takes
+        each as it is, where a tensor costs it a `data_ptr()` call and a driver query."""
+        listed = args if isinstance(args, list) else None
+
+        def argument_list() -> list:
+            return listed if listed is not None else args()
+
         if not self.enabled or not flag("INSUM_DIRECT_LAUNCH", default=True):
-            jit_fn[self.grid](*args, **self.config)
+            jit_fn[self.grid](*argument_list(), **self.config)
             return
         driver, knobs = _triton_runtime()
         device = driver.get_current_device()
         if alignments is None:
-            key = (device, *[args[i].data_ptr() & 15 for i in self.pointers])  # (finer than aligned or not)
+            listed = argument_list()
+            key = (device, *[listed[i].data_ptr() & 15 for i in self.pointers])  # (finer than aligned or not)
         else:
             key = (device, *alignments())
         compiled = self.compiled.get(key)
@@ -105,7 +123,7 @@ class DirectLaunch:
         # fallback below launch (and add into the output) a second time.
         hooked = _has_calls(enter) or _has_calls(leave)
         if compiled is None or hooked:
-            kernel = jit_fn[self.grid](*args, **self.config)
+            kernel = jit_fn[self.grid](*argument_list(), **self.config)
             if compiled is None and kernel is not None:
                 try:
                     if hasattr(kernel, "result"):  # a future while compiling asynchronously
@@ -118,8 +136,8 @@ class DirectLaunch:
         run, function, metadata = compiled
         try:
             run(*self.grid3, driver.get_current_stream(device), function, metadata, None, enter, leave,
-                *args, *self.constexprs)
+                *(addresses() if addresses is not None else argument_list()), *self.constexprs)
         except Exception as error:
             self.enabled = False  # for good: no retry cost on later calls
             self.why_not = f"the compiled launcher raised {error!r}"
-            jit_fn[self.grid](*args, **self.config)
+            jit_fn[self.grid](*argument_list(), **self.config)

@@ -42,7 +42,7 @@ from .codegen import (
     prune_configs,
     schedule,
 )
-from .codegen.schedule import NARROW, SIZE_CAP, box_layout
+from .codegen.schedule import NARROW, SIZE_CAP, box_layout, permuted_output
 from .direct import LAUNCH_OPTIONS, DirectLaunch
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
@@ -370,10 +370,13 @@ class _Launcher:
         scatters = plan.output in ("atomic", "segment")
         self.half_scratch = scatters and bound.out_dtype in HALF_DTYPES and not _half_atomics(bound.out_dtype, bound.device)
         # An owned scatter (a plain store through an indirect index) writes only the elements
-        # it reaches: overwriting, it starts from zeros too.
-        self.zero_fill = not plan.stmt.accumulate and (
-            (scatters and not self.half_scratch) or (not scatters and not plan.covers_output)
+        # it reaches: overwriting, it starts from zeros too, unless its declared-unique index
+        # holds as many values as the dimension it indexes (a permutation of it).
+        permuted = permuted_output(plan)
+        covered = plan.covers_output or (
+            permuted is not None and bound.tensors[permuted[0]].numel() == bound.out_shape[permuted[1]]
         )
+        self.zero_fill = not plan.stmt.accumulate and ((scatters and not self.half_scratch) or (not scatters and not covered))
         self.accumulate = plan.stmt.accumulate
         self.descriptors = bool(plan.boxes)
 
@@ -399,15 +402,15 @@ class _Launcher:
         if self.descriptors:
             _ensure_descriptor_allocator()
         if self.launched:
-            if type(tensors) is PinnedCall:  # (pinned only where no float32 buffer stands in for out)
-                args, alignments = tensors.arguments(), tensors.alignments
-            else:
-                args, alignments = self.args(tensors, target), None
+            pinned = type(tensors) is PinnedCall  # (pinned only where no float32 buffer stands in for out)
             kernel = self.kernel
             if self.config is None:
+                args = tensors.arguments() if pinned else self.args(tensors, target)
                 kernel._first_run(self, args, self.device, kernel.autotune if autotune is None else autotune)
+            elif pinned:
+                self.direct(kernel.fn, tensors.arguments, tensors.alignments, tensors.addresses)
             else:
-                self.direct(kernel.fn, args, alignments)
+                self.direct(kernel.fn, self.args(tensors, target))
         if target is not out:
             if self.accumulate:
                 out.add_(target)
@@ -477,7 +480,7 @@ class BatchLaunch:
         if self.total == 0:
             return
         if type(calls) is PinnedCall:
-            self.direct(self.fn, calls.arguments(), calls.alignments)
+            self.direct(self.fn, calls.arguments, calls.alignments, calls.addresses)
             return
         args = []
         for part, (tensors, out) in zip(self.parts, calls):
@@ -494,7 +497,7 @@ class BatchLaunch:
 def _pin_arguments(parts: Sequence[_Launcher], fixed: Sequence[Mapping[str, torch.Tensor]], tail: list) -> PinnedArguments:
     """The parts' argument lists one after the other, then `tail`, with the tensors in `fixed`
     (per part, by name) in place."""
-    template, slots, strides, aligned, free = [], [], [], [], []
+    template, slots, strides, aligned, free, addresses = [], [], [], [], [], []
     for part, tensors in zip(parts, fixed):
         offset = len(template)
         template += part.template
@@ -507,19 +510,27 @@ def _pin_arguments(parts: Sequence[_Launcher], fixed: Sequence[Mapping[str, torc
             else:
                 template[offset + position] = tensor
                 aligned.append(tensor.data_ptr() & 15)
+                addresses.append((offset + position, tensor.data_ptr()))
         strides += [(offset + position, part.out_name, dim) for position, dim in part.out_strides]
     template += tail
-    return PinnedArguments(template, tuple(slots), tuple(strides), tuple(aligned), tuple(free))
+    by_address = list(template)
+    for position, address in addresses:
+        by_address[position] = address
+    return PinnedArguments(template, tuple(slots), tuple(strides), tuple(aligned), tuple(free), by_address)
 
 
 class PinnedArguments:
     """A launch's argument list with its pinned tensors in place (`BatchLaunch.pin`): a call
     fills in the varying tensors by name, the outputs' strides, and their pointers' alignment."""
 
-    __slots__ = ("template", "slots", "strides", "outputs", "aligned", "free", "names", "keys")
+    __slots__ = ("template", "by_address", "slots", "strides", "outputs", "aligned", "free", "names", "keys")
 
-    def __init__(self, template: list, slots: tuple, strides: tuple, aligned: tuple, free: tuple):
+    def __init__(self, template: list, slots: tuple, strides: tuple, aligned: tuple, free: tuple, by_address: list):
         self.template = template
+        # The same list with the pinned tensors' device addresses in their place: what the
+        # compiled launcher takes without asking the driver about each pointer (`Pinned.ready`
+        # checks before every call that the memory under them has not moved).
+        self.by_address = by_address
         self.slots = slots  # (position, name) of each varying tensor's pointer
         self.strides = strides  # (position, output name, dimension) of each output stride
         self.outputs = tuple({name: None for _, name, _ in strides})
@@ -546,17 +557,29 @@ class PinnedCall:
     """One call of pinned arguments: what `BatchLaunch.run` and `_Launcher.run` take instead
     of the tensors by name."""
 
-    __slots__ = ("pinned", "varying")
+    __slots__ = ("pinned", "varying", "pointers")
 
     def __init__(self, pinned: PinnedArguments, varying: Mapping[str, torch.Tensor]):
         self.pinned = pinned
         self.varying = varying
+        self.pointers: tuple | None = None  # the varying tensors' addresses, once read
 
     def arguments(self) -> list:
+        """The argument list, with tensors (for the JIT)."""
+        return self._fill(self.pinned.template, self.varying)
+
+    def addresses(self) -> list:
+        """The argument list with every pointer as a device address (for the compiled launcher,
+        on a device the call's tensors were checked to be on)."""
+        if self.pointers is None:
+            self.pointers = tuple([self.varying[name].data_ptr() for name in self.pinned.names])
+        return self._fill(self.pinned.by_address, dict(zip(self.pinned.names, self.pointers)))
+
+    def _fill(self, template: list, pointers: Mapping[str, object]) -> list:
         pinned, varying = self.pinned, self.varying
-        args = pinned.template.copy()
+        args = template.copy()
         for position, name in pinned.slots:
-            args[position] = varying[name]
+            args[position] = pointers[name]
         if pinned.strides:
             strides = {name: varying[name].stride() for name in pinned.outputs}
             for position, name, dim in pinned.strides:
@@ -566,7 +589,8 @@ class PinnedCall:
     def alignments(self) -> tuple:
         """The pointers' alignments (mod 16), as `DirectLaunch` keys them."""
         pinned, varying = self.pinned, self.varying
-        alignments = tuple([varying[name].data_ptr() & 15 for name in pinned.names])
+        self.pointers = tuple([varying[name].data_ptr() for name in pinned.names])
+        alignments = tuple([pointer & 15 for pointer in self.pointers])
         key = pinned.keys.get(alignments)
         return key if key is not None else pinned.key(alignments)
 

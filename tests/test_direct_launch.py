@@ -326,6 +326,27 @@ def test_alignments_given_by_the_caller_key_the_same_compiled_kernel(mock_triton
     assert len(jit.calls) == 2
 
 
+def test_addresses_go_to_the_compiled_launcher_and_tensors_to_the_jit(mock_triton):
+    launch, args, _ = _direct()
+    compiled = _MockKernel()
+    jit = _MockJIT(compiled)
+    addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+    made = []
+
+    def arguments():
+        made.append(1)
+        return args
+
+    launch(jit, arguments, None, lambda: addresses)  # the JIT: the tensors
+    assert jit.calls[0][1] == tuple(args) and made == [1]
+    launch(jit, arguments, None, lambda: addresses)
+    assert compiled.calls[0][9:] == (*addresses, *launch.constexprs)
+    assert len(made) == 2  # (the key read the tensors' alignment from the list)
+    key = tuple(args[i].data_ptr() & 15 for i in launch.pointers)
+    launch(jit, arguments, lambda: key, lambda: addresses)  # keyed by the caller: no list made
+    assert len(compiled.calls) == 2 and len(made) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the compiled kernels' own launchers")
 @pytest.mark.parametrize("name", ["GroupCOO", "ELL", "COO", "CELL"])

@@ -173,6 +173,11 @@ def test_pinned_arguments_equal_the_parts_arguments():
         else:
             assert a == b, position
     assert call.alignments() == tuple(expected[i].data_ptr() & 15 for i in batch.direct.pointers)
+    # The compiled launcher's list: the same, with every pointer as its device address.
+    addresses = call.addresses()
+    assert len(addresses) == len(expected)
+    for position, (a, b) in enumerate(zip(addresses, expected)):
+        assert a == (b.data_ptr() if isinstance(b, torch.Tensor) else b), position
 
 
 def test_vector_and_half_products_repeat_pinned(monkeypatch):

@@ -127,6 +127,28 @@ def test_unproven_scatter_keeps_atomics(stmt, shapes, unique):
     assert schedule(spec).output == "atomic"
 
 
+@pytest.mark.parametrize("extra_rows", [0, 3])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_permuting_unique_index_skips_the_zero_fill(extra_rows, index_dtype):
+    """`O[R[t, m], c] = ...` with R declared unique: as many values as O's rows are a
+    permutation (every row written once, no zero fill); fewer leave rows to zero."""
+    stmt = "O[R[t, m], c] = X[t, m, j] * W[j, c]"
+    g = torch.Generator().manual_seed(11)
+    T, M, J, C = 3, 5, 4, 6
+    tensors = {
+        "O": torch.full((T * M + extra_rows, C), float("nan")),
+        "R": torch.randperm(T * M + extra_rows, generator=g)[: T * M].view(T, M).to(index_dtype),
+        "X": torch.randn(T, M, J, generator=g), "W": torch.randn(J, C, generator=g),
+    }
+    tensors = {k: v.to(DEVICE) for k, v in tensors.items()}
+    expected = insum.insum(stmt, backend="torch", **{k: v.clone() for k, v in tensors.items()} | {"O": torch.zeros_like(tensors["O"])})
+    actual = insum.insum(stmt, backend="triton", precision="ieee", unique_indices={"R"}, **tensors)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    bound = bind(parse(stmt), tensors)
+    launcher = kernel_for(bound, "ieee", unique_indices=frozenset({"R"})).prepared(bound)
+    assert launcher.kernel.plan.output == "store" and launcher.zero_fill == (extra_rows > 0)
+
+
 def test_unique_indices_names_an_index_tensor():
     tensors, _ = _tensors(OWNED[0], torch.Generator().manual_seed(5), torch.int64)
     with pytest.raises(InsumError, match="unique_indices names 'AV'"):

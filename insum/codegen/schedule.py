@@ -38,7 +38,7 @@ from typing import Literal
 from ..dtypes import HALF_NAMES, DtypeName
 from ..ir import Access, Index, Role, Statement, Var
 
-__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "single_owner", "rank", "choose", "plan_of", "Candidate", "AXES", "SIZE_CAP"]
+__all__ = ["KernelSpec", "Plan", "PlanKind", "OutputMode", "schedule", "box_layout", "segment_index", "single_owner", "permuted_output", "rank", "choose", "plan_of", "Candidate", "AXES", "SIZE_CAP"]
 
 AXES = ("M", "K", "N")  # canonical order of block dimensions: (M, K) @ (K, N) -> (M, N)
 #: "dot": a tl.dot of an (M, K) block by a (K, N) block; "reduce": broadcast multiply, tl.sum.
@@ -196,6 +196,46 @@ _OUTPUT_NOTES = {
     "atomic": " (tl.atomic_add: scattered contributions may collide)",
     "segment": " (sorted scatter index: equal rows summed in registers, one tl.atomic_add per segment)",
 }
+
+
+def permuted_output(plan: Plan) -> tuple[str, int] | None:
+    """(tensor, output dimension) where an owned scatter writes every output element exactly
+    once if that tensor holds as many values as the dimension's extent.
+
+    The output is `O[..., U[i, j], ...]` with U declared unique and indexed by distinct plain
+    variables that no other output index uses, every other output index a distinct plain
+    variable. U's values are distinct and in range (the caller's declaration, as for
+    ownership), so as many of them as the extent are a permutation of it: an `=` statement
+    then needs no zero fill. The count is the caller's to compare (`runtime`), since the
+    plan does not hold sizes.
+
+    >>> from insum.parser import parse
+    >>> from insum.bind import _roles
+    >>> def permuted(text, **facts):
+    ...     stmt = parse(text)
+    ...     dtypes = (("O", "fp32"), ("X", "fp32"), ("R", "int64"))
+    ...     return permuted_output(schedule(KernelSpec(stmt, tuple(_roles(stmt).items()), dtypes, **facts)))
+    >>> permuted("O[R[t, m], c] = X[t, m, c]", unique_indices=frozenset({"R"}))
+    ('R', 0)
+    >>> permuted("O[R[t, m], m] = X[t, m]", unique_indices=frozenset({"R"})), permuted("O[R[t, m], c] = X[t, m, c]")
+    (None, None)
+    """
+    if plan.output != "store" or plan.covers_output:
+        return None
+    out = plan.stmt.output
+    scattered = [(dim, index) for dim, index in enumerate(out.indices) if not index.is_direct]
+    if len(scattered) != 1:
+        return None
+    dim, index = scattered[0]
+    if index.const or len(index.terms) != 1 or index.terms[0].coef != 1:
+        return None
+    access = index.terms[0].atom
+    if not isinstance(access, Access) or access.name not in plan.spec.unique_indices:
+        return None
+    names = [i.variable for i in access.indices] + [i.variable for d, i in enumerate(out.indices) if d != dim]
+    if None in names or len(set(names)) != len(names):
+        return None
+    return access.name, dim
 
 
 def segment_index(plan: Plan) -> Access | None:

@@ -17,9 +17,11 @@ neighbours:
 - forward, output-stationary (`form="tiles"`, no atomics): output rows sorted by their
   neighbour mask, in tiles that read only the offsets they need:
   `O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]`; on the generated kernel one
-  launch in which tile t stops after its TL[t] active offsets (`lengths={"j[t]": TL}`),
-  elsewhere (torch backend, torch.compile, `TILES_IN_ONE_LAUNCH = False`) one launch per
-  bucket of tiles of similar width
+  launch in which tile t stops after its TL[t] active offsets (`lengths={"j[t]": TL}`)
+  and stores each tile row straight to its output row (`TILED_ROWS`, `O[TR[t, m], co]`
+  with TR declared unique: plain stores, no gather back), elsewhere (torch backend,
+  torch.compile, `TILES_IN_ONE_LAUNCH = False`) one launch per bucket of tiles of similar
+  width and one gather back to map order
 - forward, grouped pairs (`form="pairs"`, scattered with fp32 atomics):
   `O[PO[p, q], co] += X[PI[p, q], ci] * W[PW[p], ci, co]`
 - input gradient: the same tiled statement on the transposed map, with X the output
@@ -64,6 +66,7 @@ __all__ = [
     "FORMS",
     "ABSENT",
     "TILED",
+    "TILED_ROWS",
     "PAIRS",
     "WEIGHT_GRAD",
     "MASKED",
@@ -72,11 +75,16 @@ __all__ = [
 ]
 
 TILED = "O[t, m, co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]"
+# The tiles' rows stored straight to their rows of the output: TR[t, m] is the output row of
+# tile t's row m (padding rows get the rows past the real ones), declared unique, so the
+# stores are plain and, TR holding one value per output row, no zero fill comes first.
+TILED_ROWS = "O[TR[t, m], co] = X[NB[t, m, j], ci] * W[TW[t, j], ci, co]"
 PAIRS = "O[PO[p, q], co] += X[PI[p, q], ci] * W[PW[p], ci, co]"
 WEIGHT_GRAD = "dWp[p, ci, co] = X[PI[p, q], ci] * dO[PO[p, q], co]"
 # absent="mask": the same statements with a 0/1 factor V in place of the zero row
 MASKED = {
     TILED: "O[t, m, co] = X[NB[t, m, j], ci] * V[t, m, j] * W[TW[t, j], ci, co]",
+    TILED_ROWS: "O[TR[t, m], co] = X[NB[t, m, j], ci] * V[t, m, j] * W[TW[t, j], ci, co]",
     PAIRS: "O[PO[p, q], co] += X[PI[p, q], ci] * V[p, q] * W[PW[p], ci, co]",
     WEIGHT_GRAD: "dWp[p, ci, co] = X[PI[p, q], ci] * V[p, q] * dO[PO[p, q], co]",
 }
@@ -135,16 +143,32 @@ def _one_launch(x: torch.Tensor, opts: dict) -> bool:
     return opts["backend"] == "triton" or (opts["backend"] == "auto" and x.is_cuda)
 
 
+def _tile_rows(km: KernelMap, tile: int) -> torch.Tensor:
+    """TR [tiles, tile]: the output row of each tile row, real rows first (`tiled.inverse`
+    placed them), padding rows numbered on from n_out: a permutation of the tiles' rows."""
+
+    def make():
+        tiled = km.tiles(tile)
+        rows = torch.full((tiled.n_tiles * tiled.tile,), -1, dtype=torch.int64, device=km.nbr.device)
+        rows[tiled.inverse] = torch.arange(km.n_out, device=rows.device)
+        padding = rows < 0
+        rows = torch.where(padding, km.n_out + torch.cumsum(padding, 0) - 1, rows)
+        return rows.to(torch.int32).view(tiled.n_tiles, tiled.tile)
+
+    return km.cached(("tile rows", tile), make)
+
+
 def _run_tiled(km: KernelMap, x: torch.Tensor, w: torch.Tensor, tile: int, opts: dict, absent: str):
-    """Run the tiled statement over `km`'s tiles (x: `_gathered` features), in one launch
-    with each tile's declared length or one launch per bucket; rows back in map order
-    (`index_select`: one gather kernel, less host time than advanced indexing)."""
+    """Run the tiled statement over `km`'s tiles (x: `_gathered` features), rows in map order.
+
+    As one launch (`_one_launch`), each tile stopping at its declared length, the tiles'
+    rows go straight to their output rows (`TILED_ROWS`: no tile-ordered buffer, no gather
+    back). Otherwise one launch per bucket into a tile-ordered buffer, then one gather back
+    (`index_select`: less host time than advanced indexing)."""
     tiled = km.tiles(tile)
     width = w.shape[2]
     if km.n_in == 0:  # no input: nothing to gather (the mask has no row 0 to read)
         return x.new_zeros(km.n_out, width)
-    y = x.new_empty(tiled.n_tiles, tiled.tile, width)
-    stmt = _statement(TILED, absent)
     if _one_launch(x, opts):
         if absent == "zero_row":
             NB, TW, TL = km.tiles_whole(tile)
@@ -152,10 +176,14 @@ def _run_tiled(km: KernelMap, x: torch.Tensor, w: torch.Tensor, tile: int, opts:
         else:
             NB, V, TW, TL = km.masked_tiles_whole(tile, x.dtype)
             tensors = {"NB": NB, "V": V, "TW": TW}
-        insum(stmt, O=y, X=x, W=w, lengths={"j[t]": TL}, **tensors, **opts)
-    else:
-        for start, end, tensors in _tile_buckets(km, tile, absent, x.dtype):
-            insum(stmt, O=y[start:end], X=x, W=w, **tensors, **opts)
+        out = x.new_empty(tiled.n_tiles * tiled.tile, width)
+        insum(_statement(TILED_ROWS, absent), O=out, X=x, W=w, TR=_tile_rows(km, tile), lengths={"j[t]": TL},
+              unique_indices={"TR"}, **tensors, **opts)
+        return out[: km.n_out]
+    y = x.new_empty(tiled.n_tiles, tiled.tile, width)
+    stmt = _statement(TILED, absent)
+    for start, end, tensors in _tile_buckets(km, tile, absent, x.dtype):
+        insum(stmt, O=y[start:end], X=x, W=w, **tensors, **opts)
     return torch.index_select(y.view(-1, width), 0, tiled.inverse)
 
 
