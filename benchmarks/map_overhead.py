@@ -122,9 +122,9 @@ def cases(coords: torch.Tensor, tile: int = 128):
     def forward():
         build_kernel_map(coords).tiles_whole(tile)
 
-    def forward_layer():  # what SparseConv3d's first forward reads: + the pairs count (form="auto")
+    def forward_layer():  # what SparseConv3d's first forward reads: + the pairs count (form="auto"), output rows
         km = build_kernel_map(coords)
-        km.pairs, km.tiles_whole(tile)
+        km.pairs, km.tiles_whole(tile), km.tiles(tile).output_rows()
 
     def build_only():
         build_kernel_map(coords)
@@ -134,7 +134,7 @@ def cases(coords: torch.Tensor, tile: int = 128):
         km.tiles_whole(tile), km.transpose().tiles_whole(tile), km.pair_groups()
 
     return [("build_kernel_map", build_only), ("map + tiles_whole (map_fwd)", forward),
-            ("+ pairs (layer forward)", forward_layer), ("+ transposed tiles, pair groups (map_train)", train)]
+            ("+ pairs, output rows (layer forward)", forward_layer), ("+ transposed tiles, pair groups (map_train)", train)]
 
 
 def main(argv=None) -> int:

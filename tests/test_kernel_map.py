@@ -151,3 +151,19 @@ def test_a_training_build_reads_the_device_twice(monkeypatch):
     assert reads == ["tolist"]
     km.pairs, km.tiles_whole(128), km.transpose().tiles_whole(128), km.pair_groups(), km.pair_groups(128)
     assert reads == ["tolist", "int"]
+
+
+@pytest.mark.parametrize("n,tile", [(300, 16), (64, 16), (5, 16), (0, 8)])
+def test_output_rows_place_every_tile_row_once(n, tile):
+    """TR (the one-launch tiles' output rows) against its definition: real rows where the
+    tiles put them (`inverse`), padding rows numbered on from n_out in tile order."""
+    coords = random_sites(n, 9, seed=n)[:n] if n else torch.zeros(0, 4, dtype=torch.long)
+    km = build_kernel_map(coords)
+    tiled = km.tiles(tile)
+    rows = torch.full((tiled.n_tiles * tile,), -1, dtype=torch.long)
+    rows[tiled.inverse] = torch.arange(km.n_out)
+    padding = rows < 0
+    expected = torch.where(padding, km.n_out + torch.cumsum(padding, 0) - 1, rows).view(tiled.n_tiles, tile)
+    TR = tiled.output_rows()
+    assert TR.dtype == torch.int32 and torch.equal(TR.long(), expected)
+    assert km.transpose().tiles(tile).output_rows() is TR

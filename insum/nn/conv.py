@@ -144,18 +144,9 @@ def _one_launch(x: torch.Tensor, opts: dict) -> bool:
 
 
 def _tile_rows(km: KernelMap, tile: int) -> torch.Tensor:
-    """TR [tiles, tile]: the output row of each tile row, real rows first (`tiled.inverse`
-    placed them), padding rows numbered on from n_out: a permutation of the tiles' rows."""
-
-    def make():
-        tiled = km.tiles(tile)
-        rows = torch.full((tiled.n_tiles * tiled.tile,), -1, dtype=torch.int64, device=km.nbr.device)
-        rows[tiled.inverse] = torch.arange(km.n_out, device=rows.device)
-        padding = rows < 0
-        rows = torch.where(padding, km.n_out + torch.cumsum(padding, 0) - 1, rows)
-        return rows.to(torch.int32).view(tiled.n_tiles, tiled.tile)
-
-    return km.cached(("tile rows", tile), make)
+    """TR [tiles, tile]: the output row of each tile row, padding rows numbered on from
+    n_out: a permutation of the tiles' rows (`TiledMap.output_rows`, kept on the tiling)."""
+    return km.tiles(tile).output_rows()
 
 
 def _run_tiled(km: KernelMap, x: torch.Tensor, w: torch.Tensor, tile: int, opts: dict, absent: str):

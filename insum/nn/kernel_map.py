@@ -184,6 +184,7 @@ class TiledMap:
         self._max_buckets, self._mirror_of = max_buckets, mirror_of
         self._buckets: list | None = None
         self._whole: tuple | None = None
+        self._output_rows: torch.Tensor | None = None
 
     def mirrored(self, nbr_t: torch.Tensor) -> TiledMap:
         """The same tiles over the offset-mirrored map `nbr_t = nbr.flip(1)` (the transpose
@@ -206,6 +207,21 @@ class TiledMap:
     @property
     def padded_pairs(self) -> int:
         return sum((end - start) * self.tile * nb.shape[2] for start, end, nb, _ in self.buckets)
+
+    def output_rows(self) -> torch.Tensor:
+        """TR [T, tile] (int32): the output row of each tile row, the padding rows (the end of
+        the one tile that has them) numbered on from n_out: a permutation of the T * tile
+        rows, for a statement that stores the tiles' rows straight to their output rows."""
+        if self._output_rows is None:
+            if self._mirror_of is not None:
+                self._output_rows = self._mirror_of.output_rows()
+            else:
+                n_out = self.inverse.shape[0]
+                n_pad = self.n_tiles * self.tile - n_out
+                # padding row m of its tile (m >= tile - n_pad) is output row n_out + m - (tile - n_pad)
+                padding = torch.arange(n_out + n_pad - self.tile, n_out + n_pad, device=self._rows.device)
+                self._output_rows = torch.where(self._rows >= 0, self._rows, padding).to(torch.int32)
+        return self._output_rows
 
     def _make_buckets(self):
         host_counts = self._counts.tolist()
