@@ -168,3 +168,20 @@ def test_output_rows_place_every_tile_row_once(n, tile):
     TR = tiled.output_rows()
     assert TR.dtype == torch.int32 and torch.equal(TR.long(), expected)
     assert km.transpose().tiles(tile).output_rows() is TR
+
+
+def test_a_prepared_map_runs_the_layer_without_host_reads(monkeypatch):
+    """After `prepare`, the bucketed tiles (torch backend, torch.compile) and the backward
+    read nothing from the device: a compiled function would only look the packings up."""
+    from insum.nn import sparse_conv3d
+
+    km = build_kernel_map(random_sites(120, 6, seed=8)).prepare(tile=16)
+    x = torch.randn(km.n_in, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, 3, 3, 2, dtype=torch.float64, requires_grad=True)
+    reads = []
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item") or item(t))
+    for form in ("tiles", "pairs"):
+        sparse_conv3d(x, w, km, form=form, tile=16, backend="torch").sum().backward()
+    assert reads == []

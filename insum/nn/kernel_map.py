@@ -356,9 +356,11 @@ class KernelMap:
         """Build the packings a forward (either form) and, with `training`, a backward pass
         read, so that a function compiled with `torch.compile(fullgraph=True)` only looks
         them up. mask_dtype: also the masked packings (`absent="mask"`) for that dtype."""
-        self.pairs, self.tiles(tile), self.tiles_whole(tile), self.pair_groups(tile)
+        for km in (self, self.transpose()) if training else (self,):
+            tiled = km.tiles(tile)
+            tiled.buckets, tiled.whole(), tiled.output_rows()  # (the buckets are made on first read)
+        self.pairs, self.pair_groups(tile)
         if training:
-            self.transpose().tiles(tile), self.transpose().tiles_whole(tile)
             self.pair_groups()
         if mask_dtype is not None:
             self.masked_tiles(tile, mask_dtype), self.masked_tiles_whole(tile, mask_dtype), self.masked_pairs(tile, mask_dtype)
