@@ -4,8 +4,10 @@ A sparse convolution's kernel map is the table `nbr[v, w]`: the input row that o
 `v` multiplies by `weight[w]` (`-1` where that neighbour is absent). It is built on the
 coordinates' device without a Python loop over points: coordinates become int64 keys
 (batch and three 16-bit axes), the input keys are sorted once, and every (output, offset)
-query is one `torch.searchsorted`. Keys are linear in the coordinates, so the query key of
-an offset is the output's key plus the offset's key; each axis is checked on its own.
+query is looked up in them: one `torch.searchsorted`, or on CUDA one Triton kernel
+(`_lookup_fused`, submanifold and strided maps). Keys are linear in the coordinates, so the
+query key of an offset is the output's key plus the offset's key; each axis is checked on
+its own.
 
     >>> import torch
     >>> coords = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 1]])
