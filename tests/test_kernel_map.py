@@ -83,6 +83,8 @@ def test_fused_lookup_edge_cases(monkeypatch):
     assert torch.equal(build_kernel_map(wide).nbr, build_kernel_map(wide.contiguous()).nbr)
     one = build_kernel_map(torch.tensor([[0, 0, 0]], device=DEVICE))
     assert one.nbr.tolist() == [[-1] * 13 + [0] + [-1] * 13] and one.pairs == 1
+    groups = one.pair_groups(4)  # the pair-group kernel on one row
+    assert groups.PI.tolist() == [[0, 1, 1, 1]] and groups.PO.tolist() == [[0] * 4] and groups.PW.tolist() == [13]
     empty = build_kernel_map(torch.zeros(0, 3, dtype=torch.long, device=DEVICE))
     assert empty.nbr.shape == (0, 27) and empty.pairs == 0
     # strided onto given sites, none of which reads an input
@@ -116,12 +118,17 @@ def test_even_kernels_and_strided_maps_are_not_mirrored():
     assert not build_kernel_map(coords, 3, 2, 1, "strided").symmetric
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=KERNEL_MARK)])
 @pytest.mark.parametrize("group", [None, 4, 32])
-def test_pair_groups_from_host_counts_equal_counted_ones(group):
+def test_pair_groups_from_host_counts_equal_counted_ones(monkeypatch, group, kernel):
+    """From the host's counts (with the kernel: CUDA's path) against counted anew (torch)."""
     km = build_kernel_map(random_sites(200, 7, seed=3), 3)
+    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: False)
     counted = pair_groups(km.nbr, km.n_in, group)
+    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: kernel)
     given = km.pair_groups(group)
     assert torch.equal(given.PI, counted.PI) and torch.equal(given.PO, counted.PO) and torch.equal(given.PW, counted.PW)
+    assert given.PI.dtype == given.PO.dtype == torch.int32 and given.PW.dtype == torch.long
     real = given.PI < km.n_in
     p, q = real.nonzero().unbind(1)
     got = list(zip(given.PO[p, q].tolist(), given.PW[p].tolist(), given.PI[p, q].tolist()))

@@ -25,7 +25,8 @@ not bandwidth, so it is written to few torch ops and few syncs (counted by
 `benchmarks/map_overhead.py`): the range check and the per-offset pair counts are read back
 in one sync at the end of the build; the one-launch tiles read one value (their width);
 the transposed map of a submanifold map with an odd kernel is the offset-mirrored map and
-reuses the forward tiles; the pair groups are sized from the counts already on the host.
+reuses the forward tiles; the pair groups are sized from the counts already on the host
+(and on CUDA written by one kernel from a running count of each offset's pairs).
 Shape-deciding values come to the host only there, never through `nonzero` or a mask.
 """
 
@@ -718,29 +719,81 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_p
     with them no host sync."""
     volume = nbr.shape[1]
     device = nbr.device
-    found_t = nbr.t() >= 0
     if offset_pairs is None:
-        offset_pairs = found_t.sum(1).tolist()
+        offset_pairs = (nbr >= 0).sum(0).tolist()
     n_pairs = sum(offset_pairs)
     if group is None:
         group = min(16384, max(256, next_power_of_2(cdiv(max(1, n_pairs), 384))))
     groups = [cdiv(c, group) for c in offset_pairs]
     n_groups = max(1, sum(groups))
+    PI = torch.full((n_groups, group), n_in, dtype=torch.int32, device=device)
+    PO = torch.zeros((n_groups, group), dtype=torch.int32, device=device)
+    if not sum(groups):
+        return PairGroups(group, PI, PO, torch.zeros(1, dtype=torch.long, device=device))
+    if _use_kernels(device):
+        # rank[v, w]: the real pairs of offset w up to output row v (its last row: the counts)
+        rank = torch.cumsum(nbr >= 0, 0, dtype=torch.int32)
+        PW = torch.empty(n_groups, dtype=torch.long, device=device)
+        n_out = nbr.shape[0]
+        block_w = next_power_of_2(volume)
+        block_m = max(1, 2048 // block_w)
+        grid = max(cdiv(n_out, block_m), cdiv(n_groups, 1024))
+        _launch(_pairs_kernel(), (grid,), nbr, rank, rank[-1], PI, PO, PW, n_out, n_groups, group, nbr.stride(0),
+                nbr.stride(1), VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_G=1024)
+        return PairGroups(group, PI, PO, PW)
     # Pair r of offset w (r-th in output order) goes to slot first_group[w] * group + r.
+    found_t = nbr.t() >= 0
     w, out = torch.nonzero_static(found_t, size=n_pairs).unbind(1)  # by offset, then output row
     per_offset = found_t.sum(1)
     groups_dev = (per_offset + (group - 1)) // group
     shift = (torch.cumsum(groups_dev, 0) - groups_dev) * group - (torch.cumsum(per_offset, 0) - per_offset)
     slot = shift[w] + torch.arange(n_pairs, device=device)
-    PI = torch.full((n_groups * group,), n_in, dtype=torch.int32, device=device)
-    PO = torch.zeros((n_groups * group,), dtype=torch.int32, device=device)
-    PI.scatter_(0, slot, nbr[out, w].to(torch.int32))
-    PO.scatter_(0, slot, out.to(torch.int32))
-    if sum(groups):
-        PW = torch.repeat_interleave(torch.arange(volume, device=device), groups_dev, output_size=n_groups)
-    else:
-        PW = torch.zeros(1, dtype=torch.long, device=device)
-    return PairGroups(group, PI.view(n_groups, group), PO.view(n_groups, group), PW)
+    PI.view(-1).scatter_(0, slot, nbr[out, w].to(torch.int32))
+    PO.view(-1).scatter_(0, slot, out.to(torch.int32))
+    PW = torch.repeat_interleave(torch.arange(volume, device=device), groups_dev, output_size=n_groups)
+    return PairGroups(group, PI, PO, PW)
+
+
+@functools.cache
+def _pairs_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_pair_groups(
+        # pointers
+        nbr_ptr, rank_ptr, counts_ptr, pi_ptr, po_ptr, pw_ptr,
+        # sizes
+        n_out, n_groups, group,
+        # strides
+        stride_nv, stride_nw,
+        # meta-parameters
+        VOLUME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        mask_w = offs_w < VOLUME
+        # Each offset's groups follow the previous offsets' (every program works them out).
+        counts = tl.load(counts_ptr + offs_w, mask=mask_w, other=0)  # [BLOCK_W] rank's last row
+        groups = (counts + group - 1) // group  # [BLOCK_W]
+        end_group = tl.cumsum(groups, axis=0)  # [BLOCK_W]
+        first_slot = (end_group - groups) * group - 1  # [BLOCK_W] slot of rank 1, less one
+        # The pairs of BLOCK_M output rows: pair of rank r (1-based) of offset w in slot first_slot[w] + r.
+        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        live = (offs_m < n_out)[:, None] & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
+        rows = offs_m.to(tl.int64)[:, None]
+        inp = tl.load(nbr_ptr + rows * stride_nv + offs_w[None, :] * stride_nw, mask=live, other=-1)
+        real = live & (inp >= 0)  # [BLOCK_M, BLOCK_W]
+        rank = tl.load(rank_ptr + rows * VOLUME + offs_w[None, :], mask=real, other=0)  # [BLOCK_M, BLOCK_W]
+        slots = first_slot[None, :].to(tl.int64) + rank  # [BLOCK_M, BLOCK_W]
+        tl.store(pi_ptr + slots, inp.to(tl.int32), mask=real)
+        tl.store(po_ptr + slots, (rows + tl.zeros((BLOCK_M, BLOCK_W), tl.int64)).to(tl.int32), mask=real)
+        # PW[g]: the offsets whose groups end at or before g.
+        offs_g = pid * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
+        ended = (end_group[None, :] <= offs_g[:, None]) & mask_w[None, :]  # [BLOCK_G, BLOCK_W]
+        tl.store(pw_ptr + offs_g, tl.sum(ended.to(tl.int64), axis=1), mask=offs_g < n_groups)
+
+    return insum_kernel_map_pair_groups
 
 
 class KernelMapCache:
