@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from ..arith import cdiv, next_power_of_2
 from ..errors import InsumError, InsumShapeError, InsumTypeError
+from ..settings import flag
 
 __all__ = [
     "KernelMap",
@@ -459,9 +460,9 @@ def _lookup(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor, mode:
 def _use_kernels(device: torch.device) -> bool:
     """Whether the build runs its Triton kernels (`_lookup_kernel`: the lookup in one launch,
     no [M, k**3] int64 temporaries; `_pack_kernel`: the one-launch tiles in one gather)
-    rather than the torch ops that do the same: on CUDA. Tests switch them on in the Triton
-    interpreter."""
-    return device.type == "cuda"
+    rather than the torch ops that do the same: on CUDA, unless INSUM_MAP_KERNELS=0. Tests
+    switch them on in the Triton interpreter."""
+    return device.type == "cuda" and flag("INSUM_MAP_KERNELS", default=True)
 
 
 def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
