@@ -122,7 +122,7 @@ def test_even_kernels_and_strided_maps_are_not_mirrored():
 @pytest.mark.parametrize("group", [None, 4, 32])
 def test_pair_groups_from_host_counts_equal_counted_ones(monkeypatch, group, kernel):
     """From the host's counts (with the kernel: CUDA's path) against counted anew (torch)."""
-    km = build_kernel_map(random_sites(200, 7, seed=3), 3)
+    km = build_kernel_map(random_sites(200, 7, seed=3).to(DEVICE), 3)  # (the kernel needs DEVICE's tensors)
     monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: False)
     counted = pair_groups(km.nbr, km.n_in, group)
     monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: kernel)
@@ -133,7 +133,7 @@ def test_pair_groups_from_host_counts_equal_counted_ones(monkeypatch, group, ker
     p, q = real.nonzero().unbind(1)
     got = list(zip(given.PO[p, q].tolist(), given.PW[p].tolist(), given.PI[p, q].tolist()))
     assert set(got) == pair_set(km) and len(got) == km.pairs
-    empty = pair_groups(torch.full((5, 27), -1, dtype=torch.int32), 3, group)
+    empty = pair_groups(torch.full((5, 27), -1, dtype=torch.int32, device=DEVICE), 3, group)
     assert empty.PW.tolist() == [0] and (empty.PI == 3).all()
 
 
