@@ -24,8 +24,9 @@ What is cached, and where:
                               pinned to views of the format's own tensors (no other tensor)
 
 Values computed once per process or per device (the triton import mode, the range-check
-kernel, a GPU's compute capability) use `functools.cache`: they are constants, not caches
-that grow.
+kernel, a GPU's compute capability, the kernel map's few-element constant tensors per device
+and kernel geometry: key layout, offset taps, bit weights) use `functools.cache`: they are
+constants, not caches that grow (a build would otherwise upload them, a host sync, each time).
 """
 
 from __future__ import annotations
