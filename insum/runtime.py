@@ -508,9 +508,10 @@ def _pin_arguments(parts: Sequence[_Launcher], fixed: Sequence[Mapping[str, torc
                 free.append((len(aligned), name))
                 aligned.append(0)
             else:
+                address = tensor.data_ptr()
                 template[offset + position] = tensor
-                aligned.append(tensor.data_ptr() & 15)
-                addresses.append((offset + position, tensor.data_ptr()))
+                aligned.append(address & 15)
+                addresses.append((offset + position, address))
         strides += [(offset + position, part.out_name, dim) for position, dim in part.out_strides]
     template += tail
     by_address = list(template)
@@ -571,9 +572,13 @@ class PinnedCall:
     def addresses(self) -> list:
         """The argument list with every pointer as a device address (for the compiled launcher,
         on a device the call's tensors were checked to be on)."""
+        return self._fill(self.pinned.by_address, dict(zip(self.pinned.names, self._pointers())))
+
+    def _pointers(self) -> tuple:
+        """The varying tensors' addresses (in `names` order), read once per call."""
         if self.pointers is None:
             self.pointers = tuple([self.varying[name].data_ptr() for name in self.pinned.names])
-        return self._fill(self.pinned.by_address, dict(zip(self.pinned.names, self.pointers)))
+        return self.pointers
 
     def _fill(self, template: list, pointers: Mapping[str, object]) -> list:
         pinned, varying = self.pinned, self.varying
@@ -588,9 +593,8 @@ class PinnedCall:
 
     def alignments(self) -> tuple:
         """The pointers' alignments (mod 16), as `DirectLaunch` keys them."""
-        pinned, varying = self.pinned, self.varying
-        self.pointers = tuple([varying[name].data_ptr() for name in pinned.names])
-        alignments = tuple([pointer & 15 for pointer in self.pointers])
+        pinned = self.pinned
+        alignments = tuple([pointer & 15 for pointer in self._pointers()])
         key = pinned.keys.get(alignments)
         return key if key is not None else pinned.key(alignments)
 

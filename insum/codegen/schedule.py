@@ -223,6 +223,19 @@ def permuted_output(plan: Plan) -> tuple[str, int] | None:
     if plan.output != "store" or plan.covers_output:
         return None
     out = plan.stmt.output
+    scattered = _scattered_access(out)
+    if scattered is None or scattered[1].name not in plan.spec.unique_indices:
+        return None
+    dim, access = scattered
+    names = [i.variable for i in access.indices] + [i.variable for d, i in enumerate(out.indices) if d != dim]
+    if None in names or len(set(names)) != len(names):
+        return None
+    return access.name, dim
+
+
+def _scattered_access(out: Access) -> tuple[int, Access] | None:
+    """(dimension, access) when the output has exactly one indirect index and it is a plain
+    access `X[...]` (coefficient 1, no constant); else None."""
     scattered = [(dim, index) for dim, index in enumerate(out.indices) if not index.is_direct]
     if len(scattered) != 1:
         return None
@@ -230,12 +243,7 @@ def permuted_output(plan: Plan) -> tuple[str, int] | None:
     if index.const or len(index.terms) != 1 or index.terms[0].coef != 1:
         return None
     access = index.terms[0].atom
-    if not isinstance(access, Access) or access.name not in plan.spec.unique_indices:
-        return None
-    names = [i.variable for i in access.indices] + [i.variable for d, i in enumerate(out.indices) if d != dim]
-    if None in names or len(set(names)) != len(names):
-        return None
-    return access.name, dim
+    return (dim, access) if isinstance(access, Access) else None
 
 
 def segment_index(plan: Plan) -> Access | None:
@@ -253,14 +261,11 @@ def _sorted_scatter(spec: KernelSpec, tiles: dict[str, str]) -> Access | None:
     each segment's last lane writes: one atomic per segment and tile instead of one per value.
     """
     out = spec.stmt.output
-    scattered = [i for i in out.indices if not i.is_direct]
-    if len(scattered) != 1:
+    scattered = _scattered_access(out)
+    if scattered is None:
         return None
-    index = scattered[0]
-    if index.const or len(index.terms) != 1 or index.terms[0].coef != 1:
-        return None
-    access = index.terms[0].atom
-    if not isinstance(access, Access) or access.name not in spec.sorted_indices or len(access.indices) != 1:
+    access = scattered[1]
+    if access.name not in spec.sorted_indices or len(access.indices) != 1:
         return None
     var = access.indices[0].variable
     if var is None or not access.indices[0].is_direct or var not in tiles.values() or tiles.get("K") == var:

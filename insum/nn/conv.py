@@ -143,12 +143,6 @@ def _one_launch(x: torch.Tensor, opts: dict) -> bool:
     return opts["backend"] == "triton" or (opts["backend"] == "auto" and x.is_cuda)
 
 
-def _tile_rows(km: KernelMap, tile: int) -> torch.Tensor:
-    """TR [tiles, tile]: the output row of each tile row, padding rows numbered on from
-    n_out: a permutation of the tiles' rows (`TiledMap.output_rows`, kept on the tiling)."""
-    return km.tiles(tile).output_rows()
-
-
 def _run_tiled(km: KernelMap, x: torch.Tensor, w: torch.Tensor, tile: int, opts: dict, absent: str):
     """Run the tiled statement over `km`'s tiles (x: `_gathered` features), rows in map order.
 
@@ -168,7 +162,7 @@ def _run_tiled(km: KernelMap, x: torch.Tensor, w: torch.Tensor, tile: int, opts:
             NB, V, TW, TL = km.masked_tiles_whole(tile, x.dtype)
             tensors = {"NB": NB, "V": V, "TW": TW}
         out = x.new_empty(tiled.n_tiles * tiled.tile, width)
-        insum(_statement(TILED_ROWS, absent), O=out, X=x, W=w, TR=_tile_rows(km, tile), lengths={"j[t]": TL},
+        insum(_statement(TILED_ROWS, absent), O=out, X=x, W=w, TR=tiled.output_rows(), lengths={"j[t]": TL},
               unique_indices={"TR"}, **tensors, **opts)
         return out[: km.n_out]
     y = x.new_empty(tiled.n_tiles, tiled.tile, width)
