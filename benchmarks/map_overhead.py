@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import insum.nn.kernel_map as kernel_map
 from insum.formats.opcount import count_ops
-from insum.nn.conv import _tile_rows
 from insum.nn.kernel_map import build_kernel_map
 
 
@@ -75,7 +74,7 @@ def cases(coords: torch.Tensor, tile: int = 128):
 
     def forward_layer():  # what SparseConv3d's first forward reads: + the pairs count (form="auto"), output rows
         km = build_kernel_map(coords)
-        km.pairs, km.tiles_whole(tile), _tile_rows(km, tile)
+        km.pairs, km.tiles_whole(tile), km.tiles(tile).output_rows()
 
     def train():
         km = build_kernel_map(coords)
