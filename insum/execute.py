@@ -248,7 +248,7 @@ class Prepared:
         self.requires_grad = any(t.requires_grad for t in bound.tensors.values())
 
     def __call__(self, tensors: dict, lengths: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        if self.lengths:
+        if self.lengths and lengths is not None:  # (a pinned call holds them under their names)
             tensors = dict(tensors)
             for key, name in self.lengths:
                 tensors[name] = lengths[key]
@@ -505,7 +505,14 @@ class Pinned:
         self.fixed = tuple(fixed.values())
         self.pointers = tuple(map(_DATA_PTR, self.fixed))
         self.env = launch.env
-        self.aligned = aligned  # (call, its Prepared) where the call's kernel depends on alignment
+        # Per call whose kernel depends on alignment: its varying value tensors' names and
+        # the alignment it was prepared for (the pinned ones' was checked when prepared, and
+        # `moved` sees their memory move).
+        checks = []
+        for _, call in aligned:
+            names = call.bound.value_names
+            checks.append((tuple(n for n in names if n in varying), tuple(ok for n, ok in zip(names, call.aligned) if n in varying)))
+        self.aligned = tuple(checks)
         # The argument list with the pinned tensors in place (None: the Prepared call runs on
         # the tensors by name, as where the torch lowering runs or indices are checked).
         if type(launch) is PreparedBatch:
@@ -530,11 +537,9 @@ class Pinned:
     def run(self, varying: dict[str, torch.Tensor]) -> bool:
         """Run the calls with the `varying` tensors (after `ready`); False, having run
         nothing, when a varying tensor is aligned otherwise than the kernels were chosen for."""
-        if self.aligned:
-            calls = [{**part, **varying} for part in self.parts]
-            for i, call in self.aligned:
-                if call.aligned != _alignment(call.bound, calls[i]):
-                    return False
+        for names, expected in self.aligned:
+            if tuple([varying[name].data_ptr() % 16 == 0 for name in names]) != expected:
+                return False
         launch, arguments = self.launch, self.arguments
         if arguments is None:
             launch({**self.parts[0], **varying})
@@ -558,7 +563,9 @@ def pin(
     """The calls that just ran through `insum()` (one) or `insum_many()` (several) with these
     options, pinned to their tensors but the `varying` ones, which must name the outputs
     (given, allocated anew for each call); None where they would not repeat (nothing
-    prepared, gradients, torch.compile). Checks everything the repeat checks, once."""
+    prepared, gradients, torch.compile). Checks everything the repeat checks, once. A call's
+    facts are its `sorted_indices` / `unique_indices` and, for one call, `lengths` (its
+    declared lengths' tensors are then pinned too)."""
     if torch.compiler.is_compiling():
         return None
     head = (backend, precision, autotune, check_indices)
@@ -566,12 +573,15 @@ def pin(
         expr, tensors, *facts = calls[0]
         facts = facts[0] if facts else {}
         key = (*head, facts.get("sorted_indices", frozenset()), facts.get("unique_indices", frozenset()))
+        lengths = facts.get("lengths")
         try:
-            launch = prepared(expr, key, tensors)
+            launch = prepared(expr, key, tensors, lengths)
         except InsumError:
             return None
         if launch is None or launch.out_name not in varying:
             return None
+        if launch.lengths:  # the declared lengths' tensors, pinned under the binding's names
+            calls = [(expr, {**tensors, **{name: lengths[k] for k, name in launch.lengths}})]
         aligned = ((0, launch),) if launch.aligned is not None else ()
         return Pinned(launch, calls, varying, aligned)
     batch = prepared_batch(calls, (*head, disjoint))

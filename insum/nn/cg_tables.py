@@ -15,6 +15,7 @@ from .irreps import Irreps, IrrepsError, wigner_3j
 __all__ = [
     "GRADIENT_STATEMENTS",
     "IRREP_NORMALIZATIONS",
+    "LAYOUT_STATEMENTS",
     "MODES",
     "PATH_NORMALIZATIONS",
     "ROW_SLAB_STATEMENTS",
@@ -74,6 +75,29 @@ GRADIENT_STATEMENTS = {
         "X": "DX[b,c,u] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,XP[c,q],u] * W[b,XS[c,q],u]",
         "W": "DW[b,s,u] = WV[s,q] * Y[b,WJ[s,q]] * X[b,WC[s,q],u] * DZ[b,WP[s,q],u]",
         "Y": "DY[b,j] = YV[j,q] * X[b,YC[j,q],u] * W[b,YS[j,q],u] * DZ[b,YP[j,q],u]",
+    },
+}
+# The fully connected ("uvw") product reading x1 and writing the output in e3nn's layout,
+# forward and backward, by (weights shared): XI[c, u] is x1's flat position of component c,
+# channel u, and ZO[p, w] the output's of (component p, channel w). Both are permutations
+# of their layouts (every input-1 entry of one multiplicity, every output entry of one), so
+# the statements that write through them store plainly with no zero fill, and no gather
+# copies x1, the output or their gradients.
+LAYOUT_STATEMENTS = {
+    True: {
+        "Z": "Z[b,ZO[p,w]] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,XI[CGI[p,q],u]] * W[PW[p,q],u,w]",
+        "X": "DX[b,XI[c,u]] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,ZO[XP[c,q],w]] * W[XS[c,q],u,w]",
+        # split over batch groups g (summed after), as in GRADIENT_STATEMENTS
+        "W": "DW[g,s,u,w] = WV[s,q] * Y[g,i,WJ[s,q]] * X[g,i,XI[WC[s,q],u]] * DZ[g,i,ZO[WP[s,q],w]]",
+        "T": "T[b,r,w] = X[b,XI[RC[r],u]] * W[RS[r],u,w]",
+        "Y": "DY[b,j] = YV[j,q] * T[b,YR[j,q],w] * DZ[b,ZO[YP[j,q],w]]",
+    },
+    False: {
+        "Z": "Z[b,ZO[p,w]] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,XI[CGI[p,q],u]] * W[b,PW[p,q],u,w]",
+        "X": "DX[b,XI[c,u]] = XV[c,q] * Y[b,XJ[c,q]] * DZ[b,ZO[XP[c,q],w]] * W[b,XS[c,q],u,w]",
+        "W": "DW[b,s,u,w] = WV[s,q] * Y[b,WJ[s,q]] * X[b,XI[WC[s,q],u]] * DZ[b,ZO[WP[s,q],w]]",
+        "T": "T[b,r,w] = X[b,XI[RC[r],u]] * W[b,RS[r],u,w]",
+        "Y": "DY[b,j] = YV[j,q] * T[b,YR[j,q],w] * DZ[b,ZO[YP[j,q],w]]",
     },
 }
 MODES = ("uvw", "uvu")
