@@ -356,3 +356,162 @@ def test_converted_tables_follow_the_module_dtype():
     with torch.no_grad():
         layer.weight.copy_(ref.weight)  # .float() rounded the weights; the CG values must not be
     _close(layer(x1, x2), ref(x1, x2))
+
+
+# --- output="direct": x1 read and the output written in e3nn's layout by the statements ---
+
+_DIRECT_CASES = {
+    "paper grid": ("3x0e+3x1o", "0e+1o", "3x0e+3x1o"),
+    "in1 and out multiplicities differ": ("2x0e+2x1o+2x2e", "0e+1o+2e", "3x0e+3x1o+3x2e"),
+    "mul2 > 1 (weight gathered), output 1o first": ("2x0e+2x1o", "2x0e+1x1o", "3x1o+3x0e"),
+}
+
+
+@pytest.mark.parametrize("case", list(_DIRECT_CASES))
+def test_direct_layout_equals_e3nn(case):
+    """output="auto" takes "direct" where every multiplicity of input 1 is one and so is the
+    output's: forward and every gradient against e3nn (float64, torch lowering)."""
+    torch.manual_seed(11)
+    ref = o3.FullyConnectedTensorProduct(*_DIRECT_CASES[case])
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    assert layer.output == "direct" and "ZO[p,w]" in layer.statement
+    assert layer._identity_w == (case != "mul2 > 1 (weight gathered), output 1o first")
+    x1 = torch.randn(5, ref.irreps_in1.dim, requires_grad=True)
+    x2 = torch.randn(5, ref.irreps_in2.dim, requires_grad=True)
+    out = layer(x1, x2)
+    _close(out, ref(x1, x2))
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [x1, x2, layer.weight], g),
+                    torch.autograd.grad(ref(x1, x2), [x1, x2, ref.weight], g)):
+        _close(a, b)
+    with torch.no_grad():  # again: the pinned repeat
+        _close(layer(x1, x2), ref(x1, x2))
+        _close(layer(x1, x2), ref(x1, x2))
+    assert (layer._fast is not None) == layer._identity_w  # a gathered weight takes the full path
+
+
+def test_direct_layout_per_edge_weights_and_gradcheck():
+    """"uvw" with one weight vector per batch element, and gradcheck of the direct path."""
+    torch.manual_seed(12)
+    irreps = ("2x0e+2x1o", "0e+1o", "2x0e+2x1o")
+    ins = [(i, j, k, "uvw", True) for i, j, k in ((0, 0, 0), (1, 1, 0), (0, 1, 1), (1, 0, 1))]
+    ref = o3.TensorProduct(*irreps, ins, shared_weights=False, internal_weights=False)
+    layer = TensorProduct.from_e3nn(ref, backend="torch")
+    assert layer.output == "direct"
+    x1, x2 = torch.randn(3, 8, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(3, ref.weight_numel, requires_grad=True)
+    _close(layer(x1, x2, w), ref(x1, x2, w))
+    assert torch.autograd.gradcheck(layer, (x1, x2, w))
+    shared = FullyConnectedTensorProduct(*irreps, internal_weights=False, backend="torch")
+    assert shared.output == "direct"
+    assert torch.autograd.gradcheck(shared, (x1, x2, torch.randn(shared.weight_numel, requires_grad=True)))
+
+
+def test_direct_layout_repeat_follows_the_weight_and_the_inputs():
+    """The repeated no-grad forward (pinned) sees in-place weight updates, a replaced weight
+    (.data or a new Parameter), another batch, non-contiguous inputs and gradients."""
+    torch.manual_seed(13)
+    ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    x1, x2 = torch.randn(4, 8), torch.randn(4, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            _close(layer(x1, x2), ref(x1, x2))
+        fast = layer._fast
+        assert fast is not None
+        layer.weight.mul_(2)
+        ref.weight.mul_(2)
+        _close(layer(x1, x2), ref(x1, x2))
+        layer.weight.data = torch.randn(layer.weight_numel)
+        ref.weight.copy_(layer.weight)
+        _close(layer(x1, x2), ref(x1, x2))
+        layer.weight = torch.nn.Parameter(torch.randn(layer.weight_numel))
+        assert layer._fast is None  # assigning an attribute drops what was kept
+        ref.weight.copy_(layer.weight)
+        _close(layer(x1, x2), ref(x1, x2))
+        for a, b in ((x1[:1], x2[:1]), (torch.randn(8, 7)[:, :4].t(), torch.randn(7, 4)[::2, :][:4]),
+                     (torch.randn(4, 16)[:, ::2], x2)):
+            _close(layer(a, b), ref(a, b))  # one row; transposed and strided inputs
+            _close(layer(a, b), ref(a, b))
+    x1.requires_grad_()
+    out = layer(x1, x2)
+    assert out.grad_fn is not None  # gradients: the autograd path, not the repeat
+    _close(torch.autograd.grad(out.sum(), [x1])[0], torch.autograd.grad(ref(x1, x2).sum(), [x1])[0])
+
+
+class _Launches:
+    """Every cached generated kernel's launch replaced by a record of it (the interpreter's
+    JIT path): what a layer call launches, and, with `count_ops`, what else it runs."""
+
+    def __init__(self):
+        from insum import runtime
+
+        self.runtime, self.count, self.saved = runtime, 0, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **config):
+            self.count += 1
+
+        return launch
+
+    def __enter__(self):
+        stack = list(self.runtime._KERNELS.values()) + list(self.runtime._BY_SIGNATURE.values())
+        while stack:
+            kernel = stack.pop()
+            if all(kernel is not k for k, _ in self.saved):
+                self.saved.append((kernel, kernel.fn))
+                stack.extend(kernel._siblings.values())
+                kernel.fn = self
+        return self
+
+    def __exit__(self, *exc):
+        for kernel, fn in self.saved:
+            kernel.fn = fn
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter is chosen before triton is imported")
+def test_direct_layout_generated_kernel_in_the_interpreter():
+    """The direct statements through the generated kernels: batch 1 and 5, int32 and int64
+    tables, non-contiguous inputs, forward and every gradient against e3nn; a repeated
+    forward is one launch and no other op (no gather, no zero fill), its backward four."""
+    from insum.formats.opcount import count_ops
+
+    torch.manual_seed(14)
+    ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "3x0e+3x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="triton", precision="ieee").float()
+    gather = FullyConnectedTensorProduct.from_e3nn(ref, backend="triton", precision="ieee", output="gather").float()
+    assert layer.output == "direct"
+    for index_dtype, batch in ((torch.int32, 5), (torch.int64, 1)):
+        for name in ("XI", "ZO", "CGJ", "CGI", "PW", "CGL"):
+            setattr(layer, name, getattr(layer, name).to(index_dtype))
+        x1 = torch.randn(batch, 16)[:, ::2].float()  # non-contiguous
+        x2 = torch.randn(4, batch).t().float()
+        x1g, x2g = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+        out = layer(x1g, x2g)
+        _close(out.double(), ref(x1.double(), x2.double()), 1e-5)
+        g = torch.randn_like(out)
+        leaves = [x1.double().requires_grad_(), x2.double().requires_grad_()]
+        want = torch.autograd.grad(ref(*leaves), leaves + [ref.weight], g.double())
+        for got, expected in zip(torch.autograd.grad(out, [x1g, x2g, layer.weight], g), want):
+            _close(got.double(), expected, 1e-5)
+        with torch.no_grad():
+            _close(layer(x1, x2).double(), ref(x1.double(), x2.double()), 1e-5)
+    x1, x2, g = torch.randn(3, 8).float(), torch.randn(3, 4).float(), torch.randn(3, 12).float()
+    x1g, x2g = x1.clone().requires_grad_(), x2.clone().requires_grad_()
+    for module in (layer, gather):  # each kernel run once (and tuned) before the launches are replaced
+        with torch.no_grad():
+            module(x1, x2), module(x1, x2)
+        torch.autograd.grad(module(x1g, x2g), [x1g, x2g, module.weight], g)
+    counts = {}
+    for name, module in (("direct", layer), ("gather", gather)):
+        with _Launches() as launches, count_ops() as ops, torch.no_grad():
+            module(x1, x2)
+        counts[name] = (launches.count, ops.ops)
+        with _Launches() as launches, count_ops() as ops:
+            torch.autograd.grad(module(x1g, x2g), [x1g, x2g, module.weight], g)
+        counts[name + " fb"] = (launches.count, ops.ops)
+    assert counts["direct"] == (1, 0)
+    assert counts["gather"] == (1, 3)  # x1 and Z gathered, Z zero-filled
+    assert counts["direct fb"][0] == 5, counts  # forward; dX, T, dY, dW
+    assert counts["direct fb"][1] < counts["gather fb"][1], counts

@@ -658,7 +658,7 @@ class _FastForward:
             fast.slabs = slabs.detach()
         fast.slab_shape = slabs.shape
         fast.pinned = pinned
-        fast.shape, fast.dtype, fast.device = out.shape, out.dtype, out.device
+        fast.shape, fast.dtype, fast.device = tuple(out.shape), out.dtype, out.device  # (ints: a torch.Size parses slower)
         return fast
 
     def __call__(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -677,7 +677,7 @@ class _FastForward:
         pinned = self.pinned
         if not pinned.ready(x1, x2, weight):
             return None
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        out = torch.empty(*self.shape, dtype=self.dtype, device=self.device)
         return out if pinned.run({"Z": out, "X": x1, "Y": x2, "W": slabs}) else None
 
 
