@@ -1,6 +1,6 @@
 """Equivariant tensor products: insum.nn against e3nn, cuEquivariance and OpenEquivariance.
 
-    python -m benchmarks.study_tensor_product [--parts fctp,uvu,compile] [--out DIR] [--budget S]
+    python -m benchmarks.study_tensor_product [--parts fctp,uvu,compile] [--out DIR] [--budget S] [--L 1,2,3] [--C 16,32,64]
 
 - fctp: the paper's grid, FullyConnectedTensorProduct with in1 = C x (0e+1o+...+L),
   in2 = the spherical harmonics up to L (1x each), out = in1; L 1-3, C 16/32/64, batch
@@ -38,6 +38,7 @@ PARITY = "eo"
 DEVICE = "cuda"  # --smoke: "cpu", tiny sizes, the Triton interpreter (a check of this script)
 SMOKE = False
 MEASURE = {"e3nn", "insum", "cue", "oeq"}  # --measure: which implementations to time
+GRID = {"L": (1, 2, 3), "C": (16, 32, 64)}  # --L, --C: the fctp grid
 
 
 def _chain(C: int, L: int) -> str:
@@ -71,8 +72,8 @@ def _cue_irreps(cue, text: str):
 
 
 def fctp(rows: list, budget_end: float, libs: dict) -> None:
-    for L in (1,) if SMOKE else (1, 2, 3):
-        for C in (4,) if SMOKE else (16, 32, 64):
+    for L in (1,) if SMOKE else GRID["L"]:
+        for C in (4,) if SMOKE else GRID["C"]:
             if time.time() > budget_end:
                 print(f"budget spent: skipping fctp L={L} C={C}")
                 continue
@@ -121,12 +122,15 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
             measure(f"insum_{precision}", layer, [layer.weight], backward=precision == "tf32")
         views = FullyConnectedTensorProduct.from_e3nn(ref, output="views")
         measure("insum_views", views, [views.weight], backward=False)
+        # The layout before output="direct" (the default here): x1 and Z gathered around the statement.
+        gathered = FullyConnectedTensorProduct.from_e3nn(ref, output="gather")
+        measure("insum_gather", gathered, [gathered.weight])
         try:
             tensors = layer.statement_tensors(x1, x2)
             with torch.no_grad():
-                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", lengths={"q[p]": layer.CGL}, **tensors))
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, precision="tf32", **layer.statement_facts(), **tensors))
             if C == (4 if SMOKE else 64):
-                row.update(_backward_breakdown(layer, tensors, g, (x1, x2, layer.weight.detach())))
+                row.update(_backward_breakdown(gathered, gathered.statement_tensors(x1, x2), g, (x1, x2, gathered.weight.detach())))
         except Exception as e:  # noqa: BLE001
             row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             traceback.print_exc()
@@ -354,7 +358,7 @@ def table(rows: list) -> str:
                 r.get("statement_fwd_ms"), "|", r.get("insum_views_fwd_ms"), "|", r.get("cue_fwd_ms"), r.get("cue_fb_ms"), "|", r.get("oeq_fwd_ms"),
                 r.get("oeq_fb_ms"), "|", r.get("insum_tf32_err"), r.get("insum_ieee_err"), r.get("cue_err"), r.get("oeq_err"))))
         for anchor in ("e3nn", "cue", "oeq"):
-            for prec in ("tf32", "ieee", "views"):
+            for prec in ("tf32", "ieee", "views", "gather"):
                 for what in ("fwd", "fb"):
                     ratios = [r[f"{anchor}_{what}_ms"] / r[f"insum_{prec}_{what}_ms"] for r in grid
                               if r.get(f"insum_{prec}_{what}_ms") and r.get(f"{anchor}_{what}_ms")]
@@ -378,7 +382,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (TRITON_INTERPRET=1)")
     parser.add_argument("--measure", default="e3nn,insum,cue,oeq", help="which implementations to time")
     parser.add_argument("--tag", default="", help="suffix of the output files")
+    parser.add_argument("--L", default="1,2,3", help="fctp: the degrees L of the grid")
+    parser.add_argument("--C", default="16,32,64", help="fctp: the multiplicities C of the grid")
     args = parser.parse_args()
+    GRID.update(L=tuple(int(v) for v in args.L.split(",")), C=tuple(int(v) for v in args.C.split(",")))
     global DEVICE, SMOKE
     if args.smoke:
         DEVICE, SMOKE = "cpu", True
