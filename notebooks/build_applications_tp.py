@@ -80,10 +80,13 @@ output components p, the CG entries q as the loop. The backward does not use ins
 gradients (they scatter every CG entry into dX and dW with atomics): the layer regroups the
 same entries by input-1 component (dX), by weight slab (dW, the batch split into groups and
 summed after) and by input-2 position (dY, through T = X·W for "uvw"), so every gradient
-element is owned by one row."""),
+element is owned by one row. Where every input-1 entry has one multiplicity and so does every
+output entry (as here), the statements read x1 and write the output in e3nn's layout through
+two index tables, `X[b,XI[CGI[p,q],u]]` and `Z[b,ZO[p,w]]` (ZO declared unique: plain stores,
+no zero fill), so the layer is one launch (`output="direct"`, `LAYOUT_STATEMENTS`)."""),
     ("code", """\
 t = tp.statement_tensors(torch.randn(64, tp.irreps_in1.dim), torch.randn(64, tp.irreps_in2.dim))
-print(insum.explain(tp.statement, precision="ieee", **t).split("source:")[0])
+print(insum.explain(tp.statement, precision="ieee", **tp.statement_facts(), **t).split("source:")[0])
 for name, stmt in tp.gradient_statements.items():
     print(f"{'T' if name == 'T' else 'd' + name}: {stmt}")"""),
     ("markdown", """\
