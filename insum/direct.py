@@ -30,7 +30,7 @@ import torch
 
 from .settings import flag
 
-__all__ = ["DirectLaunch", "LAUNCH_OPTIONS", "zeros"]
+__all__ = ["DirectLaunch", "LAUNCH_OPTIONS", "zero_", "zeros"]
 
 #: Configuration keys that are launch options of the JIT, not parameters of the kernel.
 LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
@@ -165,16 +165,20 @@ def _driver_memset():
 
 
 def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor for a launch that accumulates into it.
-
-    On CUDA (INSUM_DRIVER_MEMSET=1) the fill is one call of the driver's memset on the
-    current stream: zero bits are zero in every floating and integer dtype, and the call
-    costs the host less than a fill kernel launched through torch's dispatcher (the largest
-    part of an accumulating product's host time beyond its own launch). Elsewhere, or where
-    the driver cannot be called, `torch.zeros`."""
+    """A zero-filled tensor for a launch that accumulates into it (`zero_`)."""
     if device.type != "cuda" or not flag("INSUM_DRIVER_MEMSET", default=False):
         return torch.zeros(shape, dtype=dtype, device=device)
-    out = torch.empty(shape, dtype=dtype, device=device)
+    return zero_(torch.empty(shape, dtype=dtype, device=device))
+
+
+def zero_(out: torch.Tensor) -> torch.Tensor:
+    """`out.zero_()`; for a contiguous CUDA tensor with INSUM_DRIVER_MEMSET=1, one call of the
+    driver's memset on the current stream instead: zero bits are zero in every floating and
+    integer dtype, and the call costs the host less than a fill kernel launched through
+    torch's dispatcher (the largest part of an accumulating product's host time beyond its
+    own launch). Falls back to `zero_()` where the driver cannot be called."""
+    if not out.is_cuda or not flag("INSUM_DRIVER_MEMSET", default=False) or not out.is_contiguous():
+        return out.zero_()
     memset = _driver_memset()
     size = out.numel() * out.element_size()
     if memset is None or size == 0:

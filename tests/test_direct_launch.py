@@ -397,4 +397,8 @@ def test_cuda_driver_memset_zeros_poisoned_memory_on_the_current_stream(dtype, s
             torch.full(shape, 7, dtype=dtype, device="cuda")
             out = direct.zeros(shape, dtype=dtype, device=torch.device("cuda"))
             assert out.shape == shape and out.dtype == dtype and not out.any().item()
+            # a strided view is filled through zero_(), the rest of its storage untouched
+            base = torch.full((4, *shape), 7, dtype=dtype, device="cuda")
+            direct.zero_(base[1::2])
+            assert not base[1::2].any().item() and (base[0::2] == 7).all().item()
     assert direct._driver_memset() is not None
