@@ -439,6 +439,11 @@ def test_direct_layout_repeat_follows_the_weight_and_the_inputs():
     _close(torch.autograd.grad(out.sum(), [x1])[0], torch.autograd.grad(ref(x1, x2).sum(), [x1])[0])
 
 
+def _work(ops) -> int:
+    """The ops counted by `count_ops` that move data (not the allocations, which launch nothing)."""
+    return sum(n for name, n in ops.names.items() if name not in ("new_empty", "empty_like"))
+
+
 class _Launches:
     """Every cached generated kernel's launch replaced by a record of it (the interpreter's
     JIT path): what a layer call launches, and, with `count_ops`, what else it runs."""
@@ -507,11 +512,11 @@ def test_direct_layout_generated_kernel_in_the_interpreter():
     for name, module in (("direct", layer), ("gather", gather)):
         with _Launches() as launches, count_ops() as ops, torch.no_grad():
             module(x1, x2)
-        counts[name] = (launches.count, ops.ops)
+        counts[name] = (launches.count, _work(ops))
         with _Launches() as launches, count_ops() as ops:
             torch.autograd.grad(module(x1g, x2g), [x1g, x2g, module.weight], g)
-        counts[name + " fb"] = (launches.count, ops.ops)
+        counts[name + " fb"] = (launches.count, _work(ops))
     assert counts["direct"] == (1, 0)
-    assert counts["gather"] == (1, 3)  # x1 and Z gathered, Z zero-filled
-    assert counts["direct fb"][0] == 5, counts  # forward; dX, T, dY, dW
-    assert counts["direct fb"][1] < counts["gather fb"][1], counts
+    assert counts["gather"][0] == 1 and counts["gather"][1] >= 2  # x1 and Z gathered
+    assert counts["direct fb"] == (5, 0), counts  # forward; dX, T, dY, dW (one batch group: no sum)
+    assert counts["gather fb"][1] >= 2, counts  # d_out gathered, dX gathered back

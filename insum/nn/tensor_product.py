@@ -34,6 +34,7 @@ Gradients are regrouped statements (`GRADIENT_STATEMENTS`); the layer runs under
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -255,10 +256,10 @@ class TensorProduct(nn.Module):
             out = (_LayoutFunction if direct else _ProductFunction).apply(self, x1, x2, weight)
         elif direct:
             out = self._direct(x1, x2, weight)
-            if not torch.compiler.is_compiling() and given[0] is x1 and given[1] is x2 and given[2] is weight:
-                self._fast = _FastForward.of(self, x1, x2, weight, internal, out)
         else:
             out = self._product(*self._operands(x1, x2, weight))  # no autograd node: less host time per call
+        if direct and not torch.compiler.is_compiling() and given[0] is x1 and given[1] is x2 and given[2] is weight:
+            self._fast = _FastForward.of(self, x1, x2, weight, internal, out)
         return out if len(lead) == 1 else out.reshape(*lead, self.irreps_out.dim)
 
     def _lead(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
@@ -633,13 +634,14 @@ class _Statement:
 
 
 class _FastForward:
-    """The layer's last no-grad forward with output="direct" on inputs taken as given (flat,
-    one dtype, a weight already in slab order), kept to repeat it: per call the inputs'
-    signature, the weight's memory and the pinned launch's own checks (`Pinned.ready`), then
-    the output's allocation and one launch. None where any differs (the full path runs)."""
+    """The layer's last forward with output="direct" on inputs taken as given (flat, one
+    dtype, a weight already in slab order), kept to repeat it: per call the inputs'
+    signature and the weight's memory, then, without gradients, the pinned launch's own
+    checks (`Pinned.ready`), the output's allocation and one launch; with them, the autograd
+    function on the inputs as they are. None where any differs (the full path runs)."""
 
-    __slots__ = ("key", "internal", "weight", "address", "slabs", "slab_shape", "weight_key", "pinned", "shape",
-                 "dtype", "device")
+    __slots__ = ("layer", "key", "internal", "weight", "address", "slabs", "slab_shape", "weight_key", "pinned",
+                 "shape", "dtype", "device")
 
     @classmethod
     def of(cls, layer: TensorProduct, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, internal: bool,
@@ -651,6 +653,7 @@ class _FastForward:
         if pinned is None:
             return None
         fast = cls()
+        fast.layer = weakref.ref(layer)  # (the layer holds this record)
         fast.key = (x1.dtype, x1.shape, x1.stride(), x1.device, x2.dtype, x2.shape, x2.stride(), x2.device)
         fast.internal, fast.weight, fast.address = internal, weight, weight.data_ptr()
         fast.weight_key = (weight.dtype, weight.shape, weight.stride(), weight.device)
@@ -674,6 +677,8 @@ class _FastForward:
             slabs = weight.view(self.slab_shape)
         if (x1.dtype, x1.shape, x1.stride(), x1.device, x2.dtype, x2.shape, x2.stride(), x2.device) != self.key:
             return None
+        if torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or weight.requires_grad):
+            return _LayoutFunction.apply(self.layer(), x1, x2, weight)  # the inputs as the full path would pass them
         pinned = self.pinned
         if not pinned.ready(x1, x2, weight):
             return None
