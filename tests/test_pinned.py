@@ -197,3 +197,32 @@ def test_vector_and_half_products_repeat_pinned(monkeypatch):
         assert got.shape == (19,)
         _close(got, A.double() @ v.double())
     assert len(runs) == 4
+
+
+def test_pinned_call_with_lengths_checks_only_its_varying_tensors_alignment(monkeypatch):
+    """`pin` takes a call's declared lengths (their tensor pinned under the binding's name),
+    and a pinned kernel that depends on its value tensors' alignment (descriptors on Hopper;
+    simulated by marking the prepared call aligned) runs only while the varying tensors keep
+    it: the pinned ones were checked when pinned, and `moved` sees their memory move."""
+    from insum.cache import BoundedCache
+
+    monkeypatch.setattr(execute, "_PREPARED", BoundedCache())  # calls prepared by other tests stay unmarked
+    stmt = "C[m, n] = AV[m, q] * B[AK[m, q], n]"
+    gen = torch.Generator().manual_seed(11)
+    AV, AK = torch.randn(5, 3, generator=gen), torch.randint(0, 4, (5, 3), generator=gen)
+    AL = torch.tensor([3, 1, 0, 2, 3])
+    AV = AV * (torch.arange(3) < AL[:, None])  # padding: value 0
+    B = torch.randn(4, 2, generator=gen)
+    facts = {"lengths": {"q[m]": AL}}
+    tensors = dict(C=torch.empty(5, 2), AV=AV, AK=AK, B=B)
+    api.insum(stmt, backend="triton", **facts, **tensors)  # prepares the call
+    (call,) = execute._PREPARED.values()
+    call.aligned = (True,) * len(call.bound.value_names)
+    pinned = execute.pin([(stmt, tensors, facts)], varying=frozenset({"C", "B"}), backend="triton")
+    assert pinned is not None and pinned.arguments is not None
+    C = torch.empty(5, 2)
+    assert pinned.ready(B) and pinned.run({"C": C, "B": B})
+    _close(C, (AV.unsqueeze(2) * B[AK]).sum(1))
+    shifted = torch.randn(9, generator=gen)[1:].view(4, 2)  # same signature, 4 bytes past an aligned start
+    assert shifted.data_ptr() % 16 != 0
+    assert not pinned.run({"C": torch.empty(5, 2), "B": shifted})  # ran nothing: the full path must run
