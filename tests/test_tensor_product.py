@@ -267,6 +267,7 @@ def test_empty_batch_and_no_internal_weights():
         (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uvw", False)]), "without weights"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", path_normalization="x"), "path_normalization"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="views", row_buckets=2), "row_buckets"),
+        (lambda: FullyConnectedTensorProduct("2x0e+1x1o", "0e", "2x0e+1x1o", output="direct"), "one multiplicity"),
     ],
 )
 def test_bad_irreps_raise(make, match):

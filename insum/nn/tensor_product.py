@@ -25,10 +25,21 @@ output component reads one weight slab (MACE: one path per output entry), `W[b,P
 Layouts and normalisation are e3nn's (`irrep_normalization="component"`,
 `path_normalization="element"` by default), and so is the flat weight vector (paths in
 instruction order, each `[mul1, mul2, mul_out]` or `[mul1, mul2]`), so `from_e3nn(tp)`
-copies an e3nn module's weights. Input 1 is permuted once into component-major
-`[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks (two gathers, inside
-the autograd function: its backward returns each input's gradient by one inverse gather).
-Gradients are regrouped statements (`GRADIENT_STATEMENTS`); the layer runs under `torch.compile`.
+copies an e3nn module's weights. Where every input-1 entry has one multiplicity and so
+does every output entry ("uvw", `output="direct"`, the default there), the statement reads x1
+and writes the output in e3nn's layout itself through two index tables:
+
+    Z[b,ZO[p,w]] = CGV[p,q] * Y[b,CGJ[p,q]] * X[b,XI[CGI[p,q],u]] * W[PW[p,q],u,w]
+
+(XI[c,u]: x1's flat position of component c, channel u; ZO[p,w]: the output's, declared
+unique, a permutation of the output's columns: plain stores, no zero fill), one launch, and
+so do its gradient statements (`LAYOUT_STATEMENTS`). Otherwise input 1 is permuted into
+component-major `[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks
+(two gathers, inside the autograd function: its backward returns each input's gradient by
+one inverse gather). Gradients are regrouped statements (`GRADIENT_STATEMENTS`); the layer
+runs under `torch.compile`. Outside it, each statement is pinned to its tables after its
+first run (`insum.execute.Pinned`), and a repeated forward on inputs of one signature goes
+straight to the pinned launch (`_FastForward`).
 """
 
 from __future__ import annotations
@@ -232,7 +243,7 @@ class TensorProduct(nn.Module):
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x1[..., irreps_in1.dim], x2[..., irreps_in2.dim] -> [..., irreps_out.dim] (leading dims broadcast)."""
         if not torch.compiler.is_compiling() and self._fast is not None:
-            out = self._fast(x1, x2, weight)  # a repeat of the last no-grad forward: checks and one pinned launch
+            out = self._fast(x1, x2, weight)  # a repeat of the last forward: its checks, then one pinned launch
             if out is not None:
                 return out
         internal = weight is None
@@ -657,8 +668,7 @@ class _FastForward:
         fast.key = (x1.dtype, x1.shape, x1.stride(), x1.device, x2.dtype, x2.shape, x2.stride(), x2.device)
         fast.internal, fast.weight, fast.address = internal, weight, weight.data_ptr()
         fast.weight_key = (weight.dtype, weight.shape, weight.stride(), weight.device)
-        with torch.no_grad():
-            fast.slabs = slabs.detach()
+        fast.slabs = slabs.detach()
         fast.slab_shape = slabs.shape
         fast.pinned = pinned
         fast.shape, fast.dtype, fast.device = tuple(out.shape), out.dtype, out.device  # (ints: a torch.Size parses slower)
