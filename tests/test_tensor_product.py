@@ -434,9 +434,15 @@ def test_direct_layout_repeat_follows_the_weight_and_the_inputs():
                      (torch.randn(4, 16)[:, ::2], x2)):
             _close(layer(a, b), ref(a, b))  # one row; transposed and strided inputs
             _close(layer(a, b), ref(a, b))
+        external = FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o", internal_weights=False, backend="torch")
+        for _ in range(3):  # a new weight per call, of one signature: the repeat reads each
+            w = torch.randn(external.weight_numel)
+            ref.weight.copy_(w)
+            _close(external(x1, x2, w), ref(x1, x2))
+        assert external._fast is not None and external._fast.weight is None  # the caller's weight is not kept
     x1.requires_grad_()
     out = layer(x1, x2)
-    assert out.grad_fn is not None  # gradients: the autograd path, not the repeat
+    assert out.grad_fn is not None  # gradients: the autograd function, not the no-grad launch
     _close(torch.autograd.grad(out.sum(), [x1])[0], torch.autograd.grad(ref(x1, x2).sum(), [x1])[0])
 
 

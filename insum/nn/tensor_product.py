@@ -627,7 +627,7 @@ class _Statement:
             if pinned.ready(*varying.values()) and pinned.run(varying):
                 return
             if pinned.moved():  # memory moved under a constant: pinned anew
-                del self.pins[key]
+                self.pins.pop(key, None)  # (pop: a backward on another thread may do the same)
         self._run(varying)
         tries = self.pins.get(key, 0)
         if type(tries) is int and tries < _PIN_TRIES and (key in self.pins or len(self.pins) < _PINS_PER_STATEMENT):
@@ -666,9 +666,11 @@ class _FastForward:
         fast = cls()
         fast.layer = weakref.ref(layer)  # (the layer holds this record)
         fast.key = (x1.dtype, x1.shape, x1.stride(), x1.device, x2.dtype, x2.shape, x2.stride(), x2.device)
-        fast.internal, fast.weight, fast.address = internal, weight, weight.data_ptr()
+        # The layer's own weight is kept (its memory checked per call); a weight passed in is
+        # not (no cache holds the caller's tensors): only its signature.
+        fast.internal, fast.address = internal, weight.data_ptr()
+        fast.weight, fast.slabs = (weight, slabs.detach()) if internal else (None, None)
         fast.weight_key = (weight.dtype, weight.shape, weight.stride(), weight.device)
-        fast.slabs = slabs.detach()
         fast.slab_shape = slabs.shape
         fast.pinned = pinned
         fast.shape, fast.dtype, fast.device = tuple(out.shape), out.dtype, out.device  # (ints: a torch.Size parses slower)
