@@ -440,6 +440,7 @@ def test_direct_layout_repeat_follows_the_weight_and_the_inputs():
             ref.weight.copy_(w)
             _close(external(x1, x2, w), ref(x1, x2))
         assert external._fast is not None and external._fast.weight is None  # the caller's weight is not kept
+        ref.weight.copy_(layer.weight)
     x1.requires_grad_()
     out = layer(x1, x2)
     assert out.grad_fn is not None  # gradients: the autograd function, not the no-grad launch
