@@ -12,11 +12,13 @@ On CUDA, per grid point in the order given: do_bench medians (L2 flushed) of the
 the layer ("direct" and "gather"), of its statement alone (`insum()` on the layer's tables,
 `statement_facts`) and of cuEquivariance's FullyConnectedTensorProduct where it imports (e3nn's
 weights layout, `cue.mul_ir`); forward+backward (gradients of both inputs and the weight) of
-both layers and cuEquivariance; host wall time per forward call (many calls, one
+the layer and cuEquivariance; host wall time per forward call (many calls, one
 synchronisation) of the layer, the statement's `insum()` and its bare direct launch; and the
 kernels one forward and one forward+backward of the layer launch (torch.profiler). Points
 that do not fit `--budget` seconds (tuning included) are skipped; then the speed-ups over
-cuEquivariance. The "gather" layer is measured at the first point only unless --gather-all.
+cuEquivariance. The "gather" layer's forward is measured at the first point only unless
+--gather-all, its forward+backward with --gather-fb (each new kernel's first call compiles
+and times its candidate tiles, seconds per kernel with an empty tuning cache).
 
 With --host (CPU, TRITON_INTERPRET=1): every generated kernel's launch is stubbed as in
 `benchmarks/host_time.py`, and it prints the host's CPU time per call (the layer's forward,
@@ -110,7 +112,8 @@ def gpu(args) -> None:
         if time.time() > end:
             print(f"budget spent: skipping L={L} C={C}", flush=True)
             continue
-        row = _point(L, C, args.batch, first=n == 0, gather_too=(n == 0 or args.gather_all), end=end)
+        gather_too = n == 0 or args.gather_all
+        row = _point(L, C, args.batch, first=n == 0, gather_too=gather_too, gather_fb=gather_too and args.gather_fb, end=end)
         print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         rows.append(row)
     for what in ("fwd", "fb"):
@@ -121,7 +124,7 @@ def gpu(args) -> None:
                       f"over {len(ratios)} points")
 
 
-def _point(L: int, C: int, batch: int, first: bool, gather_too: bool, end: float) -> dict:
+def _point(L: int, C: int, batch: int, first: bool, gather_too: bool, gather_fb: bool, end: float) -> dict:
     """One grid point on CUDA (see the module doc)."""
     torch.manual_seed(L * 100 + C)
     direct, gather = _layers(L, C, "cuda")
@@ -145,6 +148,10 @@ def _point(L: int, C: int, batch: int, first: bool, gather_too: bool, end: float
         statement(), statement()
         row["layer_fwd_us"] = median_ms(lambda: direct(x1, x2)) * 1e3
         row["stmt_fwd_us"] = median_ms(statement) * 1e3
+        if gather_too:
+            row["gather_fwd_us"] = median_ms(lambda: gather(x1, x2)) * 1e3
+            row["gather_host_us"] = host_us_per_call(lambda: gather(x1, x2))
+            row["gather_kernels_fwd"], _ = _kernels_per_call(lambda: gather(x1, x2))
         if cue is not None:
             row["cue_fwd_us"] = median_ms(lambda: cue(x1, x2)) * 1e3
         row["layer_host_us"] = host_us_per_call(lambda: direct(x1, x2))
@@ -159,11 +166,7 @@ def _point(L: int, C: int, batch: int, first: bool, gather_too: bool, end: float
     row["layer_kernels_fb"], fb_names = _kernels_per_call(step)
     if cue is not None:
         row["cue_fb_us"] = median_ms(_fwd_bwd(cue, x1g, x2g, [cue.weight], g)) * 1e3
-    if gather_too and time.time() < end:
-        with torch.no_grad():
-            row["gather_fwd_us"] = median_ms(lambda: gather(x1, x2)) * 1e3
-            row["gather_host_us"] = host_us_per_call(lambda: gather(x1, x2))
-            row["gather_kernels_fwd"], _ = _kernels_per_call(lambda: gather(x1, x2))
+    if gather_fb and time.time() < end:
         row["gather_fb_us"] = median_ms(_fwd_bwd(gather, x1g, x2g, [gather.weight], g)) * 1e3
     if first:
         print(f"kernels of one forward: {names}\nkernels of one forward+backward: {fb_names}")
@@ -239,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=10_000)
     parser.add_argument("--budget", type=float, default=80.0, help="seconds for the CUDA grid, tuning included")
     parser.add_argument("--gather-all", action="store_true", help="measure the gather layer at every point")
+    parser.add_argument("--gather-fb", action="store_true", help="and its forward+backward (more kernels to tune)")
     parser.add_argument("--host", action="store_true", help="CPU: host time with launches stubbed (TRITON_INTERPRET=1)")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
