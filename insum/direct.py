@@ -22,15 +22,12 @@ off for good for that launch and falls back to the JIT.
 
 from __future__ import annotations
 
-import ctypes
 import inspect
-from collections.abc import Callable, Sequence
-
-import torch
+from collections.abc import Callable
 
 from .settings import flag
 
-__all__ = ["DirectLaunch", "LAUNCH_OPTIONS", "zero_", "zeros"]
+__all__ = ["DirectLaunch", "LAUNCH_OPTIONS"]
 
 #: Configuration keys that are launch options of the JIT, not parameters of the kernel.
 LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
@@ -144,47 +141,3 @@ class DirectLaunch:
             self.enabled = False  # for good: no retry cost on later calls
             self.why_not = f"the compiled launcher raised {error!r}"
             jit_fn[self.grid](*argument_list(), **self.config)
-
-
-_MEMSET: list = []  # [(cuMemsetD32Async, cuMemsetD8Async)] once looked up; [None] where there is no driver
-
-
-def _driver_memset():
-    """The CUDA driver's asynchronous memsets (32-bit and 8-bit words), or None."""
-    if not _MEMSET:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            words, single = lib.cuMemsetD32Async, lib.cuMemsetD8Async
-            words.argtypes = (ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p)
-            single.argtypes = (ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p)
-            words.restype = single.restype = ctypes.c_int
-            _MEMSET.append((words, single))
-        except (OSError, AttributeError):
-            _MEMSET.append(None)
-    return _MEMSET[0]
-
-
-def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor for a launch that accumulates into it (`zero_`)."""
-    if device.type != "cuda" or not flag("INSUM_DRIVER_MEMSET", default=False):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return zero_(torch.empty(shape, dtype=dtype, device=device))
-
-
-def zero_(out: torch.Tensor) -> torch.Tensor:
-    """`out.zero_()`; for a contiguous CUDA tensor with INSUM_DRIVER_MEMSET=1, one call of the
-    driver's memset on the current stream instead: zero bits are zero in every floating and
-    integer dtype, and the call costs the host less than a fill kernel launched through
-    torch's dispatcher (the largest part of an accumulating product's host time beyond its
-    own launch). Falls back to `zero_()` where the driver cannot be called."""
-    if not out.is_cuda or not flag("INSUM_DRIVER_MEMSET", default=False) or not out.is_contiguous():
-        return out.zero_()
-    memset = _driver_memset()
-    size = out.numel() * out.element_size()
-    if memset is None or size == 0:
-        return out.zero_()
-    driver, _ = _triton_runtime()
-    stream = driver.get_current_stream(out.device.index)
-    words, single = memset
-    failed = words(out.data_ptr(), 0, size // 4, stream) if size % 4 == 0 else single(out.data_ptr(), 0, size, stream)
-    return out.zero_() if failed else out

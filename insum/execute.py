@@ -29,7 +29,6 @@ import torch
 from .bind import PLAIN_TENSORS, Bound, check_aliasing, tensor_signature
 from .bounds import check_indices as _check_indices
 from .cache import BoundedCache, memoize
-from .direct import zeros
 from .dtypes import INDEX_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError, UnsupportedStatement
 from .ir import Statement
@@ -257,7 +256,7 @@ class Prepared:
         bound = self.bound
         if out is None:
             # An overwriting launch fills what its kernel leaves unwritten itself (`zero_fill`).
-            out = (torch.empty if self.launcher is not None and not bound.stmt.accumulate else zeros)(
+            out = (torch.empty if self.launcher is not None and not bound.stmt.accumulate else torch.zeros)(
                 bound.out_shape, dtype=bound.out_dtype, device=bound.device)
         if self.launcher is None:
             return run_reference(bound.with_tensors(tensors), out)

@@ -43,7 +43,7 @@ from .codegen import (
     schedule,
 )
 from .codegen.schedule import NARROW, SIZE_CAP, box_layout, permuted_output
-from .direct import LAUNCH_OPTIONS, DirectLaunch, zero_
+from .direct import LAUNCH_OPTIONS, DirectLaunch
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
 from .settings import flag
@@ -398,7 +398,7 @@ class _Launcher:
         if self.half_scratch:
             target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
         elif self.zero_fill:
-            zero_(out)
+            out.zero_()
         if self.descriptors:
             _ensure_descriptor_allocator()
         if self.launched:

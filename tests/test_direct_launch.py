@@ -350,14 +350,11 @@ def test_addresses_go_to_the_compiled_launcher_and_tensors_to_the_jit(mock_trito
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the compiled kernels' own launchers")
 @pytest.mark.parametrize("name", ["GroupCOO", "ELL", "COO", "CELL"])
-@pytest.mark.parametrize("memset", ["0", "1"])
-def test_cuda_pinned_products_go_direct_and_match(name, memset, monkeypatch):
+def test_cuda_pinned_products_go_direct_and_match(name, monkeypatch):
     """fmt @ B repeated runs pinned (`execute.Pinned`) through the direct launch; a B 4 bytes
-    off 16-byte alignment afterwards is still right (by whichever path its alignment takes).
-    Both zero fills of an accumulating product (INSUM_DRIVER_MEMSET)."""
+    off 16-byte alignment afterwards is still right (by whichever path its alignment takes)."""
     from insum import execute, formats
 
-    monkeypatch.setenv("INSUM_DRIVER_MEMSET", memset)
     gen = torch.Generator().manual_seed(8)
     M, K = 200, 131
     lengths = (K / (torch.arange(M) + 1.0) ** 0.8).long()
@@ -376,29 +373,3 @@ def test_cuda_pinned_products_go_direct_and_match(name, memset, monkeypatch):
     plan = next(iter(fmt.__dict__["_spmm_plans"].values()))
     direct = plan.pinned.launch.launch.direct if name == "CELL" else plan.pinned.launch.launcher.direct
     assert direct.enabled and direct.compiled, "the pinned launch did not go direct"
-
-
-@pytest.mark.parametrize("memset", ["0", "1"])
-def test_zeros_on_the_cpu_are_torch_zeros(memset, monkeypatch):
-    monkeypatch.setenv("INSUM_DRIVER_MEMSET", memset)
-    out = direct.zeros((3, 5), dtype=torch.float16, device=torch.device("cpu"))
-    assert out.dtype == torch.float16 and out.shape == (3, 5) and not out.any()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA: the driver's memset")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8])
-@pytest.mark.parametrize("shape", [(0, 4), (1,), (7, 3), (1000, 129)])
-def test_cuda_driver_memset_zeros_poisoned_memory_on_the_current_stream(dtype, shape, monkeypatch):
-    monkeypatch.setenv("INSUM_DRIVER_MEMSET", "1")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # the caching allocator hands the poisoned block back
-            torch.full(shape, 7, dtype=dtype, device="cuda")
-            out = direct.zeros(shape, dtype=dtype, device=torch.device("cuda"))
-            assert out.shape == shape and out.dtype == dtype and not out.any().item()
-            # a strided view is filled through zero_(), the rest of its storage untouched
-            base = torch.full((4, *shape), 7, dtype=dtype, device="cuda")
-            direct.zero_(base[1::2])
-            assert not base[1::2].any().item() and (base[0::2] == 7).all().item()
-    assert direct._driver_memset() is not None

@@ -36,7 +36,6 @@ import torch
 from ..api import insum, insum_many
 from ..bind import PLAIN_TENSORS
 from ..cache import BoundedCache
-from ..direct import zeros
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import Pinned, pin
 from .coords import (
@@ -495,7 +494,7 @@ class _SpmmPlan:
         dtype = self.dtype
         if self.cast:
             B = B.to(dtype)
-        C = (zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
+        C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
         operand = fmt.operand(B)
         calls = []
         for statement, tensors, cast, facts in self.statements:
@@ -551,7 +550,7 @@ class _SpmmPlan:
             B = B.unsqueeze(1)
         if self.cast:
             B = B.to(self.dtype)
-        C = (zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
+        C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
         if not pinned.run({"C": C, "B": fmt.operand(B)}):
             return self(fmt, original)
         return self._finish(fmt, C)
