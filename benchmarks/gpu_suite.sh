@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_suite.sh layers                 # layer_overhead: ops/bytes per layer call, a profile of the conv layer
 #   bash benchmarks/gpu_suite.sh schedule               # ownership, ranked tilings, declared lengths: A/B against the conventional plans
 #   bash benchmarks/gpu_suite.sh tp                     # tensor products vs e3nn, cuEquivariance, OEQ
+#   bash benchmarks/gpu_suite.sh tp-probe --L 1 --C 16,32  # FCTP layer (direct, gather) vs statement vs cuEquivariance
 #   bash benchmarks/gpu_suite.sh distributed            # 2 GPUs (nvidia-h200-x2): NCCL tests, study_distributed
 # conv installs the spconv-triton wheel from .carry-conv-whl/ when carried; tp unpacks
 # cuEquivariance from .carry-tp-whl1/cue_all.tar.xz and puts OpenEquivariance's source from
@@ -63,6 +64,10 @@ case "$PART" in
     [ -f .carry-tp-whl1/cue_all.tar.xz ] && tar xJf .carry-tp-whl1/cue_all.tar.xz -C /tmp/site
     [ -d .carry-tp/oeq_src ] && export PYTHONPATH=$PYTHONPATH:$PWD/.carry-tp/oeq_src
     timeout 560 python -m benchmarks.study_tensor_product --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/tensor_product.log"
+    ;;
+  tp-probe)
+    [ -f .carry-tp-whl1/cue_all.tar.xz ] && tar xJf .carry-tp-whl1/cue_all.tar.xz -C /tmp/site
+    timeout 110 python -m benchmarks.explore.layer_probe "$@" 2>&1 | quiet | tee "$DIR/tp_probe.log"
     ;;
   distributed)
     timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tail -5 | tee "$DIR/pytest_distributed_cuda.log"
