@@ -528,3 +528,29 @@ def test_direct_layout_generated_kernel_in_the_interpreter():
     assert counts["gather"][0] == 1 and counts["gather"][1] >= 2  # x1 and Z gathered
     assert counts["direct fb"] == (5, 0), counts  # forward; dX, T, dY, dW (one batch group: no sum)
     assert counts["gather fb"][1] >= 2, counts  # d_out gathered, dX gathered back
+
+
+def test_direct_layout_layer_copies_and_pickles_after_repeats():
+    """A layer whose statements are pinned copies (`copy.deepcopy`) and pickles (`torch.save`)
+    without them; the copy computes with its own weight."""
+    import copy
+    import io
+
+    torch.manual_seed(15)
+    layer = FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o", backend="torch")
+    x1, x2 = torch.randn(3, 8), torch.randn(3, 4)
+    with torch.no_grad():
+        expected = layer(x1, x2)
+        layer(x1, x2)
+    assert layer._fast is not None
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
+        assert clone._fast is None
+        with torch.no_grad():
+            _close(clone(x1, x2), expected)
+            clone.weight.mul_(2)
+            _close(clone(x1, x2), 2 * expected)  # linear in the weight
+            _close(clone(x1, x2), 2 * expected)
+            _close(layer(x1, x2), expected)

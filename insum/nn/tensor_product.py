@@ -320,6 +320,13 @@ class TensorProduct(nn.Module):
         if not name.startswith("_") and self.__dict__.get("_calls") is not None:
             self._calls, self._fast = {}, None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or pickle (`torch.save(layer)`, `copy.deepcopy`) starts without the kept
+        statements and repeated forward (pinned launches; the copy makes its own)."""
+        state = super().__getstate__()
+        state["_calls"], state["_fast"] = {}, None
+        return state
+
     def _slabs(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight as slabs [(batch,) S, U, Wd]: a view when its layout already is."""
         if self._identity_w:
