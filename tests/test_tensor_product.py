@@ -426,6 +426,9 @@ def test_direct_layout_repeat_follows_the_weight_and_the_inputs():
         layer.weight.data = torch.randn(layer.weight_numel)
         ref.weight.copy_(layer.weight)
         _close(layer(x1, x2), ref(x1, x2))
+        swapped = torch.randn(layer.weight_numel)  # a weight swapped in for one call
+        ref.weight.copy_(swapped)
+        _close(torch.func.functional_call(layer, {"weight": swapped}, (x1, x2)), ref(x1, x2))
         layer.weight = torch.nn.Parameter(torch.randn(layer.weight_numel))
         assert layer._fast is None  # assigning an attribute drops what was kept
         ref.weight.copy_(layer.weight)

@@ -243,7 +243,8 @@ class TensorProduct(nn.Module):
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x1[..., irreps_in1.dim], x2[..., irreps_in2.dim] -> [..., irreps_out.dim] (leading dims broadcast)."""
         if not torch.compiler.is_compiling() and self._fast is not None:
-            out = self._fast(x1, x2, weight)  # a repeat of the last forward: its checks, then one pinned launch
+            # a repeat of the last forward: its checks, then one pinned launch
+            out = self._fast(x1, x2, weight, self._parameters.get("weight"))
             if out is not None:
                 return out
         internal = weight is None
@@ -683,9 +684,12 @@ class _FastForward:
         fast.shape, fast.dtype, fast.device = tuple(out.shape), out.dtype, out.device  # (ints: a torch.Size parses slower)
         return fast
 
-    def __call__(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor | None:
+    def __call__(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
+                 own: torch.Tensor | None) -> torch.Tensor | None:
+        """own: the layer's weight now (a parameter swapped in its dict, as by
+        torch.func.functional_call, is another object)."""
         if self.internal:
-            if weight is not None:
+            if weight is not None or own is not self.weight:
                 return None
             weight, slabs = self.weight, self.slabs
             if weight.data_ptr() != self.address:  # .data replaced
