@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from ..api import insum
+from ..bind import PLAIN_TENSORS
 from ..errors import InsumShapeError
 from ..execute import Pinned, pin
 from .cg_tables import (
@@ -602,7 +603,11 @@ _PINS_PER_STATEMENT = 8  # signatures of the varying tensors pinned per statemen
 _PIN_TRIES = 2  # runs of one signature that try to pin it (a run under gradients cannot)
 
 
-def _signature(tensors: dict[str, torch.Tensor]) -> tuple:
+def _signature(tensors: dict[str, torch.Tensor]) -> tuple | None:
+    """What a pinned launch depends on, per tensor; None for anything but plain tensors
+    (subclasses, fake tensors: insum's full path handles them)."""
+    if any(type(t) not in PLAIN_TENSORS for t in tensors.values()):
+        return None
     return tuple([(t.dtype, t.shape, t.stride(), t.device) for t in tensors.values()])
 
 
@@ -626,10 +631,10 @@ class _Statement:
 
     def __call__(self, **varying: torch.Tensor) -> None:
         """Run the statement into the output among `varying` (allocated by the caller)."""
-        if torch.compiler.is_compiling():
+        key = None if torch.compiler.is_compiling() else _signature(varying)
+        if key is None:
             self._run(varying)
             return
-        key = _signature(varying)
         pinned = self.pins.get(key)
         if type(pinned) is Pinned:
             if pinned.ready(*varying.values()) and pinned.run(varying):
@@ -648,7 +653,8 @@ class _Statement:
 
     def pinned(self, varying: dict[str, torch.Tensor]) -> Pinned | None:
         """The pinned launch for tensors of this signature, if any."""
-        found = self.pins.get(_signature(varying))
+        key = _signature(varying)
+        found = None if key is None else self.pins.get(key)
         return found if type(found) is Pinned else None
 
 
@@ -673,12 +679,12 @@ class _FastForward:
             return None
         fast = cls()
         fast.layer = weakref.ref(layer)  # (the layer holds this record)
-        fast.key = (x1.dtype, x1.shape, x1.stride(), x1.device, x2.dtype, x2.shape, x2.stride(), x2.device)
+        fast.key = (type(x1), x1.dtype, x1.shape, x1.stride(), x1.device, type(x2), x2.dtype, x2.shape, x2.stride(), x2.device)
         # The layer's own weight is kept (its memory checked per call); a weight passed in is
         # not (no cache holds the caller's tensors): only its signature.
         fast.internal, fast.address = internal, weight.data_ptr()
         fast.weight, fast.slabs = (weight, slabs.detach()) if internal else (None, None)
-        fast.weight_key = (weight.dtype, weight.shape, weight.stride(), weight.device)
+        fast.weight_key = (type(weight), weight.dtype, weight.shape, weight.stride(), weight.device)
         fast.slab_shape = slabs.shape
         fast.pinned = pinned
         fast.shape, fast.dtype, fast.device = tuple(out.shape), out.dtype, out.device  # (ints: a torch.Size parses slower)
@@ -695,10 +701,11 @@ class _FastForward:
             if weight.data_ptr() != self.address:  # .data replaced
                 return None
         else:
-            if weight is None or (weight.dtype, weight.shape, weight.stride(), weight.device) != self.weight_key:
+            if weight is None or (type(weight), weight.dtype, weight.shape, weight.stride(), weight.device) != self.weight_key:
                 return None
             slabs = weight.view(self.slab_shape)
-        if (x1.dtype, x1.shape, x1.stride(), x1.device, x2.dtype, x2.shape, x2.stride(), x2.device) != self.key:
+        if (type(x1), x1.dtype, x1.shape, x1.stride(), x1.device,
+                type(x2), x2.dtype, x2.shape, x2.stride(), x2.device) != self.key:
             return None
         if torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or weight.requires_grad):
             return _LayoutFunction.apply(self.layer(), x1, x2, weight)  # the inputs as the full path would pass them
