@@ -557,3 +557,19 @@ def test_direct_layout_layer_copies_and_pickles_after_repeats():
             _close(clone(x1, x2), 2 * expected)  # linear in the weight
             _close(clone(x1, x2), 2 * expected)
             _close(layer(x1, x2), expected)
+
+
+def test_direct_layout_double_backward_equals_e3nn():
+    """Second derivatives (a force-field model's gradient of forces) through output="direct":
+    the backward's statements read the saved inputs themselves, so the graph reaches them."""
+    torch.manual_seed(16)
+    ref = o3.FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o")
+    layer = FullyConnectedTensorProduct.from_e3nn(ref, backend="torch")
+    assert layer.output == "direct"
+    x1, x2 = torch.randn(3, 8, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    results = []
+    for module in (layer, ref):
+        (dx2,) = torch.autograd.grad(module(x1, x2).pow(2).sum(), [x2], create_graph=True)
+        results.append((dx2, *torch.autograd.grad(dx2.pow(2).sum(), [x1, x2])))
+    for a, b in zip(*results):
+        _close(a, b)
