@@ -74,7 +74,7 @@ case "$PART" in
     ;;
   tp-probe)
     [ -f .carry-tp-whl1/cue_all.tar.xz ] && tar xJf .carry-tp-whl1/cue_all.tar.xz -C /tmp/site
-    timeout 110 python -m benchmarks.explore.layer_probe "$@" 2>&1 | quiet | tee "$DIR/tp_probe.log"
+    timeout 90 python -m benchmarks.explore.layer_probe "$@" 2>&1 | quiet | tee "$DIR/tp_probe.log"
     ;;
   distributed)
     timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tail -5 | tee "$DIR/pytest_distributed_cuda.log"
