@@ -316,10 +316,11 @@ class TensorProduct(nn.Module):
         return Z if self._identity_out else Z.index_select(1, tables["OUT_INDEX"])
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Assigning an attribute (backend, precision, a parameter or table replaced) drops the
-        statements kept for output="direct" and the repeated forward (made anew on the next call)."""
+        """Assigning an attribute (backend, precision, a parameter or table replaced; not
+        .train()/.eval()) drops the statements kept for output="direct" and the repeated
+        forward (made anew on the next call)."""
         super().__setattr__(name, value)
-        if not name.startswith("_") and self.__dict__.get("_calls") is not None:
+        if not name.startswith("_") and name != "training" and self.__dict__.get("_calls") is not None:
             self._calls, self._fast = {}, None
 
     def __getstate__(self) -> dict[str, Any]:
