@@ -22,6 +22,7 @@ __all__ = [
     "STATEMENTS",
     "Instruction",
     "check_instruction",
+    "direct_statement",
     "normalised_instructions",
     "tensor_product_tables",
 ]
@@ -48,6 +49,24 @@ RUN_STATEMENTS = {
     ("uvu", True): "Z[b,j,k,u] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[PW[j,k,q],u]",
     ("uvu", False): "Z[b,j,k,u] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[b,PW[j,k,q],u]",
 }
+
+
+def direct_statement(shared_weights: bool, row_slab: bool, weight_view: bool) -> str:
+    """The channel-wise product read from and written to e3nn's layouts in one statement:
+    Z is the flat output [batch, dim_out] written through ZI[p, u] (the e3nn position of
+    component p, channel u: a permutation, declared unique, so plain stores and no zero
+    fill), X the flat input 1 read through XI[c, u], and the weight read as slabs W[.., s, u]
+    (weight_view: the flat weight viewed, as MACE's is) or through WI[s, u] from the flat
+    weight. row_slab: one slab per output component, PR[p] (else PW[p, q] per CG entry).
+
+    >>> direct_statement(False, True, True)
+    'Z[b, ZI[p, u]] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, XI[CGI[p, q], u]] * W[b, PR[p], u]'
+    """
+    batch = "" if shared_weights else "b, "
+    slab = "PR[p]" if row_slab else "PW[p, q]"
+    weight = f"W[{batch}{slab}, u]" if weight_view else f"W[{batch}WI[{slab}, u]]"
+    return f"Z[b, ZI[p, u]] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, XI[CGI[p, q], u]] * {weight}"
+
 
 # The backward statements (the same CG entries regrouped: see _gradient_tables), by
 # (mode, weights shared): the gradients of X, of W, and of Y (through T for "uvw").
