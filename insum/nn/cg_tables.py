@@ -22,7 +22,8 @@ __all__ = [
     "STATEMENTS",
     "Instruction",
     "check_instruction",
-    "direct_statement",
+    "FLAT_STATEMENTS",
+    "flat_tables",
     "normalised_instructions",
     "tensor_product_tables",
 ]
@@ -51,22 +52,17 @@ RUN_STATEMENTS = {
 }
 
 
-def direct_statement(shared_weights: bool, row_slab: bool, weight_view: bool) -> str:
-    """The channel-wise product read from and written to e3nn's layouts in one statement:
-    Z is the flat output [batch, dim_out] written through ZI[p, u] (the e3nn position of
-    component p, channel u: a permutation, declared unique, so plain stores and no zero
-    fill), X the flat input 1 read through XI[c, u], and the weight read as slabs W[.., s, u]
-    (weight_view: the flat weight viewed, as MACE's is) or through WI[s, u] from the flat
-    weight. row_slab: one slab per output component, PR[p] (else PW[p, q] per CG entry).
-
-    >>> direct_statement(False, True, True)
-    'Z[b, ZI[p, u]] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, XI[CGI[p, q], u]] * W[b, PR[p], u]'
-    """
-    batch = "" if shared_weights else "b, "
-    slab = "PR[p]" if row_slab else "PW[p, q]"
-    weight = f"W[{batch}{slab}, u]" if weight_view else f"W[{batch}WI[{slab}, u]]"
-    return f"Z[b, ZI[p, u]] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, XI[CGI[p, q], u]] * {weight}"
-
+# The channel-wise product with one column per e3nn output position t (output="flat"): input 1,
+# the output and the flat weight are read and written in e3nn's layouts, by (shared weights,
+# one weight position per output: FR[t], else FW[q, t] per CG entry). The tables are [Q, D],
+# so that a tile of consecutive outputs loads each entry slot's values contiguously. See
+# `flat_tables`.
+FLAT_STATEMENTS = {
+    (False, True): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[b, FR[t]]",
+    (False, False): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[b, FW[q, t]]",
+    (True, True): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[FR[t]]",
+    (True, False): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[FW[q, t]]",
+}
 
 # The backward statements (the same CG entries regrouped: see _gradient_tables), by
 # (mode, weights shared): the gradients of X, of W, and of Y (through T for "uvw").
@@ -267,3 +263,36 @@ def _gradient_tables(entries: list[tuple], mode: str, n_components: int, n_slabs
     tables["RC"] = np.array([c for c, _ in pairs], np.int64)
     tables["RS"] = np.array([s for _, s in pairs], np.int64)
     return tables
+
+
+def flat_tables(tables: dict[str, np.ndarray], dim_out: int) -> dict[str, np.ndarray]:
+    """The tables of FLAT_STATEMENTS from a channel-wise product's component tables (rows
+    unsorted): each component row p repeated for its channels u, one column per e3nn output
+    position t, its CG entries pointing at input 1's and the weight's flat positions.
+
+    FV [Q, D] (values, float64), FJ (input 2), FX (input 1), FW (weight) [Q, D] and FL [D]
+    (entry counts); FR [D] when every entry of an output reads one weight position (MACE: one
+    path per output entry), else None. Padding entries read position 0 with value 0.
+    """
+    cgv, cgj, cgi, pw, cgl = (tables[n] for n in ("CGV", "CGJ", "CGI", "PW", "CGL"))
+    x_index, w_index = tables["X_INDEX"], tables["W_INDEX"]
+    P, U = cgv.shape[0], x_index.shape[1]
+    position = tables["OUT_INVERSE"].reshape(P, U)  # e3nn output position of (p, u); dim_out: padding
+    p, u = np.nonzero(position < dim_out)
+    t = position[p, u]
+    real = np.arange(cgv.shape[1])[None, :] < cgl[p][:, None]  # [outputs, Q]
+    columns = {
+        "FV": np.where(real, cgv[p], 0.0),
+        "FJ": np.where(real, cgj[p], 0),
+        "FX": np.where(real, x_index[cgi[p], u[:, None]], 0),
+        "FW": np.where(real, w_index[pw[p], u[:, None]], 0),
+    }
+    out = {}
+    for name, column in columns.items():
+        out[name] = np.zeros((cgv.shape[1], dim_out), column.dtype)
+        out[name][:, t] = column.T
+    out["FL"] = np.zeros(dim_out, np.int64)
+    out["FL"][t] = cgl[p]
+    first = out["FW"][0]
+    out["FR"] = first.copy() if ((out["FW"] == first) | (out["FV"] == 0)).all() else None
+    return out

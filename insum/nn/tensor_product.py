@@ -43,6 +43,7 @@ from torch import nn
 from ..api import insum
 from ..errors import InsumShapeError
 from .cg_tables import (
+    FLAT_STATEMENTS,
     GRADIENT_STATEMENTS,
     IRREP_NORMALIZATIONS,
     PATH_NORMALIZATIONS,
@@ -51,7 +52,7 @@ from .cg_tables import (
     STATEMENTS,
     Instruction,
     check_instruction,
-    direct_statement,
+    flat_tables,
     normalised_instructions,
     tensor_product_tables,
 )
@@ -67,7 +68,7 @@ __all__ = [
     "mace_instructions",
 ]
 
-_OUTPUTS = ("gather", "views", "direct")
+_OUTPUTS = ("gather", "views", "flat")
 
 
 class TensorProduct(nn.Module):
@@ -82,10 +83,10 @@ class TensorProduct(nn.Module):
     output: "gather" (one launch into component-major Z, then one gather into e3nn's
     layout) or "views" (one launch per run of equal output entries, each writing its
     strided view of the e3nn-layout output: no gather pass, more launches) or, for "uvu"
-    paths whose input-1 and output entries share one multiplicity (MACE's), "direct": one
-    launch that reads input 1 and writes the output in e3nn's layout through index tables
-    (`direct_statement`): no layout gather of x1 or of the output, 49.7 instead of 131.6 KB
-    moved per edge on MACE's 128x0e+128x1o+128x2e (not yet measured: opt-in).
+    paths, "flat": one launch of FLAT_STATEMENTS, one table row per e3nn output position,
+    reading x1 and the weight and writing the output in e3nn's layouts (no layout gathers:
+    on MACE's 128x0e+128x1o+128x2e edges, 49.7 instead of 131.6 KB of HBM traffic per edge,
+    one launch instead of three; opt-in until measured).
     row_buckets: with "gather", the output components sorted by their number of CG entries
     and run in up to this many launches, each with its own entry count Q (less padded work
     where counts differ, as in MACE's channel-wise product: 568 -> 239 entry slots per edge
@@ -180,8 +181,8 @@ class TensorProduct(nn.Module):
         self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
         self.run_statement = RUN_STATEMENTS[(self.mode, shared_weights)]
         self._runs = self._output_runs() if output == "views" else []
-        if output == "direct":
-            self._setup_direct(tables)
+        if output == "flat":
+            self._setup_flat(tables, row_buckets)
         counts = tables["CGL"].tolist()
         ends = bucket_bounds(counts, row_buckets) if row_buckets > 1 else []
         # (first row, last row + 1, entries) per launch; empty: one launch over all rows
@@ -191,20 +192,16 @@ class TensorProduct(nn.Module):
         else:
             self.register_parameter("weight", None)
 
-    def _setup_direct(self, tables: dict) -> None:
-        """The tables of `direct_statement`: ZI [P, U] (Z position -> e3nn output position),
-        XI [C1, U] (input 1's flat position) and, for a weight that is no view, WI [S, U]."""
-        if self.mode != "uvu":
-            raise IrrepsError("output='direct' is for channel-wise ('uvu') paths")
-        if self._pad_x or self._pad_dz or self._pad_w:
-            raise IrrepsError("output='direct' needs every entry of irreps_in1 and irreps_out to have one "
-                              f"multiplicity (no padded channels): {self.irreps_in1} -> {self.irreps_out}")
-        P, U = tables["CGV"].shape[0], tables["X_INDEX"].shape[1]
-        self.register_buffer("ZI", torch.from_numpy(tables["OUT_INVERSE"].reshape(P, U)).to(torch.int32), persistent=False)
-        self.register_buffer("XI", torch.from_numpy(tables["X_INDEX"]).to(torch.int32), persistent=False)
-        if not self._identity_w:
-            self.register_buffer("WI", torch.from_numpy(tables["W_INDEX"]).to(torch.int32), persistent=False)
-        self.statement = direct_statement(self.shared_weights, "PR" in self._buffers, self._identity_w)
+    def _setup_flat(self, tables: dict, row_buckets: int) -> None:
+        """The tables of FLAT_STATEMENTS (`flat_tables`) and the statement that reads them."""
+        if self.mode != "uvu" or row_buckets != 1:
+            raise IrrepsError("output='flat' is for channel-wise ('uvu') paths, with row_buckets=1")
+        flat = flat_tables(tables, self.irreps_out.dim)
+        self._value_tables["FV"] = flat["FV"]
+        self.register_buffer("FV", torch.from_numpy(flat["FV"]), persistent=False)
+        for name in ("FJ", "FX", "FL", "FR" if flat["FR"] is not None else "FW"):
+            self.register_buffer(name, torch.from_numpy(flat[name]).to(torch.int32), persistent=False)
+        self.statement = FLAT_STATEMENTS[(self.shared_weights, flat["FR"] is not None)]
 
     @classmethod
     def from_e3nn(cls, tp: Any, **options: Any) -> TensorProduct:
@@ -283,8 +280,8 @@ class TensorProduct(nn.Module):
         """The e3nn-layout output [batch, irreps_out.dim] of the forward statement(s)."""
         if self.output == "views":
             return self._forward_views(Y, X, W)
-        if self.output == "direct":
-            return self._run(self.statement, Z=Y.new_empty(Y.shape[0], self.irreps_out.dim), **self._direct_tensors(Y, X, W))
+        if self.output == "flat":
+            return self._run(self.statement, **self._flat_tensors(Y, X, W))
         tables = self._buffers
         if self._buckets:
             Z = self._forward_buckets(Y, X, W)
@@ -318,12 +315,12 @@ class TensorProduct(nn.Module):
             self._cast[key] = buckets
         return buckets
 
-    def _direct_tensors(self, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The inputs of `direct_statement` (x2 as Y, the flat x1 as X, W from `_operands`)."""
+    def _flat_tensors(self, Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inputs of the flat statement: x2 as Y, the flat x1 as X, the flat weight as W."""
         tables = self._buffers
-        layout = {"ZI": tables["ZI"], "XI": tables["XI"]} | ({"WI": tables["WI"]} if "WI" in tables else {})
-        return {"Y": Y, "X": X, "W": W, "CGV": self._table("CGV", Y.dtype), "CGJ": tables["CGJ"], "CGI": tables["CGI"],
-                "lengths": {"q[p]": tables["CGL"]}, **layout, **self._weight_tables()}
+        weight = {"FR": tables["FR"]} if "FR" in tables else {"FW": tables["FW"]}
+        return {"Y": Y, "X": X, "W": W, "FV": self._table("FV", Y.dtype), "FJ": tables["FJ"], "FX": tables["FX"],
+                "lengths": {"q[t]": tables["FL"]}, **weight}
 
     def _output_runs(self) -> list[tuple[int, int, int, int, int, int]]:
         """(first component row, entries, mul, dim, output offset, Q) per run of consecutive
@@ -362,10 +359,8 @@ class TensorProduct(nn.Module):
     def _run(self, statement: str, lengths: dict | None = None, **tensors: torch.Tensor) -> torch.Tensor:
         """insum with the layer's options. lengths: each row's CG entry count, declared so
         that the generated kernel skips the padding entries (a hint the torch backend and
-        torch.compile ignore: the padding is zero-valued either way). ZI, the output
-        positions of `direct_statement`, is a permutation: declared unique."""
-        unique = frozenset({"ZI"}) if "ZI" in tensors else frozenset()
-        return insum(statement, backend=self.backend, precision=self.precision, lengths=lengths, unique_indices=unique, **tensors)
+        torch.compile ignore: the padding is zero-valued either way)."""
+        return insum(statement, backend=self.backend, precision=self.precision, lengths=lengths, **tensors)
 
     def _flat_inputs(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, lead: tuple[int, ...]):
         """x1 [batch, dim1], x2 [batch, dim2] and the weight (flat, or [batch, numel]) in the
@@ -387,13 +382,12 @@ class TensorProduct(nn.Module):
         return tuple(t if t.dtype == dtype else t.to(dtype) for t in (x1, x2, weight))
 
     def _operands(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor):
-        """The statement's (Y, X, W) from flat inputs: input 1 gathered component-major (flat
-        for output="direct"), the weight as slabs (a view when its layout already is; flat
-        for "direct", which reads it through WI, when it is not)."""
+        """The statement's (Y, X, W) from flat inputs: input 1 gathered component-major, the
+        weight as slabs (a view when its layout already is); all three as given for
+        output="flat", whose statement reads e3nn's layouts."""
         tables = self._buffers
-        if self.output == "direct":
-            W = weight.view(*weight.shape[:-1], *tables["W_INDEX"].shape) if self._identity_w else weight
-            return x2, x1, W
+        if self.output == "flat":
+            return x2, x1, weight
         if self._identity_w:
             W = weight.view(*weight.shape[:-1], *tables["W_INDEX"].shape)
         else:
@@ -408,10 +402,10 @@ class TensorProduct(nn.Module):
         weight = self.weight if weight is None else weight
         lead = self._lead(x1, x2, weight) if lead is None else lead
         Y, X, W = self._operands(*self._flat_inputs(x1, x2, weight, lead))
-        if self.output == "direct":
-            tensors = self._direct_tensors(Y, X, W)
+        if self.output == "flat":
+            tensors = self._flat_tensors(Y, X, W)
             del tensors["lengths"]
-            return {"Z": Y.new_empty(Y.shape[0], self.irreps_out.dim), **tensors}
+            return tensors
         return {"CGV": self._table("CGV", Y.dtype), "Y": Y, "X": X, "W": W, "CGJ": self.CGJ, "CGI": self.CGI,
                 **self._weight_tables()}
 
@@ -440,9 +434,9 @@ class _ProductFunction(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor):
         layer: TensorProduct = ctx.layer
         Y, X, W = ctx.saved_tensors
-        if layer.output == "direct":  # the gradient statements read the component-major operands
-            X = _gather(X, layer.X_INDEX, False) if ctx.needs_input_grad[2] or ctx.needs_input_grad[3] else X
-            W = W if layer._identity_w else _gather(W, layer.W_INDEX, False)
+        if layer.output == "flat":  # the gradient statements read the component-major operands
+            X = _gather(X, layer.X_INDEX, layer._pad_x) if ctx.needs_input_grad[2] or ctx.needs_input_grad[3] else X
+            W = W.view(*W.shape[:-1], *layer.W_INDEX.shape) if layer._identity_w else _gather(W, layer.W_INDEX, layer._pad_w)
         batch = d_out.shape[0]
         # The output gradient, component-major like Z (padded channels read a zero).
         P, channels = layer.CGV.shape[0], (layer.X_INDEX.shape[1] if layer.mode == "uvu" else W.shape[-1])
