@@ -267,6 +267,7 @@ def test_empty_batch_and_no_internal_weights():
         (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uvw", False)]), "without weights"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", path_normalization="x"), "path_normalization"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="views", row_buckets=2), "row_buckets"),
+        (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="flat"), "'uvu'"),
     ],
 )
 def test_bad_irreps_raise(make, match):
@@ -311,6 +312,70 @@ def test_views_output_equals_gather_output(mode):
         _close(out, expected)
         for a, b in zip(torch.autograd.grad(out, [x1, x2, *args], g), want):
             _close(a, b)
+
+
+@pytest.mark.parametrize("case", ["per-edge", "shared", "second multiplicity"])
+def test_flat_output_equals_e3nn_forward_and_backward(case):
+    """output="flat" (one statement reading x1 and the weight and writing the output in
+    e3nn's layouts) against e3nn: the output and every gradient, on 5 edges and on one."""
+    torch.manual_seed(11)
+    if case == "second multiplicity":  # entries of several multiplicities, a weight position per CG entry
+        ins = [(0, 1, 0, "uvu", True), (1, 1, 1, "uvu", True), (1, 0, 2, "uvu", True)]
+        ref = o3.TensorProduct("3x0e+2x1o", "2x0e+2x1o", "3x1o+2x0e+2x1o", ins)
+    else:
+        irreps_out, ins = _mace(o3.Irreps("3x0e+3x1o+3x2e"), o3.Irreps("0e+1o+2e+3o"), 3)
+        shared = case == "shared"
+        ref = o3.TensorProduct("3x0e+3x1o+3x2e", "0e+1o+2e+3o", irreps_out, ins, shared_weights=shared, internal_weights=shared)
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output="flat")
+    assert ("FR[t]" in layer.statement) == (case != "second multiplicity")  # one weight position per output
+    for edges in (5, 1):
+        x1 = torch.randn(edges, ref.irreps_in1.dim, requires_grad=True)
+        x2 = torch.randn(edges, ref.irreps_in2.dim, requires_grad=True)
+        w = layer.weight if ref.internal_weights else torch.randn(edges, ref.weight_numel, requires_grad=True)
+        extra = () if ref.internal_weights else (w,)
+        expected = ref(x1, x2, *extra)
+        out = layer(x1, x2, *extra)
+        _close(out, expected)
+        g = torch.randn_like(expected)
+        mine = torch.autograd.grad(out, [x1, x2, w], g)
+        theirs = torch.autograd.grad(expected, [x1, x2, ref.weight if ref.internal_weights else w], g)
+        for a, b in zip(mine, theirs):
+            _close(a, b)
+
+
+def test_flat_output_gradcheck_and_compile():
+    torch.manual_seed(12)
+    irreps1, irreps2 = o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o")
+    irreps_out, ins = _mace(irreps1, irreps2, 1)
+    layer = TensorProduct(irreps1, irreps2, irreps_out, ins, shared_weights=False, backend="torch", output="flat")
+    x1 = torch.randn(3, irreps1.dim, requires_grad=True)
+    x2 = torch.randn(3, irreps2.dim, requires_grad=True)
+    w = torch.randn(3, layer.weight_numel, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x1, x2, w))
+    compiled = torch.compile(layer, fullgraph=True)
+    _close(compiled(x1, x2, w), layer(x1, x2, w))
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter is chosen before triton is imported")
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_flat_output_generated_kernel_in_the_interpreter(index_dtype):
+    """output="flat" through the generated kernel, int32 and int64 tables, 1 and 7 edges,
+    into e3nn's layout directly (the output is allocated by insum: no zero fill, no gather)."""
+    torch.manual_seed(13)
+    irreps_out, ins = _mace(o3.Irreps("3x0e+3x1o"), o3.Irreps("0e+1o"), 1)
+    ref = o3.TensorProduct("3x0e+3x1o", "0e+1o", irreps_out, ins, shared_weights=False, internal_weights=False)
+    layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", output="flat").float()
+    for name in ("FJ", "FX", "FR", "FL"):
+        setattr(layer, name, getattr(layer, name).to(index_dtype))
+    for edges in (1, 7):
+        x1, x2, w = torch.randn(edges, 12), torch.randn(edges, 4), torch.randn(edges, ref.weight_numel)
+        _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
+    inputs = [t.float().requires_grad_() for t in (x1, x2, w)]
+    grads = torch.autograd.grad(layer(*inputs).sum(), inputs)
+    leaves = [t.clone().requires_grad_() for t in (x1, x2, w)]
+    for got, want in zip(grads, torch.autograd.grad(ref(*leaves).sum(), leaves)):
+        _close(got.double(), want, 1e-5)
 
 
 def test_shared_weight_gradient_split_over_batch_groups():
