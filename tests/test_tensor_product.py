@@ -343,6 +343,19 @@ def test_flat_output_equals_e3nn_forward_and_backward(case):
             _close(a, b)
 
 
+def test_flat_output_shared_weight_gradient_over_batch_groups():
+    """768 edges: the shared weight's flat gradient statement runs on 3 batch groups, summed."""
+    torch.manual_seed(14)
+    irreps_out, ins = _mace(o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o"), 1)
+    ref = o3.TensorProduct("2x0e+2x1o", "0e+1o", irreps_out, ins)
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output="flat")
+    x1, x2 = torch.randn(768, 8), torch.randn(768, 4)
+    g = torch.randn(768, ref.irreps_out.dim)
+    (mine,) = torch.autograd.grad(layer(x1, x2), [layer.weight], g)
+    (theirs,) = torch.autograd.grad(ref(x1, x2), [ref.weight], g)
+    _close(mine, theirs)
+
+
 def test_flat_output_gradcheck_and_compile():
     torch.manual_seed(12)
     irreps1, irreps2 = o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o")
@@ -353,7 +366,10 @@ def test_flat_output_gradcheck_and_compile():
     w = torch.randn(3, layer.weight_numel, requires_grad=True)
     assert torch.autograd.gradcheck(layer, (x1, x2, w))
     compiled = torch.compile(layer, fullgraph=True)
-    _close(compiled(x1, x2, w), layer(x1, x2, w))
+    out = compiled(x1, x2, w)
+    _close(out, layer(x1, x2, w))
+    for a, b in zip(torch.autograd.grad(out.sum(), [x1, x2, w]), torch.autograd.grad(layer(x1, x2, w).sum(), [x1, x2, w])):
+        _close(a, b)
 
 
 @pytest.mark.interpreter

@@ -13,6 +13,8 @@ import numpy as np
 from .irreps import Irreps, IrrepsError, wigner_3j
 
 __all__ = [
+    "FLAT_GRADIENT_STATEMENTS",
+    "FLAT_STATEMENTS",
     "GRADIENT_STATEMENTS",
     "IRREP_NORMALIZATIONS",
     "MODES",
@@ -22,7 +24,7 @@ __all__ = [
     "STATEMENTS",
     "Instruction",
     "check_instruction",
-    "FLAT_STATEMENTS",
+    "flat_gradient_tables",
     "flat_tables",
     "normalised_instructions",
     "tensor_product_tables",
@@ -62,6 +64,21 @@ FLAT_STATEMENTS = {
     (False, False): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[b, FW[q, t]]",
     (True, True): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[FR[t]]",
     (True, False): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[FW[q, t]]",
+}
+# Their gradients, in e3nn's layouts too: the same CG entries grouped by input-1 position s
+# (dX), weight position r (dW; split over batch groups g for a shared weight) and input-2
+# position j (dY), so that each gradient element is one column's sum (no atomics, no gather).
+FLAT_GRADIENT_STATEMENTS = {
+    False: {
+        "X": "DX[b, s] = GXV[q, s] * Y[b, GXJ[q, s]] * W[b, GXW[q, s]] * DZ[b, GXT[q, s]]",
+        "W": "DW[b, r] = GWV[q, r] * Y[b, GWJ[q, r]] * X[b, GWX[q, r]] * DZ[b, GWT[q, r]]",
+        "Y": "DY[b, j] = GYV[q, j] * X[b, GYX[q, j]] * W[b, GYW[q, j]] * DZ[b, GYT[q, j]]",
+    },
+    True: {
+        "X": "DX[b, s] = GXV[q, s] * Y[b, GXJ[q, s]] * W[GXW[q, s]] * DZ[b, GXT[q, s]]",
+        "W": "DW[g, r] = GWV[q, r] * Y[g, i, GWJ[q, r]] * X[g, i, GWX[q, r]] * DZ[g, i, GWT[q, r]]",
+        "Y": "DY[b, j] = GYV[q, j] * X[b, GYX[q, j]] * W[GYW[q, j]] * DZ[b, GYT[q, j]]",
+    },
 }
 
 # The backward statements (the same CG entries regrouped: see _gradient_tables), by
@@ -295,4 +312,26 @@ def flat_tables(tables: dict[str, np.ndarray], dim_out: int) -> dict[str, np.nda
     out["FL"][t] = cgl[p]
     first = out["FW"][0]
     out["FR"] = first.copy() if ((out["FW"] == first) | (out["FV"] == 0)).all() else None
+    return out
+
+
+def flat_gradient_tables(flat: dict[str, np.ndarray], dim1: int, dim2: int, weight_numel: int) -> dict[str, np.ndarray]:
+    """The tables of FLAT_GRADIENT_STATEMENTS from `flat_tables`' output: the real CG entries
+    (output t, value, input-2 j, input-1 x, weight w) grouped by x (GX*), by w (GW*) and by
+    j (GY*), each [Q, rows] with the row's entry count in GXL / GWL / GYL."""
+    q, t = np.nonzero(np.arange(flat["FV"].shape[0])[:, None] < flat["FL"][None, :])
+    entry = {"V": flat["FV"][q, t], "J": flat["FJ"][q, t], "X": flat["FX"][q, t], "W": flat["FW"][q, t], "T": t}
+    out = {}
+    for key, rows, fields in (("X", dim1, "VJWT"), ("W", weight_numel, "VJXT"), ("J", dim2, "VXWT")):
+        name = "GY" if key == "J" else "G" + key
+        keys = entry[key]
+        order = np.argsort(keys, kind="stable")
+        counts = np.bincount(keys, minlength=rows)
+        slot = np.arange(len(keys)) - np.repeat(np.cumsum(counts) - counts, counts)  # rank within its row
+        width = max(int(counts.max(initial=0)), 1)
+        for field in fields:
+            table = np.zeros((width, rows), np.float64 if field == "V" else np.int64)
+            table[slot, keys[order]] = entry[field][order]
+            out[name + field] = table
+        out[name + "L"] = counts.astype(np.int64)
     return out

@@ -43,6 +43,7 @@ from torch import nn
 from ..api import insum
 from ..errors import InsumShapeError
 from .cg_tables import (
+    FLAT_GRADIENT_STATEMENTS,
     FLAT_STATEMENTS,
     GRADIENT_STATEMENTS,
     IRREP_NORMALIZATIONS,
@@ -52,6 +53,7 @@ from .cg_tables import (
     STATEMENTS,
     Instruction,
     check_instruction,
+    flat_gradient_tables,
     flat_tables,
     normalised_instructions,
     tensor_product_tables,
@@ -197,11 +199,19 @@ class TensorProduct(nn.Module):
         if self.mode != "uvu" or row_buckets != 1:
             raise IrrepsError("output='flat' is for channel-wise ('uvu') paths, with row_buckets=1")
         flat = flat_tables(tables, self.irreps_out.dim)
-        self._value_tables["FV"] = flat["FV"]
-        self.register_buffer("FV", torch.from_numpy(flat["FV"]), persistent=False)
-        for name in ("FJ", "FX", "FL", "FR" if flat["FR"] is not None else "FW"):
-            self.register_buffer(name, torch.from_numpy(flat[name]).to(torch.int32), persistent=False)
-        self.statement = FLAT_STATEMENTS[(self.shared_weights, flat["FR"] is not None)]
+        grads = flat_gradient_tables(flat, self.irreps_in1.dim, self.irreps_in2.dim, self.weight_numel)
+        if flat["FR"] is None:
+            del flat["FR"]
+        else:
+            del flat["FW"]
+        for name, table in (flat | grads).items():
+            if table.dtype == np.float64:
+                self._value_tables[name] = table
+                self.register_buffer(name, torch.from_numpy(table), persistent=False)
+            else:
+                self.register_buffer(name, torch.from_numpy(table).to(torch.int32), persistent=False)
+        self.statement = FLAT_STATEMENTS[(self.shared_weights, "FR" in flat)]
+        self.gradient_statements = FLAT_GRADIENT_STATEMENTS[self.shared_weights]
 
     @classmethod
     def from_e3nn(cls, tp: Any, **options: Any) -> TensorProduct:
@@ -434,9 +444,8 @@ class _ProductFunction(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor):
         layer: TensorProduct = ctx.layer
         Y, X, W = ctx.saved_tensors
-        if layer.output == "flat":  # the gradient statements read the component-major operands
-            X = _gather(X, layer.X_INDEX, layer._pad_x) if ctx.needs_input_grad[2] or ctx.needs_input_grad[3] else X
-            W = W.view(*W.shape[:-1], *layer.W_INDEX.shape) if layer._identity_w else _gather(W, layer.W_INDEX, layer._pad_w)
+        if layer.output == "flat":
+            return (None, *_flat_backward(layer, ctx.needs_input_grad[1:4], Y, X, W, d_out.contiguous()))
         batch = d_out.shape[0]
         # The output gradient, component-major like Z (padded channels read a zero).
         P, channels = layer.CGV.shape[0], (layer.X_INDEX.shape[1] if layer.mode == "uvu" else W.shape[-1])
@@ -473,6 +482,35 @@ class _ProductFunction(torch.autograd.Function):
             dx2 = layer._run(stmts["Y"], YV=layer._table("YV", dtype), T=T, DZ=DZ, YR=layer.YR, YP=layer.YP,
                              lengths={"q[j]": layer.YL})
         return None, dx1, dx2, dweight
+
+
+def _flat_backward(layer: TensorProduct, needs: tuple[bool, ...], Y: torch.Tensor, X: torch.Tensor, W: torch.Tensor,
+                   DZ: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """(dx1, dx2, dweight) of output="flat": FLAT_GRADIENT_STATEMENTS on e3nn's layouts, one
+    launch per gradient (a shared weight's summed over batch groups), no gathers."""
+    stmts, tables = layer.gradient_statements, layer._buffers
+    dtype = DZ.dtype
+
+    def run(key: str, letters: str, **tensors: torch.Tensor) -> torch.Tensor:
+        name = "G" + key
+        given = {name + f: tables[name + f] for f in letters} | {name + "V": layer._table(name + "V", dtype)}
+        row = {"X": "s", "W": "r", "Y": "j"}[key]  # the gradient's column variable
+        return layer._run(stmts[key], lengths={f"q[{row}]": tables[name + "L"]}, **given, **tensors)
+
+    dx1 = run("X", "JWT", Y=Y, W=W, DZ=DZ) if needs[0] else None
+    dx2 = run("Y", "XWT", X=X, W=W, DZ=DZ) if needs[1] else None
+    dweight = None
+    if needs[2] and layer.shared_weights:
+        groups = _batch_groups(Y.shape[0])
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(groups, t.shape[0] // groups, t.shape[1])
+
+        DW = run("W", "JXT", Y=split(Y), X=split(X), DZ=split(DZ))
+        dweight = DW[0] if groups == 1 else DW.sum(0)
+    elif needs[2]:
+        dweight = run("W", "JXT", Y=Y, X=X, DZ=DZ)
+    return dx1, dx2, dweight
 
 
 def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
