@@ -177,7 +177,7 @@ def test_all_gradients_equal_e3nn(case):
         ref = o3.TensorProduct("3x0e+2x1o", "2x0e+2x1o", "3x1o+2x0e+2x1o", ins)
     if case == "uvw buckets":
         ref = o3.FullyConnectedTensorProduct("2x0e+2x1o+1x2e", "0e+1o+2e", "2x0e+3x1o+1x2e")
-    layer = TensorProduct.from_e3nn(ref, backend="torch", row_buckets=3 if case.endswith("buckets") else 1)
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output="gather", row_buckets=3 if case.endswith("buckets") else 1)
     assert bool(layer._buckets) == case.endswith("buckets")  # rows of unequal entry counts: several launches
     assert layer._identity_w == (case in ("uvw uniform", "uvw broadcast", "uvu per-edge", "uvu buckets"))
     assert layer._pad_x == layer._pad_dz == (case in ("uvw padded", "uvu second multiplicity", "uvw buckets"))
@@ -235,7 +235,7 @@ def test_channel_wise_generated_kernel_in_the_interpreter():
     ref = o3.TensorProduct("3x0e+3x1o", "0e+1o", irreps_out, ins, shared_weights=False, internal_weights=False)
     x1, x2, w = torch.randn(5, 12), torch.randn(5, 4), torch.randn(5, ref.weight_numel)
     for row_buckets in (1, 2):  # one launch; two, each writing its rows of Z through a strided view
-        layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", row_buckets=row_buckets).float()
+        layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", output="gather", row_buckets=row_buckets).float()
         assert "PR[p]" in layer.statement and len(layer._buckets) == (0 if row_buckets == 1 else 2)
         _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
     # The channel-wise gradient statements (declared lengths) through the generated kernels.

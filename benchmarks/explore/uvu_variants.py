@@ -8,7 +8,8 @@ in1 = 128x0e+128x1o+128x2e, in2 = the spherical harmonics 0e+1o+2e+3o, every pat
 0.104 ms at E = 10k on 4.8 TB/s (0.414 ms at 40k), the floor every variant is held to.
 
 Statement variants (one kernel each, times `do_bench` medians over a sweep of the tile
-configurations the tuner would try; the best is printed with its configuration):
+configurations the tuner would try at E = 10k, then of the three fastest at 40k; the best is
+printed with its configuration):
 
   stmt_gather      today's statement `Z[b,p,u]` (component-major Z, X gathered), its plan
   stmt_gather_bp   the same statement, M=b (edges) K=q N=u, grid p walked first
@@ -21,9 +22,11 @@ configurations the tuner would try; the best is printed with its configuration):
 
 Layer variants (`TensorProduct` as a user calls it; its kernels take the best configuration
 of the sweep above, so no autotuning runs inside the timed calls): `layer_gather` (today's
-default: X gather, statement, output gather), `layer_flat` (output="flat": one launch), both
-forward and forward+backward (`torch.autograd.grad` of all three inputs; the backward runs
-the regrouped gradient statements, swept the same way). cuEquivariance
+default before this branch: X gather, statement, output gather), `layer_flat` (output="flat",
+the default for "uvu" paths now: one launch), both
+forward and forward+backward (`torch.autograd.grad` of all three inputs). Their backward
+statements are swept the same way: `grad_X/W/Y` (the gather layer's, component-major, after
+gathering the output gradient) and `flat_grad_X/W/Y` (the flat layer's, e3nn's layouts). cuEquivariance
 (`ChannelWiseTensorProduct`; its path order and normalisation differ from e3nn's, so its
 output is not compared) and OpenEquivariance (e3nn's instructions; compared) where they import.
 
@@ -42,6 +45,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -87,9 +91,9 @@ def _layers(device, smoke: bool) -> dict:
     irreps_out, ins = mace_instructions(irreps1, IRREPS2, LMAX)
     make = dict(shared_weights=False, internal_weights=False)
     return {
-        "gather": TensorProduct(irreps1, IRREPS2, irreps_out, ins, **make).to(device),
+        "gather": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="gather", **make).to(device),
         "flat": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="flat", **make).to(device),
-        "reference": TensorProduct(irreps1, IRREPS2, irreps_out, ins, backend="torch", **make).to(device).double(),
+        "reference": TensorProduct(irreps1, IRREPS2, irreps_out, ins, backend="torch", output="gather", **make).to(device).double(),
         "instructions": ins,
         "irreps": (irreps1, IRREPS2, str(irreps_out)),
     }
@@ -153,17 +157,28 @@ def _cases(layers: dict, x: dict) -> list[Case]:
         _case("stmt_flat", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z),
         _case("stmt_flat_tb", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z, pick=_tiles("t", "q", "b")),
     ]
-    # The gradient statements (both layers run the same ones), on a random output gradient.
+    # The gradient statements of both layers, on a random output gradient (component-major
+    # for the gather layer, e3nn's layout for the flat one).
     dz = torch.randn(E, P, U, device=x["x1"].device)
-    common = {"Y": t["Y"], "X": t["X"], "W": t["W"], "DZ": dz}
-    names = {"X": ("XV", "XJ", "XP", "XS", "q[c]", "XL"), "W": ("WV", "WJ", "WC", "WP", "q[s]", "WL"),
-             "Y": ("YV", "YC", "YS", "YP", "q[j]", "YL")}
+    given = {"Y": t["Y"], "X": t["X"], "W": t["W"], "DZ": dz}
+    rows = {"X": ("q[c]", "XL"), "W": ("q[s]", "WL"), "Y": ("q[j]", "YL")}
     for grad, stmt in gather.gradient_statements.items():
-        value, *index, key, length = names[grad]
-        used = {n: common[n] for n in ("Y", "X", "W", "DZ") if f"{n}[" in stmt.split("=", 1)[1]}
-        tables = {value: gather._table(value, torch.float32), **{n: getattr(gather, n) for n in index}}
-        cases.append(_case(f"grad_{grad}", stmt, {**used, **tables}, {key: getattr(gather, length)}, None))
+        key, length = rows[grad]
+        cases.append(_case(f"grad_{grad}", stmt, _statement_tensors(gather, stmt, given), {key: getattr(gather, length)}, None))
+    given = {"Y": x["x2"], "X": x["x1"], "W": x["w"], "DZ": dz.view(E, -1)}
+    rows = {"X": ("q[s]", "GXL"), "W": ("q[r]", "GWL"), "Y": ("q[j]", "GYL")}
+    for grad, stmt in flat.gradient_statements.items():
+        key, length = rows[grad]
+        cases.append(_case(f"flat_grad_{grad}", stmt, _statement_tensors(flat, stmt, given), {key: getattr(flat, length)}, None))
     return cases
+
+
+def _statement_tensors(layer: TensorProduct, stmt: str, given: dict) -> dict:
+    """The tensors a gradient statement reads: `given` ones, else the layer's tables (value
+    tables in float32, as the layer's backward converts them)."""
+    names = re.findall(r"([A-Z][A-Z0-9]*)\[", stmt.split("=", 1)[1])
+    return {n: given[n] if n in given else layer._table(n, torch.float32) if layer._buffers[n].is_floating_point()
+            else layer._buffers[n] for n in names}
 
 
 def _configs(case: Case, smoke: bool) -> list[dict]:
@@ -176,14 +191,15 @@ def _bucket(case: Case) -> tuple:
     return tuple(next_power_of_2(math.prod(extents[v] for v in plan.axis_vars(a))) for a, _ in plan.tiles)
 
 
-def _sweep(case: Case, expected: torch.Tensor | None, smoke: bool, only=None) -> dict:
-    """Time the case under each configuration (only: the indices to run, untimed: warm-up);
-    keep the best on the kernel and its launcher, so that the layer's calls use it."""
+def _sweep(case: Case, expected: torch.Tensor | None, smoke: bool, only=None, configs=None) -> dict:
+    """Time the case under each configuration (configs: these instead of the tuner's list;
+    only: the indices to run, untimed: the compile workers); keep the best on the kernel and
+    its launcher, so that the layer's calls use it."""
     launcher = case.kernel.prepared(case.bound)
     out = case.bound.output()
     row = {"case": case.name, "plan": str(case.kernel.plan).replace("\n", "; "), "configs": []}
     best = None
-    for index, config in enumerate(_configs(case, smoke)):
+    for index, config in enumerate(configs if configs is not None else _configs(case, smoke)):
         if only is not None and index not in only:
             continue
         try:
@@ -209,8 +225,16 @@ def _sweep(case: Case, expected: torch.Tensor | None, smoke: bool, only=None) ->
     return row
 
 
-def _time_layer(name: str, layer: TensorProduct, x: dict, expected, smoke: bool) -> dict:
+def _time_layer(name: str, layer: TensorProduct, reference: TensorProduct, x: dict, expected, smoke: bool) -> dict:
+    """Forward and forward+backward times; the output's error over all edges, the gradients'
+    (the largest of the three) over the first 1024 against the float64 reference's."""
     row = {"case": name}
+    n = min(1024, x["x1"].shape[0])
+    mine = [x[k][:n].clone().requires_grad_() for k in ("x1", "x2", "w")]
+    theirs = [x[k][:n].double().requires_grad_() for k in ("x1", "x2", "w")]
+    got = torch.autograd.grad(layer(*mine), mine, x["g"][:n])
+    want = torch.autograd.grad(reference(*theirs), theirs, x["g"][:n].double())
+    row["fb_err"] = max(relative_error(a, b) for a, b in zip(got, want))
     with torch.no_grad():
         out = layer(x["x1"], x["x2"], x["w"])
         row["err"] = relative_error(out, expected)
@@ -299,9 +323,11 @@ def _print_table(rows: list[dict]) -> None:
         if "edges" not in r:
             continue
         note = r.get("error") or (f"{r['config']} | {r['plan']}" if "config" in r else "")
-        flag = "  FAILED" if r.get("err", 0) > TOLERANCE else ""
+        flag = "  FAILED" if any(not r[k] <= TOLERANCE for k in ("err", "fb_err") if isinstance(r.get(k), float)) else ""
         cells = [f"{r[k]:8.3f}" if isinstance(r.get(k), float) else f"{'-':>8}" for k in ("ms", "fb_ms")]
         err = f"{r['err']:9.1e}" if isinstance(r.get("err"), float) else f"{'-':>9}"
+        if isinstance(r.get("fb_err"), float):
+            note = f"gradients err {r['fb_err']:.1e} " + note
         print(f"{r['edges']:>6} {r['case']:16} {cells[0]} {cells[1]} {err}  {note[:150]}{flag}")
     for edges in sorted({r["edges"] for r in rows if "edges" in r}):
         by = {r["case"]: r for r in rows if r.get("edges") == edges}
@@ -335,6 +361,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layers = _layers(device, args.smoke)
     rows: list[dict] = []
+    fastest: dict[str, list[dict]] = {}  # per case, its fastest configurations at the first size
     for edges in SMOKE_EDGES if args.smoke else EDGES:
         if time.time() - start > args.budget:
             print(f"budget spent: skipping E={edges}")
@@ -346,7 +373,9 @@ def main() -> None:
                 print(f"budget spent: skipping {case.name} at E={edges}")
                 continue
             try:
-                row = _sweep(case, expected, args.smoke)
+                row = _sweep(case, expected, args.smoke, configs=fastest.get(case.name))
+                timed = sorted((c for c in row["configs"] if "ms" in c), key=lambda c: c["ms"])
+                fastest.setdefault(case.name, [c["config"] for c in timed[:3]])
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row = {"case": case.name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -354,7 +383,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         for name in ("gather", "flat"):
             if time.time() - start < args.budget:
-                rows.append({"edges": edges, **_time_layer(f"layer_{name}", layers[name], x, expected, args.smoke)})
+                rows.append({"edges": edges, **_time_layer(f"layer_{name}", layers[name], layers["reference"], x, expected,
+                                                           args.smoke)})
                 print(json.dumps(rows[-1]), flush=True)
         if time.time() - start < args.budget:
             rows.extend({"edges": edges, **r} for r in _anchors(layers, x, expected, args.smoke))

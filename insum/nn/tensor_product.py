@@ -83,12 +83,14 @@ class TensorProduct(nn.Module):
     else `forward(x1, x2, weight)` takes `weight[..., weight_numel]`, one per batch element.
     backend, precision: passed to `insum` ("tf32" or "ieee" float32 `tl.dot`).
     output: "gather" (one launch into component-major Z, then one gather into e3nn's
-    layout) or "views" (one launch per run of equal output entries, each writing its
+    layout), "views" (one launch per run of equal output entries, each writing its
     strided view of the e3nn-layout output: no gather pass, more launches) or, for "uvu"
-    paths, "flat": one launch of FLAT_STATEMENTS, one table row per e3nn output position,
-    reading x1 and the weight and writing the output in e3nn's layouts (no layout gathers:
-    on MACE's 128x0e+128x1o+128x2e edges, 49.7 instead of 131.6 KB of HBM traffic per edge,
-    one launch instead of three; opt-in until measured).
+    paths, "flat": one launch of FLAT_STATEMENTS, one table column per e3nn output position,
+    reading x1 and the weight and writing the output in e3nn's layouts, and a backward of
+    FLAT_GRADIENT_STATEMENTS (no layout gathers: on MACE's 128x0e+128x1o+128x2e edges the
+    forward moves 49.7 instead of 131.6 KB per edge in one launch instead of three, over
+    33.5k instead of 72.7k padded multiply slots). None (default): "flat" for "uvu" paths
+    (without row_buckets), else "gather".
     row_buckets: with "gather", the output components sorted by their number of CG entries
     and run in up to this many launches, each with its own entry count Q (less padded work
     where counts differ, as in MACE's channel-wise product: 568 -> 239 entry slots per edge
@@ -108,7 +110,7 @@ class TensorProduct(nn.Module):
         internal_weights: bool | None = None,
         backend: str = "auto",
         precision: str = "tf32",
-        output: str = "gather",
+        output: str | None = None,
         row_buckets: int = 1,
     ) -> None:
         super().__init__()
@@ -134,12 +136,9 @@ class TensorProduct(nn.Module):
         self._setup(shared_weights, internal_weights, backend, precision, output, row_buckets)
 
     def _setup(self, shared_weights: bool, internal_weights: bool | None, backend: str, precision: str,
-               output: str = "gather", row_buckets: int = 1) -> None:
-        if output not in _OUTPUTS:
+               output: str | None = None, row_buckets: int = 1) -> None:
+        if output is not None and output not in _OUTPUTS:
             raise IrrepsError(f"output {output!r}: choose one of {', '.join(_OUTPUTS)}")
-        if row_buckets < 1 or (row_buckets > 1 and output != "gather"):
-            raise IrrepsError(f"row_buckets={row_buckets}: needs a positive count, and output='gather' above 1")
-        self.output = output
         self._cast: dict = {}
         for ins in self.instructions:
             check_instruction(self.irreps_in1, self.irreps_in2, self.irreps_out, ins)
@@ -147,6 +146,11 @@ class TensorProduct(nn.Module):
         if len(modes) > 1:
             raise IrrepsError(f"all paths must share one connection mode, got {sorted(modes)}")
         self.mode = modes.pop() if modes else "uvw"
+        if output is None:
+            output = "flat" if self.mode == "uvu" and row_buckets == 1 else "gather"
+        if row_buckets < 1 or (row_buckets > 1 and output != "gather"):
+            raise IrrepsError(f"row_buckets={row_buckets}: needs a positive count, and output='gather' above 1")
+        self.output = output
         self.shared_weights = shared_weights
         self.internal_weights = shared_weights if internal_weights is None else internal_weights
         if self.internal_weights and not shared_weights:
@@ -226,7 +230,7 @@ class TensorProduct(nn.Module):
                 raise IrrepsError(f"from_e3nn: path {ins} has no weight; paths without weights are not supported")
             layer.instructions.append(Instruction(ins.i_in1, ins.i_in2, ins.i_out, ins.connection_mode, float(ins.path_weight)))
         layer._setup(tp.shared_weights, tp.internal_weights, options.get("backend", "auto"),
-                     options.get("precision", "tf32"), options.get("output", "gather"), options.get("row_buckets", 1))
+                     options.get("precision", "tf32"), options.get("output"), options.get("row_buckets", 1))
         if layer.internal_weights:
             with torch.no_grad():
                 layer.weight.copy_(tp.weight.detach().reshape(-1))
