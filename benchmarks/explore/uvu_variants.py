@@ -7,9 +7,10 @@ in1 = 128x0e+128x1o+128x2e, in2 = the spherical harmonics 0e+1o+2e+3o, every pat
 40,000 edges (issue 12). Bytes per edge: x1 4608, x2 64, weight 8704, output 36352: 49.7 KB,
 0.104 ms at E = 10k on 4.8 TB/s (0.414 ms at 40k), the floor every variant is held to.
 
-Statement variants (one kernel each, times `do_bench` medians over a sweep of the tile
-configurations the tuner would try at E = 10k, then of the three fastest at 40k; the best is
-printed with its configuration):
+Statement variants, one kernel each: a sweep ranks the tile configurations the tuner would
+try (at E = 10k; at 40k the three fastest of 10k) by the mean of 10 back-to-back launches
+(CUDA events), and the fastest is timed by `do_bench` (median, L2 flushed) and printed with
+its configuration and plan:
 
   stmt_gather      today's statement `Z[b,p,u]` (component-major Z, X gathered), its plan
   stmt_gather_bp   the same statement, M=b (edges) K=q N=u, grid p walked first
@@ -34,7 +35,8 @@ Every insum output is compared with a float64 reference (the torch lowering of t
 statement, in chunks of edges) by relative Frobenius error; a variant above 1e-5 is marked
 FAILED. Compiling every (kernel, configuration) pair is the slow part: `--workers N` first
 compiles them in N processes (Triton's disk cache), then one process times everything.
-`--budget` seconds: parts left when it runs out are skipped and named. `--smoke`: CPU
+`--budget` seconds: parts left when it runs out are skipped and named; the order is the
+statements the layers run, the layers, the anchors, then the exploratory plans. `--smoke`: CPU
 (interpreter), tiny irreps, two configurations per kernel, no timing: a check of the script.
 """
 
@@ -105,11 +107,16 @@ def _inputs(layer: TensorProduct, edges: int, device) -> dict:
     return {k: torch.randn(edges, n, device=device, generator=gen) for k, n in shape.items()}
 
 
-def _reference(layer64: TensorProduct, x: dict, chunk: int = 4096) -> torch.Tensor:
-    with torch.no_grad():
-        parts = [layer64(x["x1"][s:s + chunk].double(), x["x2"][s:s + chunk].double(), x["w"][s:s + chunk].double())
-                 for s in range(0, x["x1"].shape[0], chunk)]
-    return torch.cat(parts)
+def _reference(layer64: TensorProduct, x: dict, chunk: int = 4096) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The float64 output and the gradients of x1, x2 and the weight for the output gradient
+    x["g"], in chunks of edges (every edge is its own product: per-edge weights)."""
+    outs, grads = [], []
+    for s in range(0, x["x1"].shape[0], chunk):
+        leaves = [x[k][s:s + chunk].double().requires_grad_() for k in ("x1", "x2", "w")]
+        out = layer64(*leaves)
+        grads.append(torch.autograd.grad(out, leaves, x["g"][s:s + chunk].double()))
+        outs.append(out.detach())
+    return torch.cat(outs), [torch.cat(parts) for parts in zip(*grads)]
 
 
 def _case(name: str, stmt: str, tensors: dict, lengths: dict, to_e3nn, unique=frozenset(), pick=None, grid_first=None) -> Case:
@@ -207,7 +214,7 @@ def _sweep(case: Case, expected: torch.Tensor | None, smoke: bool, only=None, co
             launcher.run(case.bound.tensors, out)
             if only is not None:
                 continue
-            ms = float("nan") if smoke else median_ms(lambda: launcher.run(case.bound.tensors, out), warmup=5, rep=20)
+            ms = float("nan") if smoke else _quick_ms(lambda: launcher.run(case.bound.tensors, out))
         except Exception as e:  # noqa: BLE001 (a configuration that does not compile or fit is skipped)
             row["configs"].append({"config": config, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
@@ -219,28 +226,40 @@ def _sweep(case: Case, expected: torch.Tensor | None, smoke: bool, only=None, co
     launcher.set_config(best[1])
     case.kernel.tuned[_bucket(case)] = best[1]
     launcher.run(case.bound.tensors, out)
-    row.update(ms=best[0], config=best[1])
+    ms = float("nan") if smoke else median_ms(lambda: launcher.run(case.bound.tensors, out), warmup=5, rep=25)
+    row.update(ms=ms, config=best[1])
     if expected is not None and case.to_e3nn is not None:
         row["err"] = relative_error(case.to_e3nn(out), expected)
     return row
 
 
-def _time_layer(name: str, layer: TensorProduct, reference: TensorProduct, x: dict, expected, smoke: bool) -> dict:
-    """Forward and forward+backward times; the output's error over all edges, the gradients'
-    (the largest of the three) over the first 1024 against the float64 reference's."""
+def _quick_ms(fn, runs: int = 10) -> float:
+    """Mean milliseconds of `runs` back-to-back calls after two (CUDA events): the sweep's
+    ranking; the configuration it picks is then timed by do_bench."""
+    fn()
+    fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(runs):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / runs
+
+
+def _time_layer(name: str, layer: TensorProduct, x: dict, expected: torch.Tensor, expected_grads: list, smoke: bool) -> dict:
+    """Forward and forward+backward times, the output's error and the gradients' (the largest
+    of the three) against the float64 reference's, on every edge (the swept signatures: no
+    tuning inside these calls)."""
     row = {"case": name}
-    n = min(1024, x["x1"].shape[0])
-    mine = [x[k][:n].clone().requires_grad_() for k in ("x1", "x2", "w")]
-    theirs = [x[k][:n].double().requires_grad_() for k in ("x1", "x2", "w")]
-    got = torch.autograd.grad(layer(*mine), mine, x["g"][:n])
-    want = torch.autograd.grad(reference(*theirs), theirs, x["g"][:n].double())
-    row["fb_err"] = max(relative_error(a, b) for a, b in zip(got, want))
+    leaves = [x[k].clone().requires_grad_() for k in ("x1", "x2", "w")]
+    got = torch.autograd.grad(layer(*leaves), leaves, x["g"])
+    row["fb_err"] = max(relative_error(a, b) for a, b in zip(got, expected_grads))
     with torch.no_grad():
         out = layer(x["x1"], x["x2"], x["w"])
         row["err"] = relative_error(out, expected)
         if not smoke:
             row["ms"] = median_ms(lambda: layer(x["x1"], x["x2"], x["w"]), warmup=5, rep=25)
-    leaves = [x[k].clone().requires_grad_() for k in ("x1", "x2", "w")]
 
     def step():
         torch.autograd.grad(layer(*leaves), leaves, x["g"])
@@ -367,28 +386,36 @@ def main() -> None:
             print(f"budget spent: skipping E={edges}")
             continue
         x = _inputs(layers["gather"], edges, device)
-        expected = _reference(layers["reference"], x)
-        for case in _cases(layers, x):
+        expected, expected_grads = _reference(layers["reference"], x)
+        cases = {case.name: case for case in _cases(layers, x)}
+        # What the layers run first (their best configurations are what the layers then use),
+        # the layers and the anchors next, the exploratory plans last (first skipped).
+        order = [n for n in cases if n.startswith(("stmt_flat", "flat_grad"))] + ["stmt_gather", "grad_X", "grad_W", "grad_Y"]
+        first = [n for n in order if n in cases and n != "stmt_flat_tb"]
+        for name in first + ["layers", "anchors"] + [n for n in cases if n not in first]:
             if time.time() - start > args.budget:
-                print(f"budget spent: skipping {case.name} at E={edges}")
+                print(f"budget spent: skipping {name} at E={edges}")
+                continue
+            if name == "layers":
+                for kind in ("gather", "flat"):
+                    rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
+                    print(json.dumps(rows[-1]), flush=True)
+                continue
+            if name == "anchors":
+                anchors = [{"edges": edges, **r} for r in _anchors(layers, x, expected, args.smoke)]
+                rows.extend(anchors)
+                print(json.dumps(anchors), flush=True)
                 continue
             try:
-                row = _sweep(case, expected, args.smoke, configs=fastest.get(case.name))
+                row = _sweep(cases[name], expected, args.smoke, configs=fastest.get(name))
                 timed = sorted((c for c in row["configs"] if "ms" in c), key=lambda c: c["ms"])
-                fastest.setdefault(case.name, [c["config"] for c in timed[:3]])
+                fastest.setdefault(name, [c["config"] for c in timed[:3]])
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                row = {"case": case.name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             rows.append({"edges": edges, **row})
-            print(json.dumps(rows[-1]), flush=True)
-        for name in ("gather", "flat"):
-            if time.time() - start < args.budget:
-                rows.append({"edges": edges, **_time_layer(f"layer_{name}", layers[name], layers["reference"], x, expected,
-                                                           args.smoke)})
-                print(json.dumps(rows[-1]), flush=True)
-        if time.time() - start < args.budget:
-            rows.extend({"edges": edges, **r} for r in _anchors(layers, x, expected, args.smoke))
-        del x, expected
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+        del x, expected, expected_grads, cases
         if device.type == "cuda":
             torch.cuda.empty_cache()
     out = Path(args.out)
