@@ -302,10 +302,11 @@ def _anchors(layers: dict, x: dict, expected, smoke: bool) -> list[dict]:
         rows.append({"case": "cue", "error": f"not importable: {type(e).__name__}: {str(e)[:120]}"})
     else:
         try:
-            module = cuet.ChannelWiseTensorProduct(
-                cue.Irreps("O3", irreps1), cue.Irreps("O3", irreps2), [cue.O3(l, (-1) ** l) for l in range(LMAX + 1)],  # noqa: E741
-                layout=cue.mul_ir, shared_weights=False, internal_weights=False, device=x["x1"].device)
-            measure("cue", module, check=False)  # same paths and sizes, its own path order and normalisation
+            if "cue" not in layers:  # built once, for every size
+                layers["cue"] = cuet.ChannelWiseTensorProduct(
+                    cue.Irreps("O3", irreps1), cue.Irreps("O3", irreps2), [cue.O3(l, (-1) ** l) for l in range(LMAX + 1)],  # noqa: E741
+                    layout=cue.mul_ir, shared_weights=False, internal_weights=False, device=x["x1"].device)
+            measure("cue", layers["cue"], check=False)  # same paths and sizes, its own path order and normalisation
         except Exception as e:  # noqa: BLE001
             rows.append({"case": "cue", "error": f"{type(e).__name__}: {str(e)[:200]}"})
     try:
@@ -314,9 +315,11 @@ def _anchors(layers: dict, x: dict, expected, smoke: bool) -> list[dict]:
         rows.append({"case": "oeq", "error": f"not importable: {type(e).__name__}: {str(e)[:120]}"})
     else:
         try:
-            problem = oeq.TPProblem(irreps1, irreps2, irreps_out, [(*i, 1.0) for i in layers["instructions"]],
-                                    shared_weights=False, internal_weights=False)
-            measure("oeq", oeq.TensorProduct(problem, torch_op=True), check=True)
+            if "oeq" not in layers:  # built (and its kernels compiled) once, for every size
+                problem = oeq.TPProblem(irreps1, irreps2, irreps_out, [(*i, 1.0) for i in layers["instructions"]],
+                                        shared_weights=False, internal_weights=False)
+                layers["oeq"] = oeq.TensorProduct(problem, torch_op=True)
+            measure("oeq", layers["oeq"], check=True)
         except Exception as e:  # noqa: BLE001
             rows.append({"case": "oeq", "error": f"{type(e).__name__}: {str(e)[:200]}"})
     return rows
