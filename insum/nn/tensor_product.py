@@ -452,7 +452,7 @@ class _ProductFunction(torch.autograd.Function):
             return (None, *_flat_backward(layer, ctx.needs_input_grad[1:4], Y, X, W, d_out.contiguous()))
         batch = d_out.shape[0]
         # The output gradient, component-major like Z (padded channels read a zero).
-        P, channels = layer.CGV.shape[0], (layer.X_INDEX.shape[1] if layer.mode == "uvu" else W.shape[-1])
+        P, channels = layer.CGV.shape[0], (X.shape[2] if layer.mode == "uvu" else W.shape[-1])
         if layer._identity_out:
             DZ = d_out.contiguous().view(batch, P, channels)
         else:
@@ -508,7 +508,7 @@ def _flat_backward(layer: TensorProduct, needs: tuple[bool, ...], Y: torch.Tenso
         groups = _batch_groups(Y.shape[0])
 
         def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(groups, t.shape[0] // groups, t.shape[1])
+            return t.reshape(groups, t.shape[0] // groups, t.shape[1])
 
         DW = run("W", "JXT", Y=split(Y), X=split(X), DZ=split(DZ))
         dweight = DW[0] if groups == 1 else DW.sum(0)
