@@ -50,6 +50,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -375,7 +376,7 @@ def main() -> None:
         return
     start = time.time()
     if args.workers > 0:
-        env = dict(os.environ, INSUM_CACHE_DIR=str(Path(args.out) / "warm_cache"))  # tuning results stay theirs
+        env = dict(os.environ, INSUM_CACHE_DIR=tempfile.mkdtemp(prefix="uvu_warm_"))  # their tuning results stay theirs
         command = [sys.executable, "-m", "benchmarks.explore.uvu_variants"] + (["--smoke"] if args.smoke else [])
         workers = [subprocess.Popen([*command, "--warm", f"{k}/{args.workers}"], env=env) for k in range(args.workers)]
         codes = [w.wait() for w in workers]
