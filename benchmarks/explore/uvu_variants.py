@@ -35,8 +35,9 @@ Every insum output is compared with a float64 reference (the torch lowering of t
 statement, in chunks of edges) by relative Frobenius error; a variant above 1e-5 is marked
 FAILED. Compiling every (kernel, configuration) pair is the slow part: `--workers N` first
 compiles them in N processes (Triton's disk cache), then one process times everything.
-`--budget` seconds: parts left when it runs out are skipped and named; the order is the
-statements the layers run, the layers, the anchors, then the exploratory plans. `--smoke`: CPU
+`--budget` seconds: parts left when it runs out are skipped and named; the order is, at each
+size, the statements the layers run, the layers and the anchors, then at each size the
+exploratory plans. `--smoke`: CPU
 (interpreter), tiny irreps, two configurations per kernel, no timing: a check of the script.
 """
 
@@ -385,43 +386,45 @@ def main() -> None:
     layers = _layers(device, args.smoke)
     rows: list[dict] = []
     fastest: dict[str, list[dict]] = {}  # per case, its fastest configurations at the first size
-    for edges in SMOKE_EDGES if args.smoke else EDGES:
+    sizes = SMOKE_EDGES if args.smoke else EDGES
+    data = {}  # per size: inputs, float64 output and gradients, the cases (built on first use)
+    # What the layers run first (their best configurations are what the layers then use), the
+    # layers and the anchors next, at every size; the exploratory plans last (first skipped).
+    first = ["stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "stmt_gather", "grad_X", "grad_W", "grad_Y"]
+    later = ["stmt_gather_bp", "stmt_zi", "stmt_zi_plast", "stmt_flat_tb"]
+    steps = [(e, n) for e in sizes for n in [*first, "layers", "anchors"]] + [(e, n) for e in sizes for n in later]
+    for edges, name in steps:
         if time.time() - start > args.budget:
-            print(f"budget spent: skipping E={edges}")
+            print(f"budget spent: skipping {name} at E={edges}")
             continue
-        x = _inputs(layers["gather"], edges, device)
-        expected, expected_grads = _reference(layers["reference"], x)
-        cases = {case.name: case for case in _cases(layers, x)}
-        # What the layers run first (their best configurations are what the layers then use),
-        # the layers and the anchors next, the exploratory plans last (first skipped).
-        order = [n for n in cases if n.startswith(("stmt_flat", "flat_grad"))] + ["stmt_gather", "grad_X", "grad_W", "grad_Y"]
-        first = [n for n in order if n in cases and n != "stmt_flat_tb"]
-        for name in first + ["layers", "anchors"] + [n for n in cases if n not in first]:
-            if time.time() - start > args.budget:
-                print(f"budget spent: skipping {name} at E={edges}")
-                continue
-            if name == "layers":
-                for kind in ("gather", "flat"):
-                    rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
-                    print(json.dumps(rows[-1]), flush=True)
-                continue
-            if name == "anchors":
-                anchors = [{"edges": edges, **r} for r in _anchors(layers, x, expected, args.smoke)]
-                rows.extend(anchors)
-                print(json.dumps(anchors), flush=True)
-                continue
-            try:
-                row = _sweep(cases[name], expected, args.smoke, configs=fastest.get(name))
-                timed = sorted((c for c in row["configs"] if "ms" in c), key=lambda c: c["ms"])
-                fastest.setdefault(name, [c["config"] for c in timed[:3]])
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-            rows.append({"edges": edges, **row})
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
-        del x, expected, expected_grads, cases
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        if edges not in data:
+            x = _inputs(layers["gather"], edges, device)
+            data[edges] = (x, *_reference(layers["reference"], x), {case.name: case for case in _cases(layers, x)})
+        x, expected, expected_grads, cases = data[edges]
+        if name == "layers":
+            for kind in ("gather", "flat"):
+                rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
+                print(json.dumps(rows[-1]), flush=True)
+            continue
+        if name == "anchors":
+            anchors = [{"edges": edges, **r} for r in _anchors(layers, x, expected, args.smoke)]
+            rows.extend(anchors)
+            print(json.dumps(anchors), flush=True)
+            continue
+        try:
+            row = _sweep(cases[name], expected, args.smoke, configs=fastest.get(name))
+            timed = sorted((c for c in row["configs"] if "ms" in c), key=lambda c: c["ms"])
+            fastest.setdefault(name, [c["config"] for c in timed[:3]])
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        rows.append({"edges": edges, **row})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+    layer = layers["gather"]
+    per_edge = 4 * (layer.irreps_in1.dim + layer.irreps_in2.dim + layer.weight_numel + layer.irreps_out.dim)
+    for edges in sizes:  # every byte read or written once, at the H200's 4.8 TB/s
+        rows.append({"edges": edges, "case": "hbm_floor", "ms": edges * per_edge / 4.8e9,
+                     "error": f"{per_edge} B per edge (x1, x2, weight, output), read or written once, at 4.8 TB/s"})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "uvu_variants.json").write_text(json.dumps(rows, indent=1, default=str))
