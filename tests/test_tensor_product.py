@@ -346,6 +346,34 @@ def test_flat_output_equals_e3nn_forward_and_backward(case):
         _close(layer(x1, x2), ref(x1, x2))
 
 
+def test_flat_statements_plan_edges_by_contiguous_outputs_at_mace_scale():
+    """The plans the flat layer's cost argument rests on, at MACE's size (10,000 edges of
+    128x0e+128x1o+128x2e x sh(3); shapes only): edges on M, the e3nn output (or gradient)
+    positions on N, the CG entries on K up to each tile's declared length, every output
+    element stored once by its owner (no atomics, no zero fill)."""
+    import re
+
+    from insum.bind import bind
+    from insum.codegen import schedule
+    from insum.execute import length_facts
+    from insum.parser import parse
+    from insum.runtime import spec_for
+
+    irreps_out, ins = mace_instructions("128x0e+128x1o+128x2e", "0e+1o+2e+3o", 3)
+    layer = TensorProduct("128x0e+128x1o+128x2e", "0e+1o+2e+3o", irreps_out, ins, shared_weights=False)
+    E = 10_000
+    flat = {"Y": (E, 16), "X": (E, 1152), "W": (E, layer.weight_numel), "DZ": (E, irreps_out.dim)}
+    cases = [(layer.statement, "q[t]", "FL", "t")] + [
+        (stmt, f"q[{column}]", f"G{key}L", column) for (key, stmt), column in zip(layer.gradient_statements.items(), "srj")]
+    for stmt, key, length, column in cases:
+        names = re.findall(r"([A-Z][A-Z0-9]*)\[", stmt.split("=", 1)[1])  # the output is allocated
+        tensors = {n: torch.empty(flat[n], device="meta") if n in flat else layer._buffers[n].to("meta") for n in names}
+        bound, declared = length_facts(bind(parse(stmt), tensors), {key: layer._buffers[length].to("meta")})
+        plan = schedule(spec_for(bound, lengths=declared))
+        assert dict(plan.tiles) == {"M": "b", "K": "q", "N": column} and plan.grid == () and plan.loops == (), stmt
+        assert plan.output == "store" and plan.covers_output and plan.lengths, stmt
+
+
 def test_flat_output_shared_weight_gradient_over_batch_groups():
     """768 edges: the shared weight's flat gradient statement runs on 3 batch groups, summed."""
     torch.manual_seed(14)
