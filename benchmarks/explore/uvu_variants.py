@@ -34,7 +34,8 @@ output is not compared) and OpenEquivariance (e3nn's instructions; compared) whe
 Every insum output is compared with a float64 reference (the torch lowering of today's
 statement, in chunks of edges) by relative Frobenius error; a variant above 1e-5 is marked
 FAILED. Compiling every (kernel, configuration) pair is the slow part: `--workers N` first
-compiles them in N processes (Triton's disk cache), then one process times everything.
+compiles them in N processes (Triton's disk cache; stopped at half the budget), then one
+process times everything.
 `--budget` seconds: parts left when it runs out are skipped and named; the order is, at each
 size, the statements the layers run, the layers and the anchors, then at each size the
 exploratory plans. `--smoke`: CPU
@@ -380,7 +381,13 @@ def main() -> None:
         env = dict(os.environ, INSUM_CACHE_DIR=tempfile.mkdtemp(prefix="uvu_warm_"))  # their tuning results stay theirs
         command = [sys.executable, "-m", "benchmarks.explore.uvu_variants"] + (["--smoke"] if args.smoke else [])
         workers = [subprocess.Popen([*command, "--warm", f"{k}/{args.workers}"], env=env) for k in range(args.workers)]
-        codes = [w.wait() for w in workers]
+        codes = []
+        for worker in workers:  # at most half the budget: what is left compiles on first use
+            try:
+                codes.append(worker.wait(timeout=max(1.0, start + args.budget / 2 - time.time())))
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                codes.append("stopped")
         print(f"compiled in {args.workers} processes: {time.time() - start:.0f} s (exit codes {codes})", flush=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layers = _layers(device, args.smoke)
