@@ -22,23 +22,23 @@ its configuration and plan:
   stmt_flat_tb     the same statement, M=t N=b (the cost model's cheapest, not chosen)
 
 Layer variants (`TensorProduct` as a user calls it; its kernels take the best configuration
-of the sweep above, so no autotuning runs inside the timed calls): `layer_gather` (today's
-default before this branch: X gather, statement, output gather), `layer_flat` (output="flat",
-the default for "uvu" paths now: one launch), both
-forward and forward+backward (`torch.autograd.grad` of all three inputs). Their backward
-statements are swept the same way: `grad_X/W/Y` (the gather layer's, component-major, after
-gathering the output gradient) and `flat_grad_X/W/Y` (the flat layer's, e3nn's layouts). cuEquivariance
-(`ChannelWiseTensorProduct`; its path order and normalisation differ from e3nn's, so its
-output is not compared) and OpenEquivariance (e3nn's instructions; compared) where they import.
+of the sweep above, so no autotuning runs inside the timed calls): `layer_gather`
+(output="gather", the default before this branch: X gather, statement, output gather) and
+`layer_flat` (output="flat", the default for "uvu" paths now: one launch), forward and
+forward+backward (`torch.autograd.grad` of all three inputs). Their backward statements are
+swept the same way: `grad_X/W/Y` (the gather layer's, component-major, after gathering the
+output gradient) and `flat_grad_X/W/Y` (the flat layer's, in e3nn's layouts).
+cuEquivariance (`ChannelWiseTensorProduct`; its path order and normalisation differ from
+e3nn's, so its output is not compared) and OpenEquivariance (e3nn's instructions; compared)
+where they import, forward and forward+backward.
 
 Every insum output is compared with a float64 reference (the torch lowering of today's
-statement, in chunks of edges) by relative Frobenius error; a variant above 1e-5 is marked
-FAILED. Compiling every (kernel, configuration) pair is the slow part: `--workers N` first
-compiles them in N processes (Triton's disk cache; stopped at half the budget), then one
-process times everything.
-`--budget` seconds: parts left when it runs out are skipped and named; the order is, at each
-size, the statements the layers run, the layers and the anchors, then at each size the
-exploratory plans. `--smoke`: CPU
+statement, in chunks of edges) by relative Frobenius error, the layers' gradients too; a
+variant above 1e-5 is marked FAILED. Compiling every (kernel, configuration) pair is the slow
+part: `--workers N` first compiles them in N processes (Triton's disk cache; stopped at half
+the budget), then one process times everything. `--budget` seconds: parts left when it runs
+out are skipped and named; the order is, at each size, the statements the layers run, the
+layers and the anchors, then at each size the exploratory plans. `--smoke`: CPU
 (interpreter), tiny irreps, two configurations per kernel, no timing: a check of the script.
 """
 
