@@ -55,28 +55,47 @@ def tiled_pair_set(km: KernelMap, tile: int) -> set[tuple[int, int, int]]:
     return set(whole)
 
 
+def packings(km: KernelMap, tile: int) -> list[torch.Tensor]:
+    """Every tensor of the tiled packing the layer reads, the buckets included."""
+    tiled = km.tiles(tile)
+    buckets = [t for _start, _end, nb, tw in tiled.buckets for t in (nb, tw)]
+    return [*km.tiles_whole(tile), tiled.inverse, tiled.output_rows(), tiled._rows, tiled._counts, *buckets]
+
+
+def assert_same_maps(got: KernelMap, expected: KernelMap, tiles=(16, 12)) -> None:
+    assert torch.equal(got.out_coords, expected.out_coords)
+    assert torch.equal(got.nbr, expected.nbr) and got.nbr.dtype == torch.int32
+    assert got.offset_pairs == expected.offset_pairs == (expected.nbr >= 0).sum(0).tolist()
+    for tile in tiles:  # the tile kernels (12: not a power of two)
+        for a, b in zip(packings(got, tile), packings(expected, tile), strict=True):
+            assert torch.equal(a, b) and a.dtype == b.dtype
+
+
+def kernel_build(monkeypatch, lookup: str, *args) -> KernelMap:
+    """The map by CUDA's path (the Triton kernels), `lookup` "hash" (the default) or
+    "sorted" (INSUM_MAP_HASH=0), or by the torch ops ("torch")."""
+    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: lookup != "torch")
+    monkeypatch.setattr(kernel_map, "_hashing", lambda: lookup == "hash")
+    return build_kernel_map(*args)
+
+
 @KERNEL_MARK
 @pytest.mark.parametrize("k,s,d,mode", [
     (3, 1, 1, "subm"), (3, 1, 2, "subm"), (2, 1, 1, "subm"), (5, 1, 1, "subm"), (1, 1, 1, "subm"),
-    (2, 2, 1, "strided"), (3, 2, 1, "strided"), (3, 2, 2, "strided"),
+    (2, 2, 1, "strided"), (3, 2, 1, "strided"), (3, 2, 2, "strided"), (2, 2, 1, "transposed"), (3, 2, 1, "transposed"),
 ])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_fused_lookup_equals_the_torch_lookup(monkeypatch, k, s, d, mode, dtype):
+def test_kernel_lookups_equal_the_torch_lookup(monkeypatch, k, s, d, mode, dtype):
     coords = random_sites(100, 7, seed=k + s + d, dtype=dtype).to(DEVICE)
-    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: False)  # (CUDA's default is the kernels)
-    plain = build_kernel_map(coords, k, s, d, mode)
-    plain_tiles = [plain.tiles_whole(tile) for tile in (16, 12)]
-    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: True)
-    fused = build_kernel_map(coords, k, s, d, mode)
-    assert torch.equal(fused.out_coords, plain.out_coords)
-    assert torch.equal(fused.nbr, plain.nbr) and fused.nbr.dtype == torch.int32
-    assert fused.offset_pairs == plain.offset_pairs == (plain.nbr >= 0).sum(0).tolist()
-    for tile, expected in zip((16, 12), plain_tiles):  # the pack kernel (12: not a power of two)
-        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(fused.tiles_whole(tile), expected))
+    out = random_sites(90, 12, seed=3, dtype=dtype).to(DEVICE) if mode == "transposed" else None
+    plain = kernel_build(monkeypatch, "torch", coords, k, s, d, mode, out)
+    assert_same_maps(kernel_build(monkeypatch, "hash", coords, k, s, d, mode, out), plain)
+    if dtype == torch.int64 and mode != "transposed":  # the sorted-keys kernel (no transposed maps)
+        assert_same_maps(kernel_build(monkeypatch, "sorted", coords, k, s, d, mode, out), plain, tiles=(16,))
 
 
 @KERNEL_MARK
-def test_fused_lookup_edge_cases(monkeypatch):
+def test_kernel_lookup_edge_cases(monkeypatch):
     monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: True)
     wide = random_sites(70, 6, seed=4).to(DEVICE).t().contiguous().t()  # column-major [N, 4]
     assert not wide.is_contiguous()
@@ -85,11 +104,44 @@ def test_fused_lookup_edge_cases(monkeypatch):
     assert one.nbr.tolist() == [[-1] * 13 + [0] + [-1] * 13] and one.pairs == 1
     groups = one.pair_groups(4)  # the pair-group kernel on one row
     assert groups.PI.tolist() == [[0, 1, 1, 1]] and groups.PO.tolist() == [[0] * 4] and groups.PW.tolist() == [13]
+    NB, TW, TL = one.tiles_whole(4)
+    assert NB.tolist() == [[[0], [1], [1], [1]]] and TW.tolist() == [[13]] and TL.tolist() == [1]
+    assert one.tiles(4).output_rows().tolist() == [[0, 1, 2, 3]]
     empty = build_kernel_map(torch.zeros(0, 3, dtype=torch.long, device=DEVICE))
     assert empty.nbr.shape == (0, 27) and empty.pairs == 0
+    NB, TW, TL = empty.tiles_whole(4)
+    assert NB.tolist() == [[[0]] * 4] and TL.tolist() == [0] and empty.tiles(4).output_rows().tolist() == [[0, 1, 2, 3]]
     # strided onto given sites, none of which reads an input
     far = build_kernel_map(random_sites(20, 4).to(DEVICE), 3, 2, 1, "strided", torch.tensor([[0, 50, 50, 50]], device=DEVICE))
     assert far.nbr.tolist() == [[-1] * 27] and far.offset_pairs == [0] * 27
+    # transposed onto no sites, and from no sites
+    sites = random_sites(20, 4).to(DEVICE)
+    assert build_kernel_map(sites, 3, 2, 1, "transposed", sites[:0]).nbr.shape == (0, 27)
+    assert build_kernel_map(sites[:0], 3, 2, 1, "transposed", sites).offset_pairs == [0] * 27
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("lookup", ["hash", "torch"])
+def test_duplicate_sites_read_their_first_copy(monkeypatch, lookup):
+    """A site given twice: both paths map both copies to the first copy's row (the sorted-keys
+    kernel does not: its window of places assumes distinct keys)."""
+    sites = random_sites(40, 5, seed=6).to(DEVICE)
+    n = sites.shape[0]
+    coords = torch.cat([sites, sites[[3, 0, 3]]])  # rows n, n + 2 copy row 3; row n + 1 copies row 0
+    km = kernel_build(monkeypatch, lookup, coords)
+    unique = build_kernel_map(sites)
+    assert torch.equal(km.nbr[:n], unique.nbr) and torch.equal(km.nbr[n:], unique.nbr[[3, 0, 3]])
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("lookup", ["hash", "torch"])
+def test_out_of_range_sites_are_refused_on_every_path(monkeypatch, lookup):
+    sites = random_sites(30, 5)
+    for bad in ([0, 32767, 0, 0], [0, 0, -32767, 0], [-1, 0, 0, 0]):  # no room for the taps; negative batch
+        with pytest.raises(InsumError, match="coords"):
+            kernel_build(monkeypatch, lookup, torch.cat([sites, torch.tensor([bad])]).to(DEVICE))
+    with pytest.raises(InsumError, match="out_coords"):  # 40000 at stride 2
+        kernel_build(monkeypatch, lookup, sites.to(DEVICE), 3, 2, 1, "strided", torch.tensor([[0, 20000, 0, 0]], device=DEVICE))
 
 
 @pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1)])

@@ -181,14 +181,15 @@ class TiledMap:
     totals are computed on first use: the one-launch path never reads them."""
 
     def __init__(self, tile: int, nbr: torch.Tensor, n_in: int, rows: torch.Tensor, active: torch.Tensor,
-                 counts: torch.Tensor, inverse: torch.Tensor, max_buckets: int, mirror_of: TiledMap | None = None):
+                 counts: torch.Tensor, inverse: torch.Tensor, max_buckets: int, mirror_of: TiledMap | None = None,
+                 output_rows: torch.Tensor | None = None):
         self.tile, self.n_tiles, self.inverse = tile, rows.shape[0], inverse
         # rows [T, tile] (-1: padding), active [T, volume], counts [T] ascending: the tiles
         self._nbr, self._n_in, self._rows, self._active, self._counts = nbr, n_in, rows, active, counts
         self._max_buckets, self._mirror_of = max_buckets, mirror_of
         self._buckets: list | None = None
         self._whole: tuple | None = None
-        self._output_rows: torch.Tensor | None = None
+        self._output_rows = output_rows  # (the placing kernel writes them with the rows)
 
     def mirrored(self, nbr_t: torch.Tensor) -> TiledMap:
         """The same tiles over the offset-mirrored map `nbr_t = nbr.flip(1)` (the transpose
@@ -253,22 +254,29 @@ class TiledMap:
                 self._whole = NB, (self._nbr.shape[1] - 1) - TW, TL
             else:
                 width = max(1, int(self._counts[-1]))
-                tw = torch.argsort((~self._active).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
-                self._whole = _pack_tiles(self._nbr, self._n_in, self._rows, tw), tw, self._counts.to(torch.int32)
+                self._whole = _pack_tiles(self._nbr, self._n_in, self._rows, self._active, self._counts, width)
         return self._whole
 
 
-def _pack_tiles(nbr: torch.Tensor, n_in: int, rows: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
-    """NB[t, m, j] = nbr[rows[t, m], tw[t, j]], n_in where absent or rows[t, m] = -1."""
+def _pack_tiles(nbr: torch.Tensor, n_in: int, rows: torch.Tensor, active: torch.Tensor, counts: torch.Tensor,
+                width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(NB, TW, TL) of `TiledMap.whole`: TW[t] the offsets of tile t, its active ones first
+    (a stable sort of the inactive flags), cut to `width`; NB[t, m, j] = nbr[rows[t, m],
+    TW[t, j]], n_in where absent or rows[t, m] = -1; TL = counts. On the kernel path one
+    launch writes all three."""
     if not _use_kernels(nbr.device):
+        tw = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
         nbr_zero_row = F.pad(torch.where(nbr >= 0, nbr, n_in), (0, 0, 0, 1), value=n_in)  # row -1: padding
-        return nbr_zero_row[rows[:, :, None], tw[:, None, :]].to(torch.int32)  # [T, tile, J]
+        return nbr_zero_row[rows[:, :, None], tw[:, None, :]].to(torch.int32), tw, counts.to(torch.int32)
     n_tiles, tile = rows.shape
-    width = tw.shape[1]
+    volume = nbr.shape[1]
     NB = torch.empty((n_tiles, tile, width), dtype=torch.int32, device=nbr.device)
-    _launch(_pack_kernel(), (n_tiles,), nbr, rows, tw, NB, n_in, tile, width, nbr.stride(0), nbr.stride(1),
-            rows.stride(0), tw.stride(0), BLOCK_M=next_power_of_2(tile), BLOCK_J=next_power_of_2(width))
-    return NB
+    TW = torch.empty((n_tiles, width), dtype=torch.int32, device=nbr.device)
+    TL = torch.empty(n_tiles, dtype=torch.int32, device=nbr.device)
+    _launch(_pack_kernel(), (n_tiles,), nbr, rows, active.view(torch.int8), NB, TW, TL, n_in, tile, width, volume,
+            nbr.stride(0), nbr.stride(1), rows.stride(0), active.stride(0), BLOCK_M=next_power_of_2(tile),
+            BLOCK_J=next_power_of_2(width), BLOCK_W=next_power_of_2(volume))
+    return NB, TW, TL
 
 
 @functools.cache
@@ -279,21 +287,31 @@ def _pack_kernel():
     @triton.jit
     def insum_kernel_map_pack_tiles(
         # pointers
-        nbr_ptr, rows_ptr, tw_ptr, nb_ptr,
+        nbr_ptr, rows_ptr, active_ptr, nb_ptr, tw_ptr, tl_ptr,
         # sizes
-        n_in, tile, width,
+        n_in, tile, width, volume,
         # strides
-        stride_nv, stride_nw, stride_rt, stride_twt,
+        stride_nv, stride_nw, stride_rt, stride_at,
         # meta-parameters
-        BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
         offs_j = tl.arange(0, BLOCK_J)  # [BLOCK_J]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
         mask_m = offs_m < tile
         mask_j = offs_j < width
+        mask_w = offs_w < volume
+        # TW: the active offsets in order, then the others in order (place of offset w: dest[w])
+        active = tl.load(active_ptr + pid_t * stride_at + offs_w, mask=mask_w, other=0).to(tl.int32)  # [BLOCK_W]
+        idle = mask_w.to(tl.int32) - active  # [BLOCK_W]
+        count = tl.sum(active, axis=0)
+        dest = tl.where(active > 0, tl.cumsum(active, axis=0), count + tl.cumsum(idle, axis=0)) - 1  # [BLOCK_W]
+        placed = (dest[None, :] == offs_j[:, None]) & mask_w[None, :]  # [BLOCK_J, BLOCK_W]
+        tw = tl.sum(tl.where(placed, offs_w[None, :], 0), axis=1)  # [BLOCK_J]
+        tl.store(tw_ptr + pid_t.to(tl.int64) * width + offs_j, tw, mask=mask_j)
+        tl.store(tl_ptr + pid_t, count)
         rows = tl.load(rows_ptr + pid_t * stride_rt + offs_m, mask=mask_m, other=-1).to(tl.int64)  # [BLOCK_M]
-        tw = tl.load(tw_ptr + pid_t * stride_twt + offs_j, mask=mask_j, other=0)  # [BLOCK_J]
         real = (rows[:, None] >= 0) & mask_j[None, :]  # [BLOCK_M, BLOCK_J]
         nbr_ptrs = nbr_ptr + rows[:, None] * stride_nv + tw[None, :] * stride_nw
         v = tl.load(nbr_ptrs, mask=real, other=-1)  # [BLOCK_M, BLOCK_J]
@@ -650,7 +668,8 @@ def _lookup_fused(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor,
     The k taps along z of one (x, y) tap are keys d apart (d: the dilation), so the sorted
     input keys hold them within (k - 1) * d + 1 places of the first one's lower bound: one
     binary search per (output, x tap, y tap), then a look at that window, instead of one
-    search per offset (a third of the searches for k = 3)."""
+    search per offset (a third of the searches for k = 3). Distinct sites only: a duplicate
+    key shifts the window. Taken only with INSUM_MAP_HASH=0 (`_lookup_hashed` is the default)."""
     volume = kernel_size**3
     n_out, n_in = out.shape[0], in_keys.shape[0]
     nbr = torch.empty((n_out, volume), dtype=torch.int32, device=out.device)
@@ -836,9 +855,12 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
         mask = torch.where(nbr[:, : weights.shape[0]] >= 0, weights, 0).sum(1, dtype=weights.dtype)
     order = torch.argsort(mask, stable=True)
     n_tiles = max(1, cdiv(n_out, tile))
+    if _use_kernels(device):
+        return _tile_map_kernels(nbr, n_in, tile, max_buckets, mask, order, n_tiles)
     rows = F.pad(order, (0, n_tiles * tile - n_out), value=-1).view(n_tiles, tile)
-    active, counts = _tile_activity(nbr, rows)
-    counts, tile_order = torch.sort(counts, stable=True)
+    found = F.pad(nbr >= 0, (0, 0, 0, 1))  # row -1 (padding) reads no neighbour
+    active = found[rows].any(1)
+    counts, tile_order = torch.sort(active.sum(1), stable=True)
     rows, active = rows[tile_order], active[tile_order]
     # Padding rows (-1) all land in one spare slot past the end.
     flat = rows.flatten()
@@ -847,20 +869,28 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
     return TiledMap(tile, nbr, n_in, rows, active, counts, inverse[:n_out], max_buckets)
 
 
-def _tile_activity(nbr: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """active [T, volume]: whether some row of tile t (rows [T, tile], -1: padding) reads
-    offset w; counts [T] (int64): the active offsets per tile."""
-    n_tiles, tile = rows.shape
-    volume = nbr.shape[1]
-    if not _use_kernels(nbr.device):
-        found = F.pad(nbr >= 0, (0, 0, 0, 1))  # row -1 (padding) reads no neighbour
-        active = found[rows].any(1)
-        return active, active.sum(1)
-    active = torch.empty((n_tiles, volume), dtype=torch.int8, device=nbr.device)
-    counts = torch.empty(n_tiles, dtype=torch.int64, device=nbr.device)
-    _launch(_activity_kernel(), (n_tiles,), nbr, rows, active, counts, tile, volume, nbr.stride(0), nbr.stride(1),
-            rows.stride(0), BLOCK_M=next_power_of_2(tile), BLOCK_W=next_power_of_2(volume))
-    return active.view(torch.bool), counts
+def _tile_map_kernels(nbr: torch.Tensor, n_in: int, tile: int, max_buckets: int, mask: torch.Tensor,
+                      order: torch.Tensor, n_tiles: int) -> TiledMap:
+    """`tile_map`'s torch ops after the row sort as two launches and one small sort: the
+    activity kernel (each tile's offsets, from its rows' bitmasks where they hold every
+    offset), the sort of the tiles by their offset counts, the placing kernel (rows, inverse,
+    output rows and activity in the sorted tile order)."""
+    n_out, volume = nbr.shape
+    device = nbr.device
+    active = torch.empty((n_tiles, volume), dtype=torch.int8, device=device)
+    counts = torch.empty(n_tiles, dtype=torch.int64, device=device)
+    block_m, block_w = next_power_of_2(tile), next_power_of_2(volume)
+    _launch(_activity_kernel(), (n_tiles,), nbr, order, mask, active, counts, n_out, tile, volume, nbr.stride(0),
+            nbr.stride(1), FROM_MASK=volume <= _MASK_BITS, BLOCK_M=block_m, BLOCK_W=block_w)
+    counts, tile_order = torch.sort(counts, stable=True)
+    rows = torch.empty((n_tiles, tile), dtype=torch.int64, device=device)
+    output_rows = torch.empty((n_tiles, tile), dtype=torch.int32, device=device)
+    inverse = torch.empty(n_out, dtype=torch.int64, device=device)
+    placed_active = torch.empty((n_tiles, volume), dtype=torch.int8, device=device)
+    _launch(_place_kernel(), (n_tiles,), order, tile_order, active, rows, output_rows, inverse, placed_active, n_out,
+            tile, volume, BLOCK_M=block_m, BLOCK_W=block_w)
+    return TiledMap(tile, nbr, n_in, rows, placed_active.view(torch.bool), counts, inverse, max_buckets,
+                    output_rows=output_rows)
 
 
 @functools.cache
@@ -871,26 +901,67 @@ def _activity_kernel():
     @triton.jit
     def insum_kernel_map_tile_activity(
         # pointers
-        nbr_ptr, rows_ptr, active_ptr, counts_ptr,
+        nbr_ptr, order_ptr, mask_ptr, active_ptr, counts_ptr,
         # sizes
-        tile, volume,
+        n_out, tile, volume,
         # strides
-        stride_nv, stride_nw, stride_rt,
+        stride_nv, stride_nw,
         # meta-parameters
-        BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+        FROM_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
         offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
         mask_w = offs_w < volume
-        rows = tl.load(rows_ptr + pid_t * stride_rt + offs_m, mask=offs_m < tile, other=-1).to(tl.int64)  # [BLOCK_M]
-        real = (rows[:, None] >= 0) & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
-        v = tl.load(nbr_ptr + rows[:, None] * stride_nv + offs_w[None, :] * stride_nw, mask=real, other=-1)
-        active = tl.max((v >= 0).to(tl.int8), axis=0)  # [BLOCK_W]
+        places = pid_t.to(tl.int64) * tile + offs_m  # [BLOCK_M] tile t holds rows order[t * tile: (t + 1) * tile]
+        real = (offs_m < tile) & (places < n_out)
+        rows = tl.load(order_ptr + places, mask=real, other=0)  # [BLOCK_M]
+        if FROM_MASK:  # the bitmask holds every offset
+            bits = tl.load(mask_ptr + rows, mask=real, other=0).to(tl.int64)  # [BLOCK_M]
+            found = ((bits[:, None] >> offs_w.to(tl.int64)[None, :]) & 1) > 0  # [BLOCK_M, BLOCK_W]
+        else:
+            v = tl.load(nbr_ptr + rows[:, None] * stride_nv + offs_w[None, :] * stride_nw,
+                        mask=real[:, None] & mask_w[None, :], other=-1)  # [BLOCK_M, BLOCK_W]
+            found = v >= 0
+        active = tl.max((found & real[:, None] & mask_w[None, :]).to(tl.int8), axis=0)  # [BLOCK_W]
         tl.store(active_ptr + pid_t.to(tl.int64) * volume + offs_w, active, mask=mask_w)
         tl.store(counts_ptr + pid_t, tl.sum(active.to(tl.int64), axis=0))
 
     return insum_kernel_map_tile_activity
+
+
+@functools.cache
+def _place_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_place_tiles(
+        # pointers
+        order_ptr, tile_order_ptr, active_ptr, rows_ptr, output_rows_ptr, inverse_ptr, placed_active_ptr,
+        # sizes
+        n_out, tile, volume,
+        # meta-parameters
+        BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)  # the tile's place in count order
+        offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        mask_m = offs_m < tile
+        mask_w = offs_w < volume
+        source = tl.load(tile_order_ptr + pid_t)  # the tile's index before the sort
+        places = source * tile + offs_m  # [BLOCK_M]
+        real = mask_m & (places < n_out)
+        rows = tl.load(order_ptr + places, mask=real, other=-1)  # [BLOCK_M]
+        slots = pid_t.to(tl.int64) * tile + offs_m  # [BLOCK_M]
+        tl.store(rows_ptr + slots, rows, mask=mask_m)
+        # padding rows (the end of the last tile before the sort) numbered on from n_out
+        tl.store(output_rows_ptr + slots, tl.where(real, rows, places).to(tl.int32), mask=mask_m)
+        tl.store(inverse_ptr + rows, slots, mask=real)
+        active = tl.load(active_ptr + source * volume + offs_w, mask=mask_w, other=0)  # [BLOCK_W]
+        tl.store(placed_active_ptr + pid_t.to(tl.int64) * volume + offs_w, active, mask=mask_w)
+
+    return insum_kernel_map_place_tiles
 
 
 def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_pairs: list[int] | None = None) -> PairGroups:
