@@ -982,20 +982,22 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_p
     if not sum(groups):
         return PairGroups(group, PI, PO, torch.zeros(1, dtype=torch.long, device=device))
     if _use_kernels(device):
-        # rank[w, v]: the real pairs of offset w up to output row v (its last column: the
-        # counts), offset-major. One scan of the flat offset-major flags (torch scans a 1-D
-        # tensor with CUB), less the pairs of the offsets before: torch's scan down the rows
-        # of an [n_out, 27] tensor runs one thread per column, the likely cause of the 440 ms
-        # training map build measured at 1.2M voxels on an H200 (this way not yet measured).
+        # Pair r of offset w goes to slot first_group[w] * group + r, r counted in output order:
+        # the pairs of each block of rows per offset (one launch), one scan of those counts
+        # (offset-major, flat: torch scans a 1-D tensor with CUB), then each block ranks its
+        # own pairs after the scanned ones (one launch).
         n_out = nbr.shape[0]
-        rank = torch.cumsum((nbr >= 0).t().reshape(-1), 0, dtype=torch.int32).view(volume, n_out)
-        rank -= torch.cat([rank.new_zeros(1), rank[:-1, -1]])[:, None]
-        PW = torch.empty(n_groups, dtype=torch.long, device=device)
         block_w = next_power_of_2(volume)
         block_m = max(1, 2048 // block_w)
-        grid = max(cdiv(n_out, block_m), cdiv(n_groups, 1024))
-        _launch(_pairs_kernel(), (grid,), nbr, rank, rank[:, -1].contiguous(), PI, PO, PW, n_out, n_groups, group, nbr.stride(0),
-                nbr.stride(1), VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_G=1024)
+        n_blocks = cdiv(n_out, block_m)
+        block_pairs = torch.empty((volume, n_blocks), dtype=torch.int32, device=device)
+        _launch(_block_pairs_kernel(), (n_blocks,), nbr, block_pairs, n_out, n_blocks, nbr.stride(0), nbr.stride(1),
+                VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w)
+        scanned = torch.cumsum(block_pairs.view(-1), 0, dtype=torch.int32)
+        PW = torch.empty(n_groups, dtype=torch.long, device=device)
+        grid = max(n_blocks, cdiv(n_groups, 1024))
+        _launch(_pairs_kernel(), (grid,), nbr, block_pairs, scanned, PI, PO, PW, n_out, n_blocks, n_groups, group,
+                nbr.stride(0), nbr.stride(1), VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_G=1024)
         return PairGroups(group, PI, PO, PW)
     # Pair r of offset w (r-th in output order) goes to slot first_group[w] * group + r.
     found_t = nbr.t() >= 0
@@ -1011,6 +1013,35 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_p
 
 
 @functools.cache
+def _block_pairs_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_block_pairs(
+        # pointers
+        nbr_ptr, block_pairs_ptr,
+        # sizes
+        n_out, n_blocks,
+        # strides
+        stride_nv, stride_nw,
+        # meta-parameters
+        VOLUME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        mask_w = offs_w < VOLUME
+        live = (offs_m < n_out)[:, None] & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
+        inp = tl.load(nbr_ptr + offs_m.to(tl.int64)[:, None] * stride_nv + offs_w[None, :] * stride_nw, mask=live,
+                      other=-1)  # [BLOCK_M, BLOCK_W]
+        pairs = tl.sum((inp >= 0).to(tl.int32), axis=0)  # [BLOCK_W]
+        tl.store(block_pairs_ptr + offs_w.to(tl.int64) * n_blocks + pid, pairs, mask=mask_w)
+
+    return insum_kernel_map_block_pairs
+
+
+@functools.cache
 def _pairs_kernel():
     import triton
     import triton.language as tl
@@ -1018,9 +1049,9 @@ def _pairs_kernel():
     @triton.jit
     def insum_kernel_map_pair_groups(
         # pointers
-        nbr_ptr, rank_ptr, counts_ptr, pi_ptr, po_ptr, pw_ptr,
+        nbr_ptr, block_pairs_ptr, scanned_ptr, pi_ptr, po_ptr, pw_ptr,
         # sizes
-        n_out, n_groups, group,
+        n_out, n_blocks, n_groups, group,
         # strides
         stride_nv, stride_nw,
         # meta-parameters
@@ -1029,18 +1060,25 @@ def _pairs_kernel():
         pid = tl.program_id(0)
         offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
         mask_w = offs_w < VOLUME
+        # scanned: the inclusive scan of the pairs per (offset, block of rows), offset-major
+        row_w = offs_w.to(tl.int64) * n_blocks  # [BLOCK_W]
+        before_w = (tl.load(scanned_ptr + row_w, mask=mask_w, other=0)
+                    - tl.load(block_pairs_ptr + row_w, mask=mask_w, other=0))  # [BLOCK_W] pairs of the offsets before
+        counts = tl.load(scanned_ptr + row_w + n_blocks - 1, mask=mask_w, other=0) - before_w  # [BLOCK_W]
         # Each offset's groups follow the previous offsets' (every program works them out).
-        counts = tl.load(counts_ptr + offs_w, mask=mask_w, other=0)  # [BLOCK_W] rank's last column
         groups = (counts + group - 1) // group  # [BLOCK_W]
         end_group = tl.cumsum(groups, axis=0)  # [BLOCK_W]
         first_slot = (end_group - groups) * group - 1  # [BLOCK_W] slot of rank 1, less one
-        # The pairs of BLOCK_M output rows: pair of rank r (1-based) of offset w in slot first_slot[w] + r.
+        # The pairs of this block of rows: rank r (1-based) of offset w in slot first_slot[w] + r.
+        mine = mask_w & (offs_w * 0 + pid < n_blocks)  # [BLOCK_W] (programs past the rows only write PW)
+        done = (tl.load(scanned_ptr + row_w + pid, mask=mine, other=0)
+                - tl.load(block_pairs_ptr + row_w + pid, mask=mine, other=0) - before_w)  # [BLOCK_W] earlier blocks' pairs
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
         live = (offs_m < n_out)[:, None] & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
         rows = offs_m.to(tl.int64)[:, None]
         inp = tl.load(nbr_ptr + rows * stride_nv + offs_w[None, :] * stride_nw, mask=live, other=-1)
         real = live & (inp >= 0)  # [BLOCK_M, BLOCK_W]
-        rank = tl.load(rank_ptr + offs_w.to(tl.int64)[None, :] * n_out + rows, mask=real, other=0)  # [BLOCK_M, BLOCK_W]
+        rank = done[None, :] + tl.cumsum(real.to(tl.int32), axis=0)  # [BLOCK_M, BLOCK_W]
         slots = first_slot[None, :].to(tl.int64) + rank  # [BLOCK_M, BLOCK_W]
         tl.store(pi_ptr + slots, inp.to(tl.int32), mask=real)
         tl.store(po_ptr + slots, (rows + tl.zeros((BLOCK_M, BLOCK_W), tl.int64)).to(tl.int32), mask=real)
