@@ -496,30 +496,37 @@ def _hashing() -> bool:
 
 _EMPTY = -1  # a free slot of the hash table: no key of a valid site (batch >= 0) is negative
 _INT64_MAX = (1 << 63) - 1
+# Copies of the pairs-per-offset counters that the probe kernel's programs add to (program p
+# to copy p % 64): one set of 27 counters would take every program's atomic adds in turn.
+_COUNT_COPIES = 64
 
 
 @functools.cache
 def _stats_template(volume: int, device: torch.device) -> torch.Tensor:
     """The starting value of `_lookup_hashed`'s result buffer: for the input and the output
-    sites (least axis value, greatest axis value, least batch index), then the pairs per
-    offset. Cloned per build (one copy; a tensor built from a list is an upload, a sync)."""
+    sites (least axis value, greatest axis value, least batch index), then `_COUNT_COPIES`
+    copies of the pairs per offset. Cloned per build (one copy; a tensor built from a list
+    is an upload, a sync)."""
     far = [_INT64_MAX, -_INT64_MAX - 1, _INT64_MAX]
-    return torch.tensor(far + far + [0] * volume, dtype=torch.int64, device=device)
+    return torch.tensor(far + far + [0] * (_COUNT_COPIES * volume), dtype=torch.int64, device=device)
 
 
 def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_size: int, stride: int,
-                   dilation: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dilation: int, check_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The map by a hash table on the device, in two launches and no sort: every input key
     is inserted once (open addressing, linear probing), then each (output, offset) query
     probes it. Every mode. Returns nbr [M, k**3] (int32), each row's neighbour bitmask
-    (`tile_map`'s sort key) and the int64 buffer [6 + k**3] of `_stats_template` filled in
-    (the range check's values and the pairs per offset, for the build's one read back).
+    (`tile_map`'s sort key) and an int64 [6 + k**3]: the range check's values (of the output
+    sites only when `check_out`) and the pairs per offset, for the build's one read back.
 
     Keys are those of `_keys`. Two sites that differ only in z's low bit hash to one pair of
     adjacent slots, so the 3 z taps of an (x, y) tap read 2 places rather than 3. Simulated
     on the 1.2M-voxel room scene (table at 2**22 slots, load 0.28): 1.33 probes per found
-    key, 1.66 per absent one, 7.3 probe rounds per block of 64 sites (the block's longest;
-    4 slots per group: 13.6 rounds, one: 7.6).
+    key, 1.66 per absent one; 7.3 probe rounds per block of 64 sites (the block's longest;
+    4 slots per group: 13.6 rounds, one: 7.6), 5.9 per block of 16. A block's lanes loop
+    until its longest probe ends, so the blocks are small: 32 sites in the probe kernel,
+    128 keys in the insert kernel (4.4 compare-and-swaps issued per key, 1.33 needed; 6.6
+    in blocks of 1024).
     Duplicate sites: every copy maps to the first copy's row, as the lower bound in the
     stably sorted keys does (the row is kept as n_in - 1 - row by an atomic max)."""
     volume = kernel_size**3
@@ -534,16 +541,17 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     mask = torch.empty(n_out, dtype=_mask_dtype(bits), device=device)
     insert, probe = _hash_kernels()
     if n_in:
-        block = 1024
+        block = 128
         _launch(insert, (cdiv(n_in, block),), coords, keys, rows, stats, n_in, slot_bits, coords.stride(0),
                 coords.stride(1), BLOCK=block)
     if n_out:
         block_w = next_power_of_2(volume)
-        block_m = max(1, 2048 // block_w)
+        block_m = max(1, 1024 // block_w)
         _launch(probe, (cdiv(n_out, block_m),), out, keys, rows, nbr, mask, stats, n_out, n_in, slot_bits,
                 out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
-                TRANSPOSED=mode == "transposed", BITS=bits, BLOCK_M=block_m, BLOCK_W=block_w)
-    return nbr, mask, stats
+                TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits, COPIES=_COUNT_COPIES,
+                BLOCK_M=block_m, BLOCK_W=block_w)
+    return nbr, mask, torch.cat([stats[:6], stats[6:].view(_COUNT_COPIES, volume).sum(0)])
 
 
 @functools.cache
@@ -602,7 +610,8 @@ def _hash_kernels():
         stride_om, stride_oc,
         # meta-parameters
         STRIDE: tl.constexpr, DILATION: tl.constexpr, K: tl.constexpr, TRANSPOSED: tl.constexpr,
-        BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+        OUT_STATS: tl.constexpr, BITS: tl.constexpr, COPIES: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_W: tl.constexpr,
     ):
         VOLUME: tl.constexpr = K * K * K
         R: tl.constexpr = (K - 1) // 2
@@ -646,16 +655,17 @@ def _hash_kernels():
         row = n_in - 1 - tl.load(rows_ptr + found, mask=hit, other=0)  # [BLOCK_M, BLOCK_W]
         nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
         tl.store(nbr_ptrs, tl.where(hit, row, -1), mask=mask_m[:, None] & mask_w[None, :])
-        tl.atomic_add(stats_ptr + 6 + offs_w, tl.sum(hit.to(tl.int64), axis=0), mask=mask_w)
+        counts_ptrs = stats_ptr + 6 + (pid_m % COPIES) * VOLUME + offs_w
+        tl.atomic_add(counts_ptrs, tl.sum(hit.to(tl.int64), axis=0), mask=mask_w)
         bit = tl.where(offs_w < BITS, tl.full((BLOCK_W,), 1, tl.int64) << offs_w.to(tl.int64), 0)  # [BLOCK_W]
         tl.store(mask_ptr + offs_m, tl.sum(tl.where(hit, bit[None, :], 0), axis=1).to(mask_ptr.dtype.element_ty),
                  mask=mask_m)
-        # the range check's values of the output sites
-        lo = tl.minimum(tl.minimum(x, y), z)
-        hi = tl.maximum(tl.maximum(x, y), z)
-        tl.atomic_min(stats_ptr + 3, tl.min(tl.where(mask_m, lo, 1 << 62), axis=0))
-        tl.atomic_max(stats_ptr + 4, tl.max(tl.where(mask_m, hi, -(1 << 62)), axis=0))
-        tl.atomic_min(stats_ptr + 5, tl.min(tl.where(mask_m, batch, 1 << 62), axis=0))
+        if OUT_STATS:  # the range check's values of the output sites
+            lo = tl.minimum(tl.minimum(x, y), z)
+            hi = tl.maximum(tl.maximum(x, y), z)
+            tl.atomic_min(stats_ptr + 3, tl.min(tl.where(mask_m, lo, 1 << 62), axis=0))
+            tl.atomic_max(stats_ptr + 4, tl.max(tl.where(mask_m, hi, -(1 << 62)), axis=0))
+            tl.atomic_min(stats_ptr + 5, tl.min(tl.where(mask_m, batch, 1 << 62), axis=0))
 
     return insum_kernel_map_hash_insert, insum_kernel_map_hash_probe
 
@@ -787,7 +797,7 @@ def build_kernel_map(
         checks.append((out, stride if mode == "strided" else 1, "out_coords"))
     row_mask = None
     if _use_kernels(coords.device) and _hashing():
-        nbr, row_mask, stats = _lookup_hashed(coords, out, mode, kernel_size, stride, dilation)
+        nbr, row_mask, stats = _lookup_hashed(coords, out, mode, kernel_size, stride, dilation, len(checks) == 2)
         host = stats.tolist()
         ranges, offset_pairs = [host[0:3], host[3:6]][: len(checks)], host[6:]
     else:
