@@ -171,7 +171,7 @@ def test_even_kernels_and_strided_maps_are_not_mirrored():
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=KERNEL_MARK)])
-@pytest.mark.parametrize("group", [None, 4, 32])
+@pytest.mark.parametrize("group", [None, 4, 32, 2048])  # 2048: padding past one block of the kernel
 def test_pair_groups_from_host_counts_equal_counted_ones(monkeypatch, group, kernel):
     """From the host's counts (with the kernel: CUDA's path) against counted anew (torch)."""
     km = build_kernel_map(random_sites(200, 7, seed=3).to(DEVICE), 3)  # (the kernel needs DEVICE's tensors)

@@ -987,15 +987,13 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_p
         group = min(16384, max(256, next_power_of_2(cdiv(max(1, n_pairs), 384))))
     groups = [cdiv(c, group) for c in offset_pairs]
     n_groups = max(1, sum(groups))
-    PI = torch.full((n_groups, group), n_in, dtype=torch.int32, device=device)
-    PO = torch.zeros((n_groups, group), dtype=torch.int32, device=device)
-    if not sum(groups):
-        return PairGroups(group, PI, PO, torch.zeros(1, dtype=torch.long, device=device))
-    if _use_kernels(device):
+    if sum(groups) and _use_kernels(device):
         # Pair r of offset w goes to slot first_group[w] * group + r, r counted in output order:
         # the pairs of each block of rows per offset (one launch), one scan of those counts
         # (offset-major, flat: torch scans a 1-D tensor with CUB), then each block ranks its
-        # own pairs after the scanned ones (one launch).
+        # own pairs after the scanned ones and pads its offset's last group (one launch).
+        PI = torch.empty((n_groups, group), dtype=torch.int32, device=device)
+        PO = torch.empty((n_groups, group), dtype=torch.int32, device=device)
         n_out = nbr.shape[0]
         block_w = next_power_of_2(volume)
         block_m = max(1, 2048 // block_w)
@@ -1005,10 +1003,15 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_p
                 VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w)
         scanned = torch.cumsum(block_pairs.view(-1), 0, dtype=torch.int32)
         PW = torch.empty(n_groups, dtype=torch.long, device=device)
-        grid = max(n_blocks, cdiv(n_groups, 1024))
-        _launch(_pairs_kernel(), (grid,), nbr, block_pairs, scanned, PI, PO, PW, n_out, n_blocks, n_groups, group,
-                nbr.stride(0), nbr.stride(1), VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_G=1024)
+        grid = max(n_blocks, cdiv(n_groups, 1024), volume)
+        _launch(_pairs_kernel(), (grid,), nbr, block_pairs, scanned, PI, PO, PW, n_in, n_out, n_blocks, n_groups,
+                group, nbr.stride(0), nbr.stride(1), VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_G=1024,
+                BLOCK_P=1024)
         return PairGroups(group, PI, PO, PW)
+    PI = torch.full((n_groups, group), n_in, dtype=torch.int32, device=device)
+    PO = torch.zeros((n_groups, group), dtype=torch.int32, device=device)
+    if not sum(groups):
+        return PairGroups(group, PI, PO, torch.zeros(1, dtype=torch.long, device=device))
     # Pair r of offset w (r-th in output order) goes to slot first_group[w] * group + r.
     found_t = nbr.t() >= 0
     w, out = torch.nonzero_static(found_t, size=n_pairs).unbind(1)  # by offset, then output row
@@ -1061,11 +1064,12 @@ def _pairs_kernel():
         # pointers
         nbr_ptr, block_pairs_ptr, scanned_ptr, pi_ptr, po_ptr, pw_ptr,
         # sizes
-        n_out, n_blocks, n_groups, group,
+        n_in, n_out, n_blocks, n_groups, group,
         # strides
         stride_nv, stride_nw,
         # meta-parameters
         VOLUME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_P: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
@@ -1096,6 +1100,14 @@ def _pairs_kernel():
         offs_g = pid * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
         ended = (end_group[None, :] <= offs_g[:, None]) & mask_w[None, :]  # [BLOCK_G, BLOCK_W]
         tl.store(pw_ptr + offs_g, tl.sum(ended.to(tl.int64), axis=1), mask=offs_g < n_groups)
+        if pid < VOLUME:  # program w pads offset w's last group: the zero row of X, output row 0
+            this_w = offs_w == pid  # [BLOCK_W]
+            pad_start = tl.sum(tl.where(this_w, first_slot + 1 + counts, 0), axis=0).to(tl.int64)
+            pad_end = tl.sum(tl.where(this_w, end_group, 0), axis=0).to(tl.int64) * group
+            for start in range(0, group, BLOCK_P):
+                offs_p = pad_start + start + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+                tl.store(pi_ptr + offs_p, tl.full((BLOCK_P,), 0, tl.int32) + n_in, mask=offs_p < pad_end)
+                tl.store(po_ptr + offs_p, tl.full((BLOCK_P,), 0, tl.int32), mask=offs_p < pad_end)
 
     return insum_kernel_map_pair_groups
 
