@@ -3,11 +3,13 @@
 A sparse convolution's kernel map is the table `nbr[v, w]`: the input row that output row
 `v` multiplies by `weight[w]` (`-1` where that neighbour is absent). It is built on the
 coordinates' device without a Python loop over points: coordinates become int64 keys
-(batch and three 16-bit axes), the input keys are sorted once, and every (output, offset)
-query is looked up in them: one `torch.searchsorted`, or on CUDA one Triton kernel
-(`_lookup_fused`, submanifold and strided maps). Keys are linear in the coordinates, so the
-query key of an offset is the output's key plus the offset's key; each axis is checked on
-its own.
+(batch and three 16-bit axes). On CUDA the input keys go into a hash table (one insert
+kernel) and one probe kernel looks every (output, offset) query up in it (`_lookup_hashed`,
+every mode); elsewhere (and with INSUM_MAP_KERNELS=0) the keys are sorted once and the
+queries found by one `torch.searchsorted`. Both give the same map, duplicate sites
+included (every copy reads the first copy's row). Keys are linear in the coordinates, so
+the query key of an offset is the output's key plus the offset's key; each axis is checked
+on its own.
 
     >>> import torch
     >>> coords = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 1]])
@@ -20,13 +22,16 @@ The map is then packed into the tensors of the statements that run the convoluti
 a `KernelMapCache` keyed by the coordinate tensors' identity, so the layers of a network
 that share coordinates share one map.
 
-On a GPU, at 100k-1M voxels, the build's time is host time (kernel launches, host syncs),
-not bandwidth, so it is written to few torch ops and few syncs (counted by
-`benchmarks/map_overhead.py`): the range check and the per-offset pair counts are read back
-in one sync at the end of the build; the one-launch tiles read one value (their width);
-the transposed map of a submanifold map with an odd kernel is the offset-mirrored map and
-reuses the forward tiles; the pair groups are sized from the counts already on the host
-(and on CUDA written by one kernel from a running count of each offset's pairs).
+On a GPU, at 100k-1M voxels, the build's time is host time (kernel launches, host syncs)
+and the lookup's chains of dependent reads (a binary search per query took most of the
+1.37 ms of the sorted-keys build at 1.2M voxels on an H200), so it is written to few torch
+ops, few syncs and short probes (counted by `benchmarks/map_overhead.py`): the range check and the per-offset pair counts are read back
+in one sync at the end of the build (on CUDA both written by the lookup kernels); the tiles
+are one sort of the rows' neighbour bitmasks, two kernels and one small sort, and the
+one-launch packing reads one value (their width) and is one kernel; the transposed map of
+a submanifold map with an odd kernel is the offset-mirrored map and reuses the forward
+tiles; the pair groups are sized from the counts already on the host (and on CUDA written
+by two kernels around one scan of per-block pair counts).
 Shape-deciding values come to the host only there, never through `nonzero` or a mask.
 """
 
@@ -476,10 +481,11 @@ def _lookup(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor, mode:
 
 
 def _use_kernels(device: torch.device) -> bool:
-    """Whether the build runs its Triton kernels (`_lookup_kernel`: the lookup in one launch,
-    no [M, k**3] int64 temporaries; `_pack_kernel`: the one-launch tiles in one gather)
-    rather than the torch ops that do the same: on CUDA, unless INSUM_MAP_KERNELS=0. Tests
-    switch them on in the Triton interpreter."""
+    """Whether the build runs its Triton kernels (`_hash_kernels`: the lookup in two launches,
+    no sort and no [M, k**3] int64 temporaries; the tiles' activity, placing and packing
+    kernels; the pair groups' count and scatter kernels) rather than the torch ops that do
+    the same: on CUDA, unless INSUM_MAP_KERNELS=0. Tests switch them on in the Triton
+    interpreter."""
     return device.type == "cuda" and flag("INSUM_MAP_KERNELS", default=True)
 
 
