@@ -234,17 +234,19 @@ def _map_times(coords) -> dict:
     times = {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles_whole(128)),
              "map_train_ms": median_ms(build_train), "map_build_ms": median_ms(lambda: build_kernel_map(coords))}
     if coords.is_cuda:
-        fast = build_kernel_map(coords)
-        fast_tiles = fast.tiles_whole(128)
+        def packed(km):  # the map, its tiles, the tiles' output rows, the pair groups
+            groups = km.pair_groups()
+            return [km.nbr, *km.tiles_whole(128), km.tiles(128).output_rows(), groups.PI, groups.PO, groups.PW]
+
+        fast = packed(build_kernel_map(coords))
         for name, switch, choice in (("sorted", "_hashing", lambda: False), ("torch_ops", "_use_kernels", lambda device: False)):
             chosen = getattr(kernel_map_module, switch)
             setattr(kernel_map_module, switch, choice)
             try:
                 times[f"map_fwd_{name}_ms"] = median_ms(lambda: build_kernel_map(coords).tiles_whole(128))
                 times[f"map_build_{name}_ms"] = median_ms(lambda: build_kernel_map(coords))
-                other = build_kernel_map(coords)
-                times[f"map_equal_{name}"] = torch.equal(fast.nbr, other.nbr) and all(
-                    torch.equal(a, b) for a, b in zip(fast_tiles, other.tiles_whole(128)))
+                other = packed(build_kernel_map(coords))
+                times[f"map_equal_{name}"] = all(torch.equal(a, b) for a, b in zip(fast, other, strict=True))
             finally:
                 setattr(kernel_map_module, switch, chosen)
     return times
