@@ -43,7 +43,7 @@ from insum.formats import CELL, COO, ELL, GroupCOO
 from insum.nn import SparseLinear
 from insum.parser import parse
 
-__all__ = ["cases", "measure", "main"]
+__all__ = ["cases", "launch_paths", "measure", "main"]
 
 M, K, N = 128, 96, 16  # small: the interpreter runs each case once to warm up
 GROUPCOO = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
@@ -63,8 +63,9 @@ def skewed_matrix(device) -> torch.Tensor:
     return A.to(device)
 
 
-def cases(device: torch.device) -> dict[str, Callable[[], object]]:
-    """name -> a no-argument call, for the tensors of one small problem on `device`."""
+def cases(device: torch.device, formats_out: dict | None = None) -> dict[str, Callable[[], object]]:
+    """name -> a no-argument call, for the tensors of one small problem on `device`
+    (`formats_out`, if given, receives the format objects and B, for `launch_paths`)."""
     cuda = device.type == "cuda"
     backend = "auto" if cuda else "triton"
     gen = torch.Generator().manual_seed(3)
@@ -74,6 +75,8 @@ def cases(device: torch.device) -> dict[str, Callable[[], object]]:
     tensors = dict(group.tensors, B=B, C=torch.zeros(M, N, device=device))
     dense_A = torch.randn(M, K, generator=gen).to(device)
     formats = {"GroupCOO": group, "ELL": ELL.from_dense(A), "CELL": CELL.from_dense(A), "COO": COO.from_dense(A)}
+    if formats_out is not None:
+        formats_out.update(formats, B=B)
     rows: dict[str, Callable[[], object]] = {
         "insum() GroupCOO +=, C given": lambda: insum.insum(GROUPCOO, backend=backend, **tensors),
         "insum() dense =, C allocated": lambda: insum.insum(DENSE, backend=backend, A=dense_A, B=B),
@@ -92,9 +95,32 @@ def cases(device: torch.device) -> dict[str, Callable[[], object]]:
     rows["bare JIT launch" if cuda else "stub launch"] = _bare_launch(GROUPCOO, tensors)
     if cuda:
         rows["bare direct launch"] = _direct_launch(GROUPCOO, tensors)
+        # What a hand-written accumulating SpMM pays: its zero-filled output, then the launch.
+        bare = rows["bare JIT launch"]
+        rows["torch.zeros + bare JIT launch"] = lambda: (torch.zeros(M, N, device=device), bare())
         csr = A.to_sparse_csr()
         rows["torch CSR @ B"] = lambda: csr @ B
     return rows
+
+
+def launch_paths(formats: dict) -> list[str]:
+    """Which path each format's repeated product takes (pinned or not, ready or not) and each
+    cached launch's (direct or the JIT, and why): where a row's host time goes on CUDA."""
+    B = formats.pop("B")
+    lines = []
+    for name, fmt in formats.items():
+        for plan in (fmt.__dict__.get("_spmm_plans") or {}).values():
+            pinned = plan.pinned
+            state = "not pinned" if pinned is None else (
+                f"pinned, {'by address' if pinned.arguments is not None else 'by name'}, ready={pinned.ready(B)}")
+            lines.append(f"  {name} @ B: {state}, tries={plan.tries}")
+    launches = [launcher for kernel in _kernels() for launcher in getattr(kernel, "_launchers", {}).values()]
+    for launch in launches + list(getattr(runtime, "_BATCHES", {}).values()):
+        direct = getattr(launch, "direct", None)
+        if direct is not None:
+            state = "direct" if direct.enabled else f"JIT: {direct.why_not}"
+            lines.append(f"  {type(launch).__name__} grid {direct.grid}: {state}, compiled keys {len(direct.compiled)}")
+    return lines
 
 
 def _direct_launch(expr: str, tensors: dict) -> Callable[[], None]:
@@ -242,7 +268,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     if not cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 (the launch is then stubbed)")
     device = torch.device("cuda" if cuda else "cpu")
-    rows = cases(device)
+    formats: dict = {}
+    rows = cases(device, formats)
     anchor = "bare JIT launch" if cuda else "stub launch"
     for name, fn in rows.items():  # compile (interpret) and tune every case once, for real
         if name != anchor or cuda:
@@ -265,6 +292,9 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     for name, (median, least) in results.items():
         over = "" if name == anchor else f"  +{median - results[anchor][0]:.1f}"
         lines.append(f"  {name:32s} {median:8.2f} {least:8.2f}{over}")
+    if cuda:
+        lines.append("launch paths after the runs:")
+        lines.extend(launch_paths(formats))
     text = "\n".join(lines)
     print(text, flush=True)
     if args.log:

@@ -14,11 +14,13 @@ also with the sorted-keys lookup and with torch ops) against spconv-triton's own
 `ops.get_indice_pairs_implicit_gemm` (what its SubMConv3d calls on a tensor without cached
 indices), for inference and for training. Rows go to DIR/conv.json as they finish. On a
 CPU the study runs with the torch backend and wall-clock medians (no spconv-triton).
+`CONV_ANCHOR=spconv` puts spconv 2.x (its CUDA wheels) in spconv-triton's place, same API.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -117,9 +119,14 @@ def _pairs_per_offset(km):
     return ins, outs
 
 
+#: The anchor's package: spconv-triton (default) or spconv 2.x (`CONV_ANCHOR=spconv`, the CUDA
+#: wheels spconv-cu12x with cumm-cu12x); both keep spconv 2.x's `pytorch` API.
+ANCHOR = os.environ.get("CONV_ANCHOR", "spconv_triton")
+
+
 def _spconv():
     try:
-        import spconv_triton.pytorch as spconv
+        spconv = importlib.import_module(f"{ANCHOR}.pytorch")
     except Exception as e:  # noqa: BLE001 - report why the anchor is missing
         return None, f"{type(e).__name__}: {e}"
     return spconv, None
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     spconv, why = _spconv()
     rows = []
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, spconv-triton: {why or 'ok'}", flush=True)
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, {ANCHOR}: {why or 'ok'}", flush=True)
 
     def add(row):
         rows.append(row)
@@ -257,7 +264,7 @@ def _spconv_map_times(spconv, coords) -> dict:
     (what its SubMConv3d runs when the input tensor has no cached indices)."""
     if spconv is None:
         return {}
-    from spconv_triton.pytorch import ops
+    ops = importlib.import_module(f"{ANCHOR}.pytorch.ops")
 
     shape = (coords[:, 1:].max(0).values + 1).tolist()
     algo = spconv.SubMConv3d(8, 8, 3, bias=False).algo

@@ -255,7 +255,9 @@ class Prepared:
         out = tensors.get(self.out_name)
         bound = self.bound
         if out is None:
-            out = torch.zeros(bound.out_shape, dtype=bound.out_dtype, device=bound.device)
+            # An overwriting launch fills what its kernel leaves unwritten itself (`zero_fill`).
+            out = (torch.empty if self.launcher is not None and not bound.stmt.accumulate else torch.zeros)(
+                bound.out_shape, dtype=bound.out_dtype, device=bound.device)
         if self.launcher is None:
             return run_reference(bound.with_tensors(tensors), out)
         if self.device_check:

@@ -634,8 +634,28 @@ def _half_atomics(dtype: torch.dtype, device: torch.device) -> bool:
     return major >= (9 if dtype == torch.bfloat16 else 7)
 
 
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, stream, size) -> a descriptor scratch buffer
+_SCRATCH_BUFFERS = 64  # distinct (device, stream, size) kept; past that each launch allocates
+
+
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
+    """The scratch buffer Triton asks for at each launch of a kernel with device-side
+    descriptors (written by the kernel's prologue, read by its own programs only).
+
+    Kept per device, stream and size rather than allocated per launch (a host cost per
+    call): launches on one stream run one after the other, so they may share it, as
+    torch's caching allocator would hand the freed block to the next launch anyway. Kept
+    for good, so that a CUDA graph that captured its address never sees it freed; not
+    cached while a graph is being captured (the allocation then belongs to the graph's pool).
+    """
+    device = torch.cuda.current_device()
+    key = (device, stream, size)
+    buffer = _SCRATCH.get(key)
+    if buffer is None:
+        buffer = torch.empty(size, device="cuda", dtype=torch.int8)
+        if len(_SCRATCH) < _SCRATCH_BUFFERS and not torch.cuda.is_current_stream_capturing():
+            _SCRATCH[key] = buffer
+    return buffer
 
 
 def _ensure_descriptor_allocator() -> None:
