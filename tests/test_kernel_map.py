@@ -241,3 +241,14 @@ def test_a_prepared_map_runs_the_layer_without_host_reads(monkeypatch):
     for form in ("tiles", "pairs"):
         sparse_conv3d(x, w, km, form=form, tile=16, backend="torch").sum().backward()
     assert reads == []
+
+
+def test_the_mirrored_transpose_copies_its_table_only_when_read():
+    """The one-launch backward reads the transpose's tiles (the forward's) and its counts,
+    never its table: no flipped copy of the map is made for them."""
+    km = build_kernel_map(random_sites(100, 6, seed=2))
+    t = km.transpose()
+    t.tiles_whole(16), t.tiles(16).output_rows(), t.pairs, t.n_out, t.volume
+    assert t._flipped is None and t.tiles(16)._nbr is None
+    assert torch.equal(t.nbr, km.nbr.flip(1)) and (t.n_out, t.volume) == (km.n_in, 27)
+    assert tiled_pair_set(t, 16) == pair_set(t)  # the buckets: the mirrored table made for them

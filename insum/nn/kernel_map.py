@@ -185,7 +185,7 @@ class TiledMap:
     in one launch. The buckets (a host loop over the tiles' offset counts) and the pair
     totals are computed on first use: the one-launch path never reads them."""
 
-    def __init__(self, tile: int, nbr: torch.Tensor, n_in: int, rows: torch.Tensor, active: torch.Tensor,
+    def __init__(self, tile: int, nbr: torch.Tensor | None, n_in: int, rows: torch.Tensor, active: torch.Tensor,
                  counts: torch.Tensor, inverse: torch.Tensor, max_buckets: int, mirror_of: TiledMap | None = None,
                  output_rows: torch.Tensor | None = None):
         self.tile, self.n_tiles, self.inverse = tile, rows.shape[0], inverse
@@ -196,12 +196,18 @@ class TiledMap:
         self._whole: tuple | None = None
         self._output_rows = output_rows  # (the placing kernel writes them with the rows)
 
-    def mirrored(self, nbr_t: torch.Tensor) -> TiledMap:
-        """The same tiles over the offset-mirrored map `nbr_t = nbr.flip(1)` (the transpose
-        of a submanifold map with an odd kernel): each row reads the same inputs at the
-        mirrored offsets."""
-        return TiledMap(self.tile, nbr_t, self._n_in, self._rows, self._active.flip(1), self._counts,
+    def mirrored(self) -> TiledMap:
+        """The same tiles over the offset-mirrored map `nbr.flip(1)` (the transpose of a
+        submanifold map with an odd kernel): each row reads the same inputs at the mirrored
+        offsets. The mirrored table is made only for the buckets (`_table`)."""
+        return TiledMap(self.tile, None, self._n_in, self._rows, self._active.flip(1), self._counts,
                         self.inverse, self._max_buckets, mirror_of=self)
+
+    def _table(self) -> torch.Tensor:
+        """The map the tiles pack (a mirrored tiling: its forward tiling's, flipped once)."""
+        if self._nbr is None:
+            self._nbr = self._mirror_of._table().flip(1)
+        return self._nbr
 
     @property
     def buckets(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -212,7 +218,7 @@ class TiledMap:
 
     @property
     def real_pairs(self) -> int:
-        return int((self._nbr >= 0).sum())
+        return int((self._table() >= 0).sum())
 
     @property
     def padded_pairs(self) -> int:
@@ -235,7 +241,7 @@ class TiledMap:
 
     def _make_buckets(self):
         host_counts = self._counts.tolist()
-        nbr_padded = F.pad(self._nbr, (0, 0, 0, 1), value=-1)  # row -1 (padding) reads no neighbour
+        nbr_padded = F.pad(self._table(), (0, 0, 0, 1), value=-1)  # row -1 (padding) reads no neighbour
         buckets = []
         start = 0
         for end in bucket_bounds(host_counts, self._max_buckets):
@@ -256,7 +262,7 @@ class TiledMap:
         if self._whole is None:
             if self._mirror_of is not None:
                 NB, TW, TL = self._mirror_of.whole()
-                self._whole = NB, (self._nbr.shape[1] - 1) - TW, TL
+                self._whole = NB, (self._active.shape[1] - 1) - TW, TL
             else:
                 width = max(1, int(self._counts[-1]))
                 self._whole = _pack_tiles(self._nbr, self._n_in, self._rows, self._active, self._counts, width)
@@ -403,9 +409,9 @@ class KernelMap:
     def tiles(self, tile: int = 128) -> TiledMap:
         if tile not in self._tilings:
             if self._mirror_tilings is not None:  # the forward map's tiles, offsets mirrored
-                if tile not in self._mirror_tilings:
-                    self._mirror_tilings[tile] = tile_map(self.nbr.flip(1), self.n_out, tile)
-                self._tilings[tile] = self._mirror_tilings[tile].mirrored(self.nbr)
+                if tile not in self._mirror_tilings:  # (self: a _MirroredTranspose; its source, the forward map)
+                    self._mirror_tilings[tile] = tile_map(self._source, self.n_out, tile)
+                self._tilings[tile] = self._mirror_tilings[tile].mirrored()
             else:
                 self._tilings[tile] = tile_map(self.nbr, self.n_in, tile, mask=self._row_mask)
         return self._tilings[tile]
@@ -453,12 +459,36 @@ class KernelMap:
         return self._packed[key]
 
 
+class _MirroredTranspose(KernelMap):
+    """The transpose of a symmetric map: the forward map's table with its offsets mirrored.
+    Constructed from the forward table (`nbr` below is its setter), flipped (a copy of the
+    table) on first read: the tiled backward reuses the forward tiles and never reads it."""
+
+    @property
+    def nbr(self) -> torch.Tensor:
+        if self._flipped is None:
+            self._flipped = self._source.flip(1)
+        return self._flipped
+
+    @nbr.setter
+    def nbr(self, source: torch.Tensor) -> None:
+        self._source, self._flipped = source, None
+
+    @property
+    def n_out(self) -> int:
+        return self._source.shape[0]
+
+    @property
+    def volume(self) -> int:
+        return self._source.shape[1]
+
+
 def _transpose(km: KernelMap) -> KernelMap:
     if km.symmetric:
         # nbr[v, w] = i: site i = site v + t_w, so v = site i + t_(mirror w) = nbr[i, mirror w].
         offset_pairs = None if km.offset_pairs is None else km.offset_pairs[::-1]
-        return KernelMap(km.nbr.flip(1), km.n_out, km.out_coords, km.kernel_size, offset_pairs, symmetric=True,
-                         _mirror_tilings=km._tilings)
+        return _MirroredTranspose(km.nbr, km.n_out, km.out_coords, km.kernel_size, offset_pairs, symmetric=True,
+                                  _mirror_tilings=km._tilings)
     out, w = (km.nbr >= 0).nonzero(as_tuple=True)
     nbr_t = torch.full((km.n_in, km.volume), -1, dtype=km.nbr.dtype, device=km.nbr.device)
     nbr_t[km.nbr[out, w].long(), w] = out.to(km.nbr.dtype)
