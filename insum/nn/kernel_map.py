@@ -532,6 +532,7 @@ def _hashing() -> bool:
 
 _EMPTY = -1  # a free slot of the hash table: no key of a valid site (batch >= 0) is negative
 _INT64_MAX = (1 << 63) - 1
+_MAX_HASHED = 1 << 29  # input sites the hash table takes (its slots: 2**31 at most, int32 masks)
 # Copies of the pairs-per-offset counters that the probe kernel's programs add to (program p
 # to copy p % 64): one set of 27 counters would take every program's atomic adds in turn.
 _COUNT_COPIES = 64
@@ -832,7 +833,7 @@ def build_kernel_map(
     if mode != "subm" and out_coords is not None and out.shape[0]:
         checks.append((out, stride if mode == "strided" else 1, "out_coords"))
     row_mask = None
-    if _use_kernels(coords.device) and _hashing():
+    if _use_kernels(coords.device) and _hashing() and coords.shape[0] < _MAX_HASHED:
         nbr, row_mask, stats = _lookup_hashed(coords, out, mode, kernel_size, stride, dilation, len(checks) == 2)
         host = stats.tolist()
         ranges, offset_pairs = [host[0:3], host[3:6]][: len(checks)], host[6:]
