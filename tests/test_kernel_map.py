@@ -210,6 +210,41 @@ def test_a_training_build_keeps_its_op_and_sync_budget():
     assert build.ops <= 26 and packings.ops <= 80, (build.names, packings.names)
 
 
+@KERNEL_MARK
+def test_the_kernel_path_keeps_its_launch_and_sync_budget(monkeypatch):
+    """CUDA's path: the build is 7 ops (5 launches: the table's fill, the counters' copy, the
+    insert and probe kernels, the counters' sum) and syncs once; the training packings
+    (tiles, the transposed tiles, pair groups) add 11 ops and one sync (the tiles' width).
+    Each Triton launch counts as one op (benchmarks/map_overhead.py prints them)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: True)
+    coords = random_sites(150, 7, seed=1).to(DEVICE)
+
+    def train_step():
+        km = build_kernel_map(coords)
+        return km, lambda: (km.tiles_whole(128), km.transpose().tiles_whole(128), km.pair_groups())
+
+    train_step()[1]()  # compiles the kernels, makes the per-device constants
+    launch = kernel_map._launch
+
+    def counted(kernel, grid, *args, **kwargs):
+        counters[-1].ops += 1
+        with _disable_current_modes():
+            launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_map, "_launch", counted)
+    counters = [count_ops()]
+    with counters[-1]:
+        km, packings = train_step()
+    counters.append(count_ops())
+    with counters[-1]:
+        packings()
+    build, packed = counters
+    assert (build.ops, build.syncs) == (7, 1), build.names
+    assert packed.ops <= 11 and packed.syncs == 1, packed.names
+
+
 @pytest.mark.parametrize("n,tile", [(300, 16), (64, 16), (5, 16), (0, 8)])
 def test_output_rows_place_every_tile_row_once(n, tile):
     """TR (the one-launch tiles' output rows) against its definition: real rows where the
