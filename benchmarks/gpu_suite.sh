@@ -6,11 +6,14 @@
 #   bash benchmarks/gpu_suite.sh torch                  # torch_checks: opcheck, autograd, graphs, MLP
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
 #   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop, kernel-map builds
+#   bash benchmarks/gpu_suite.sh conv-spconv2           # the same against spconv 2.x (its CUDA wheels, carried as trees)
 #   bash benchmarks/gpu_suite.sh layers                 # layer_overhead: ops/bytes per layer call, a profile of the conv layer
 #   bash benchmarks/gpu_suite.sh schedule               # ownership, ranked tilings, declared lengths: A/B against the conventional plans
 #   bash benchmarks/gpu_suite.sh tp                     # tensor products vs e3nn, cuEquivariance, OEQ
 #   bash benchmarks/gpu_suite.sh distributed            # 2 GPUs (nvidia-h200-x2): NCCL tests, study_distributed
 # conv installs the spconv-triton wheel from .carry-conv-whl/ when carried; tp unpacks
+# spconv 2.x from .carry-spconv2/*.tar.xz (spconv-cu121 2.3.8 and cumm-cu121 0.7.11 with
+# their pure-Python dependencies, unpacked wheels recompressed to fit one call); tp unpacks
 # cuEquivariance from .carry-tp-whl1/cue_all.tar.xz and puts OpenEquivariance's source from
 # .carry-tp/oeq_src on the path when carried (third-party code: carried, never committed).
 # Extra arguments go to the runner or script (e.g. --quick, --budget-scale 0.8). Needs lark as
@@ -52,6 +55,10 @@ case "$PART" in
   conv)
     [ -d .carry-conv-whl ] && pip install -q --no-index --no-deps --target /tmp/site .carry-conv-whl/*.whl
     timeout 560 python -m benchmarks.study_conv --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/conv.log"
+    ;;
+  conv-spconv2)
+    mkdir -p /tmp/site2 && for t in .carry-spconv2/*.tar.xz; do tar xJf "$t" -C /tmp/site2; done
+    CONV_ANCHOR=spconv PYTHONPATH=$PYTHONPATH:/tmp/site2 timeout 560 python -m benchmarks.study_conv --out "$DIR/spconv2" "$@" 2>&1 | quiet | tee "$DIR/conv_spconv2.log"
     ;;
   layers)
     timeout 560 python -m benchmarks.layer_overhead --profile --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/layer_overhead.log"

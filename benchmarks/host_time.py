@@ -288,9 +288,11 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
         f"{args.repeats} x {args.calls} calls; torch {torch.__version__}, triton {_triton_version()}, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
-    lines.append(f"  {'':32s} {'median':>8s} {'min':>8s}  median over {anchor}")
+    # Over the anchor: median against median, and least against least (a busy host's
+    # medians wander by several µs between runs; the least disturbed runs wander less).
+    lines.append(f"  {'':32s} {'median':>8s} {'min':>8s}  over {anchor}: median, min")
     for name, (median, least) in results.items():
-        over = "" if name == anchor else f"  +{median - results[anchor][0]:.1f}"
+        over = "" if name == anchor else f"  {median - results[anchor][0]:+.1f} {least - results[anchor][1]:+.1f}"
         lines.append(f"  {name:32s} {median:8.2f} {least:8.2f}{over}")
     if cuda:
         lines.append("launch paths after the runs:")
