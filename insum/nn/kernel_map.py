@@ -561,9 +561,9 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     on the 1.2M-voxel room scene (table at 2**22 slots, load 0.28): 1.33 probes per found
     key, 1.66 per absent one; 7.3 probe rounds per block of 64 sites (the block's longest;
     4 slots per group: 13.6 rounds, one: 7.6), 5.9 per block of 16. A block's lanes loop
-    until its longest probe ends, so the blocks are small: 32 sites in the probe kernel,
-    128 keys in the insert kernel (4.4 compare-and-swaps issued per key, 1.33 needed; 6.6
-    in blocks of 1024).
+    until its longest probe ends, so the blocks are small: 16 sites in the probe kernel
+    (also 48 registers a thread for sm_90, 92 at 32 sites), 128 keys in the insert kernel
+    (4.4 compare-and-swaps issued per key, 1.33 needed; 6.6 in blocks of 1024).
     Duplicate sites: every copy maps to the first copy's row, as the lower bound in the
     stably sorted keys does (the row is kept as n_in - 1 - row by an atomic max)."""
     volume = kernel_size**3
@@ -583,7 +583,7 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
                 coords.stride(1), BLOCK=block)
     if n_out:
         block_w = next_power_of_2(volume)
-        block_m = max(1, 1024 // block_w)
+        block_m = max(1, 512 // block_w)
         _launch(probe, (cdiv(n_out, block_m),), out, keys, rows, nbr, mask, stats, n_out, n_in, slot_bits,
                 out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
                 TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits, COPIES=_COUNT_COPIES,
@@ -671,7 +671,9 @@ def _hash_kernels():
             qy = y[:, None] - tap_y[None, :]  # [BLOCK_M, BLOCK_W]
             qz = z[:, None] - tap_z[None, :]  # [BLOCK_M, BLOCK_W]
             live = live & (qx % STRIDE == 0) & (qy % STRIDE == 0) & (qz % STRIDE == 0)
-            qx, qy, qz = qx // STRIDE, qy // STRIDE, qz // STRIDE
+            qx = qx // STRIDE
+            qy = qy // STRIDE
+            qz = qz // STRIDE
         else:  # input o * s + t
             qx = x[:, None] * STRIDE + tap_x[None, :]  # [BLOCK_M, BLOCK_W]
             qy = y[:, None] * STRIDE + tap_y[None, :]  # [BLOCK_M, BLOCK_W]
