@@ -245,6 +245,59 @@ def test_the_kernel_path_keeps_its_launch_and_sync_budget(monkeypatch):
     assert packed.ops <= 11 and packed.syncs == 1, packed.names
 
 
+# Compiles each kernel the build launched for sm_90, in a process without the interpreter.
+_COMPILE_FOR_HOPPER = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import insum.nn.kernel_map as km
+
+kernels = {k.fn.__name__: k for k in (*km._hash_kernels(), km._lookup_kernel(), km._activity_kernel(),
+           km._place_kernel(), km._pack_kernel(), km._block_pairs_kernel(), km._pairs_kernel())}
+for name, signature, constexprs in json.load(sys.stdin):
+    compiled = triton.compile(ASTSource(fn=kernels[name], signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], name
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile and run them")
+def test_the_build_kernels_compile_for_hopper(monkeypatch):
+    """The interpreter runs the kernels' Python, not Triton's compiler: compile every kernel
+    the CUDA path launches (with the arguments it launches them with) for an H100/H200,
+    which needs no GPU (ptxas ships with triton)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    seen = {}
+    launch = kernel_map._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        names = [name for name in kernel.arg_names if name not in kwargs]
+        types = {torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
+        signature = {name: types[a.dtype] if isinstance(a, torch.Tensor) else "i32" for name, a in zip(names, args)}
+        seen[kernel.fn.__name__, json.dumps(kwargs, sort_keys=True)] = (signature | dict.fromkeys(kwargs, "constexpr"), kwargs)
+        launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_map, "_launch", record)
+    coords = random_sites(60, 6, seed=5)
+    km = kernel_build(monkeypatch, "hash", coords)
+    km.tiles_whole(16), km.pair_groups()
+    kernel_build(monkeypatch, "hash", kernel_map.output_coords(coords, 3, 2, 1), 3, 2, 1, "transposed", coords)
+    kernel_build(monkeypatch, "sorted", coords)
+    jobs = [(name, signature, constexprs) for (name, _), (signature, constexprs) in seen.items()]
+    assert len({name for name, _, _ in jobs}) == 8
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], input=json.dumps(jobs), capture_output=True,
+                          text=True, env=env | {"PYTHONPATH": str(root)}, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("n,tile", [(300, 16), (64, 16), (5, 16), (0, 8)])
 def test_output_rows_place_every_tile_row_once(n, tile):
     """TR (the one-launch tiles' output rows) against its definition: real rows where the
