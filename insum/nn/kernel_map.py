@@ -25,13 +25,15 @@ that share coordinates share one map.
 On a GPU, at 100k-1M voxels, the build's time is host time (kernel launches, host syncs)
 and the lookup's chains of dependent reads (the sorted-keys build, 1.37 ms at 1.2M voxels
 on an H200: a sort, then 9 binary searches of 21 dependent reads per site), so it is
-written to few torch ops, few syncs and short probes (counted by `benchmarks/map_overhead.py`): the range check and the per-offset pair counts are read back
-in one sync at the end of the build (on CUDA both written by the lookup kernels); the tiles
-are one sort of the rows' neighbour bitmasks, two kernels and one small sort, and the
-one-launch packing reads one value (their width) and is one kernel; the transposed map of
-a submanifold map with an odd kernel is the offset-mirrored map and reuses the forward
-tiles; the pair groups are sized from the counts already on the host (and on CUDA written
-by two kernels around one scan of per-block pair counts).
+written to few torch ops, few syncs and short probes (counted by
+`benchmarks/map_overhead.py`): the range check and the per-offset pair counts are read
+back in one sync at the end of the build (on CUDA both written by the lookup kernels); the
+tiles are one sort of the rows' neighbour bitmasks, two kernels and one small sort, and
+the one-launch packing reads one value (their width) and is one kernel; the transposed map
+of a submanifold map with an odd kernel is the offset-mirrored map, reuses the forward
+tiles and copies the table only when read; the pair groups are sized from the counts
+already on the host (and on CUDA written by two kernels around one scan of per-block pair
+counts).
 Shape-deciding values come to the host only there, never through `nonzero` or a mask.
 """
 
