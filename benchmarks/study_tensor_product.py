@@ -10,7 +10,8 @@
   backward (gradients of both inputs and the weights, `torch.autograd.grad`).
 - uvu: the channel-wise product of a MACE interaction block: in1 = 128x0e+128x1o+128x2e,
   in2 = sh up to 3, every path whose output is in 0e+1o+2e+3o (sorted as MACE does),
-  per-edge weights; e3nn, insum, cuEquivariance (`ChannelWiseTensorProduct`) and OEQ.
+  per-edge weights; e3nn, insum (output="flat", the default; "gather", "views" and
+  row_buckets=4 beside it), cuEquivariance (`ChannelWiseTensorProduct`) and OEQ.
 - compile: e3nn under torch.compile at one grid point (compiling e3nn is not cheap).
 
 Every result is checked against e3nn in float64 (relative Frobenius error). Times are
@@ -256,15 +257,16 @@ def _uvu_point(edges: int, libs: dict) -> dict:
     if "e3nn" in MEASURE:
         measure("e3nn", ref)
     if "insum" in MEASURE:
-        layer = TensorProduct.from_e3nn(ref).to(DEVICE)
+        layer = TensorProduct.from_e3nn(ref).to(DEVICE)  # output="flat", the default for uvu paths
         measure("insum", layer)
+        measure("insum_gather", TensorProduct.from_e3nn(ref, output="gather").to(DEVICE))
         measure("insum_views", TensorProduct.from_e3nn(ref, output="views").to(DEVICE))
         # rows sorted by CG entry count, one launch per bucket (opt-in; 568 -> 239 entry slots per edge, 215 real)
         measure("insum_buckets4", TensorProduct.from_e3nn(ref, row_buckets=4).to(DEVICE))
         try:
             tensors = layer.statement_tensors(x1, x2, w)
             with torch.no_grad():
-                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, lengths={"q[p]": layer.CGL}, **tensors))
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, lengths={"q[t]": layer.FL}, **tensors))
         except Exception as e:  # noqa: BLE001
             row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if cuet is not None and "cue" in MEASURE:

@@ -443,3 +443,58 @@ def test_stacked_plan_runs_correctly_at_small_sizes(op):
     # Tiles are clamped to the stacked extent (5 x 6 = 30 rows: 32), not to q's 6.
     pruned = prune_configs(plan, configs_for(plan), bound.extents)
     assert max(c["BLOCK_M"] for c in pruned) == 32
+
+
+# -- program order: small grid variables before a large tile ------------------------------------
+
+UVU = "Z[b, p, u] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, CGI[p, q], u] * W[b, PR[p], u]"
+
+
+def _uvu_meta(b: int) -> dict:
+    tensors = _meta(Z=(b, 71, 128), CGV=(71, 8), Y=(b, 16), X=(b, 9, 128), W=(b, 17, 128), CGJ=(71, 8), CGI=(71, 8))
+    return tensors | {"PR": torch.empty(71, dtype=torch.int32, device="meta")}
+
+
+def test_small_grid_variable_walks_before_a_large_tile():
+    """With the edges b on M and the 71 output components p on the grid, the programs of one
+    edge tile (which read the same rows of X, Y and W) come one after another: p is split
+    off the program id first. A large grid variable (b, in the chosen plan) stays last."""
+    from insum.codegen import emit
+    from insum.codegen.schedule import plan_of, rank
+    from insum.runtime import spec_for
+
+    spec = spec_for(bind(parse(UVU), _uvu_meta(16384)))
+    chosen = _plan_for(UVU, _uvu_meta(16384))
+    assert chosen.grid == ("b",) and not chosen.grid_first
+    by_b = plan_of(spec, next(c for c in rank(spec) if dict(c.tiles) == {"M": "b", "K": "q", "N": "u"} and not c.stacked))
+    assert by_b.grid == ("p",) and by_b.grid_first and "program order: p fastest" in str(by_b)
+    lines = emit(by_b).text.splitlines()
+    first = next(i for i, line in enumerate(lines) if "i_p = pid % size_p" in line)
+    assert first < next(i for i, line in enumerate(lines) if "pid_u = pid" in line)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_grid_first_plan_runs_correctly_at_small_sizes(index_dtype):
+    """The grid-first plan chosen for 16384 edges, run on 11 edges (not a multiple of any
+    tile) into a poisoned output, against the torch lowering."""
+    import dataclasses
+
+    from insum.codegen.schedule import plan_of, rank
+    from insum.runtime import Kernel, spec_for
+
+    big_spec = spec_for(bind(parse(UVU), _uvu_meta(16384)))
+    big = plan_of(big_spec, next(c for c in rank(big_spec) if dict(c.tiles) == {"M": "b", "K": "q", "N": "u"} and not c.stacked))
+    g = torch.Generator().manual_seed(12)
+    b, p, q, u = 11, 5, 3, 6
+    tensors = {
+        "Z": torch.full((b, p, u), float("nan")), "CGV": torch.randn(p, q, generator=g), "Y": torch.randn(b, 4, generator=g),
+        "X": torch.randn(b, 3, u, generator=g), "W": torch.randn(b, 2, u, generator=g),
+        "CGJ": torch.randint(0, 4, (p, q), generator=g).to(index_dtype),
+        "CGI": torch.randint(0, 3, (p, q), generator=g).to(index_dtype), "PR": torch.randint(0, 2, (p,), generator=g).to(index_dtype),
+    }
+    tensors = {k: v.to(DEVICE) for k, v in tensors.items()}
+    expected = insum.insum(UVU, backend="torch", **{k: v.clone() for k, v in tensors.items()})
+    bound = bind(parse(UVU), tensors)
+    spec = spec_for(bound, "ieee")
+    actual = Kernel(spec, dataclasses.replace(big, spec=spec)).launch(bound, bound.output())
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

@@ -177,7 +177,7 @@ def test_all_gradients_equal_e3nn(case):
         ref = o3.TensorProduct("3x0e+2x1o", "2x0e+2x1o", "3x1o+2x0e+2x1o", ins)
     if case == "uvw buckets":
         ref = o3.FullyConnectedTensorProduct("2x0e+2x1o+1x2e", "0e+1o+2e", "2x0e+3x1o+1x2e")
-    layer = TensorProduct.from_e3nn(ref, backend="torch", row_buckets=3 if case.endswith("buckets") else 1)
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output="gather", row_buckets=3 if case.endswith("buckets") else 1)
     assert bool(layer._buckets) == case.endswith("buckets")  # rows of unequal entry counts: several launches
     assert layer._identity_w == (case in ("uvw uniform", "uvw broadcast", "uvu per-edge", "uvu buckets"))
     assert layer._pad_x == layer._pad_dz == (case in ("uvw padded", "uvu second multiplicity", "uvw buckets"))
@@ -235,7 +235,7 @@ def test_channel_wise_generated_kernel_in_the_interpreter():
     ref = o3.TensorProduct("3x0e+3x1o", "0e+1o", irreps_out, ins, shared_weights=False, internal_weights=False)
     x1, x2, w = torch.randn(5, 12), torch.randn(5, 4), torch.randn(5, ref.weight_numel)
     for row_buckets in (1, 2):  # one launch; two, each writing its rows of Z through a strided view
-        layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", row_buckets=row_buckets).float()
+        layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", output="gather", row_buckets=row_buckets).float()
         assert "PR[p]" in layer.statement and len(layer._buckets) == (0 if row_buckets == 1 else 2)
         _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
     # The channel-wise gradient statements (declared lengths) through the generated kernels.
@@ -267,6 +267,7 @@ def test_empty_batch_and_no_internal_weights():
         (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0, 0, 0, "uvw", False)]), "without weights"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", path_normalization="x"), "path_normalization"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="views", row_buckets=2), "row_buckets"),
+        (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="flat"), "'uvu'"),
     ],
 )
 def test_bad_irreps_raise(make, match):
@@ -311,6 +312,117 @@ def test_views_output_equals_gather_output(mode):
         _close(out, expected)
         for a, b in zip(torch.autograd.grad(out, [x1, x2, *args], g), want):
             _close(a, b)
+
+
+@pytest.mark.parametrize("case", ["per-edge", "shared", "second multiplicity"])
+def test_flat_output_equals_e3nn_forward_and_backward(case):
+    """output="flat" (one statement reading x1 and the weight and writing the output in
+    e3nn's layouts) against e3nn: the output and every gradient, on 5 edges and on one."""
+    torch.manual_seed(11)
+    if case == "second multiplicity":  # entries of several multiplicities, a weight position per CG entry
+        ins = [(0, 1, 0, "uvu", True), (1, 1, 1, "uvu", True), (1, 0, 2, "uvu", True)]
+        ref = o3.TensorProduct("3x0e+2x1o", "2x0e+2x1o", "3x1o+2x0e+2x1o", ins)
+    else:
+        irreps_out, ins = _mace(o3.Irreps("3x0e+3x1o+3x2e"), o3.Irreps("0e+1o+2e+3o"), 3)
+        shared = case == "shared"
+        ref = o3.TensorProduct("3x0e+3x1o+3x2e", "0e+1o+2e+3o", irreps_out, ins, shared_weights=shared, internal_weights=shared)
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output="flat")
+    assert ("FR[t]" in layer.statement) == (case != "second multiplicity")  # one weight position per output
+    for edges in (5, 1):
+        x1 = torch.randn(edges, ref.irreps_in1.dim, requires_grad=True)
+        x2 = torch.randn(edges, ref.irreps_in2.dim, requires_grad=True)
+        w = layer.weight if ref.internal_weights else torch.randn(edges, ref.weight_numel, requires_grad=True)
+        extra = () if ref.internal_weights else (w,)
+        expected = ref(x1, x2, *extra)
+        out = layer(x1, x2, *extra)
+        _close(out, expected)
+        g = torch.randn_like(expected)
+        mine = torch.autograd.grad(out, [x1, x2, w], g)
+        theirs = torch.autograd.grad(expected, [x1, x2, ref.weight if ref.internal_weights else w], g)
+        for a, b in zip(mine, theirs):
+            _close(a, b)
+    if ref.internal_weights:  # leading dimensions broadcast as in e3nn (expanded, non-contiguous inputs)
+        x1, x2 = torch.randn(5, 1, ref.irreps_in1.dim), torch.randn(3, ref.irreps_in2.dim)
+        _close(layer(x1, x2), ref(x1, x2))
+
+
+def test_flat_statements_plan_edges_by_contiguous_outputs_at_mace_scale():
+    """The plans the flat layer's cost argument rests on, at MACE's size (10,000 edges of
+    128x0e+128x1o+128x2e x sh(3); shapes only): edges on M, the e3nn output (or gradient)
+    positions on N, the CG entries on K up to each tile's declared length, every output
+    element stored once by its owner (no atomics, no zero fill)."""
+    import re
+
+    from insum.bind import bind
+    from insum.codegen import schedule
+    from insum.execute import length_facts
+    from insum.parser import parse
+    from insum.runtime import spec_for
+
+    irreps_out, ins = mace_instructions("128x0e+128x1o+128x2e", "0e+1o+2e+3o", 3)
+    layer = TensorProduct("128x0e+128x1o+128x2e", "0e+1o+2e+3o", irreps_out, ins, shared_weights=False)
+    E = 10_000
+    flat = {"Y": (E, 16), "X": (E, 1152), "W": (E, layer.weight_numel), "DZ": (E, irreps_out.dim)}
+    cases = [(layer.statement, "q[t]", "FL", "t")] + [
+        (stmt, f"q[{column}]", f"G{key}L", column) for (key, stmt), column in zip(layer.gradient_statements.items(), "srj")]
+    for stmt, key, length, column in cases:
+        names = re.findall(r"([A-Z][A-Z0-9]*)\[", stmt.split("=", 1)[1])  # the output is allocated
+        tensors = {n: torch.empty(flat[n], device="meta") if n in flat else layer._buffers[n].to("meta") for n in names}
+        bound, declared = length_facts(bind(parse(stmt), tensors), {key: layer._buffers[length].to("meta")})
+        plan = schedule(spec_for(bound, lengths=declared))
+        assert dict(plan.tiles) == {"M": "b", "K": "q", "N": column} and plan.grid == () and plan.loops == (), stmt
+        assert plan.output == "store" and plan.covers_output and plan.lengths, stmt
+
+
+def test_flat_output_shared_weight_gradient_over_batch_groups():
+    """768 edges: the shared weight's flat gradient statement runs on 3 batch groups, summed."""
+    torch.manual_seed(14)
+    irreps_out, ins = _mace(o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o"), 1)
+    ref = o3.TensorProduct("2x0e+2x1o", "0e+1o", irreps_out, ins)
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output="flat")
+    x1, x2 = torch.randn(768, 8), torch.randn(768, 4)
+    g = torch.randn(768, ref.irreps_out.dim)
+    (mine,) = torch.autograd.grad(layer(x1, x2), [layer.weight], g)
+    (theirs,) = torch.autograd.grad(ref(x1, x2), [ref.weight], g)
+    _close(mine, theirs)
+
+
+def test_flat_output_gradcheck_and_compile():
+    torch.manual_seed(12)
+    irreps1, irreps2 = o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o")
+    irreps_out, ins = _mace(irreps1, irreps2, 1)
+    layer = TensorProduct(irreps1, irreps2, irreps_out, ins, shared_weights=False, backend="torch", output="flat")
+    x1 = torch.randn(3, irreps1.dim, requires_grad=True)
+    x2 = torch.randn(3, irreps2.dim, requires_grad=True)
+    w = torch.randn(3, layer.weight_numel, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x1, x2, w))
+    compiled = torch.compile(layer, fullgraph=True)
+    out = compiled(x1, x2, w)
+    _close(out, layer(x1, x2, w))
+    for a, b in zip(torch.autograd.grad(out.sum(), [x1, x2, w]), torch.autograd.grad(layer(x1, x2, w).sum(), [x1, x2, w])):
+        _close(a, b)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter is chosen before triton is imported")
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_flat_output_generated_kernel_in_the_interpreter(index_dtype):
+    """output="flat" through the generated kernel, int32 and int64 tables, 1 and 7 edges,
+    into e3nn's layout directly (the output is allocated by insum: no zero fill, no gather)."""
+    torch.manual_seed(13)
+    irreps_out, ins = _mace(o3.Irreps("3x0e+3x1o"), o3.Irreps("0e+1o"), 1)
+    ref = o3.TensorProduct("3x0e+3x1o", "0e+1o", irreps_out, ins, shared_weights=False, internal_weights=False)
+    layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", output="flat").float()
+    for name in ("FJ", "FX", "FR", "FL"):
+        setattr(layer, name, getattr(layer, name).to(index_dtype))
+    for edges in (1, 7):
+        x1, x2, w = torch.randn(edges, 12), torch.randn(edges, 4), torch.randn(edges, ref.weight_numel)
+        _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
+    inputs = [t.float().requires_grad_() for t in (x1, x2, w)]
+    grads = torch.autograd.grad(layer(*inputs).sum(), inputs)
+    leaves = [t.clone().requires_grad_() for t in (x1, x2, w)]
+    for got, want in zip(grads, torch.autograd.grad(ref(*leaves).sum(), leaves)):
+        _close(got.double(), want, 1e-5)
 
 
 def test_shared_weight_gradient_split_over_batch_groups():

@@ -260,13 +260,15 @@ def _is_atomic(index: Index) -> bool:
 
 
 def _launch_grid_lines(em: _Emitter) -> list[str]:
-    """Split the flat program id into grid variables and tile indices (N fastest)."""
+    """Split the flat program id into grid variables and tile indices (N fastest; the grid
+    variables before the tiles when the plan walks them first)."""
     plan = em.plan
     lines = ["pid = tl.program_id(0)"]
     if plan.grouped:
         return lines + _grouped_tile_lines(em)
     order = [("tile", a, v) for a, v in reversed(plan.tiles) if a != "K"]
-    order += [("grid", None, v) for v in reversed(plan.grid)]
+    grid = [("grid", None, v) for v in reversed(plan.grid)]
+    order = grid + order if plan.grid_first else order + grid
     for position, (kind, axis, var) in enumerate(order):
         last = position == len(order) - 1
         if kind == "tile":

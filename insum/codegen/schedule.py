@@ -129,6 +129,9 @@ class Plan:
     # each variable stops at its length (the largest over the program's tile), and K-tiled
     # loads mask the lanes past each row's own length.
     lengths: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    # Program order: the grid variables vary fastest (before the tile indices), so that the
+    # programs of one tile, which read the same operand rows, run side by side (see `_grid_first`).
+    grid_first: bool = False
 
     @property
     def stmt(self) -> Statement:
@@ -182,6 +185,8 @@ class Plan:
                 lines.append(f"tensor descriptors: {', '.join(str(factors[i]) for i in self.boxes)}")
         if self.persistent:
             lines.append("programs: persistent (one per SM, striding over the tiles)")
+        if self.grid_first:
+            lines.append(f"program order: {', '.join(self.grid)} fastest, then the tiles")
         for var, tensor, index in self.lengths:
             lines.append(f"length: {var} < {tensor}[{', '.join(index)}] (declared: later entries are padding)")
         lines.append(f"accumulator: {self.acc_dtype}")
@@ -668,7 +673,28 @@ def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Pla
         persistent=persistent,
         lengths=() if chosen.stacked else _applied_lengths(spec, tiles, chosen.grid, loops),
         stacked=chosen.stacked,
+        grid_first=chosen.kind == "reduce" and _grid_first(spec, tiles, chosen.grid),
     )
+
+
+def _grid_first(spec: KernelSpec, tiles: dict[str, str], grid: tuple[str, ...]) -> bool:
+    """Whether a broadcast-and-sum plan walks its grid variables fastest: when each has a
+    small extent (a known bucket) and an M or N tile carries a large one.
+
+    Programs that differ only in a grid value read the same rows of every operand the
+    large tiled variable indexes (the batch rows of the tensor product's inputs and
+    weights), so that all of a tile's programs run side by side and read those rows from
+    HBM once; with the grid outermost each grid value sweeps every tile, and operands
+    larger than L2 are read once per grid value. What moves the other way (tables indexed
+    by the grid variables alone) is small: their extents are bounded by SIZE_CAP. Dot plans
+    keep their grouped order (measured on GEMMs).
+
+    >>> spec = KernelSpec(None, (), (), sizes=(("p", 64),))
+    >>> _grid_first(spec, {"M": "b", "N": "u"}, ("p",)), _grid_first(spec, {"M": "p", "N": "u"}, ("b",))
+    (True, False)
+    """
+    large = [v for a, v in tiles.items() if a != "K" and spec.size(v) is None]
+    return bool(grid) and bool(large) and all(spec.size(v) is not None for v in grid)
 
 
 def _applied_lengths(spec: KernelSpec, tiles: dict[str, str], grid: tuple[str, ...], loops: tuple[str, ...]):

@@ -13,6 +13,8 @@ import numpy as np
 from .irreps import Irreps, IrrepsError, wigner_3j
 
 __all__ = [
+    "FLAT_GRADIENT_STATEMENTS",
+    "FLAT_STATEMENTS",
     "GRADIENT_STATEMENTS",
     "IRREP_NORMALIZATIONS",
     "MODES",
@@ -22,6 +24,8 @@ __all__ = [
     "STATEMENTS",
     "Instruction",
     "check_instruction",
+    "flat_gradient_tables",
+    "flat_tables",
     "normalised_instructions",
     "tensor_product_tables",
 ]
@@ -47,6 +51,34 @@ RUN_STATEMENTS = {
     ("uvw", False): "Z[b,j,k,w] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[b,PW[j,k,q],u,w]",
     ("uvu", True): "Z[b,j,k,u] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[PW[j,k,q],u]",
     ("uvu", False): "Z[b,j,k,u] = CGV[j,k,q] * Y[b,CGJ[j,k,q]] * X[b,CGI[j,k,q],u] * W[b,PW[j,k,q],u]",
+}
+
+
+# The channel-wise product with one column per e3nn output position t (output="flat"): input 1,
+# the output and the flat weight are read and written in e3nn's layouts, by (shared weights,
+# one weight position per output: FR[t], else FW[q, t] per CG entry). The tables are [Q, D],
+# so that a tile of consecutive outputs loads each entry slot's values contiguously. See
+# `flat_tables`.
+FLAT_STATEMENTS = {
+    (False, True): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[b, FR[t]]",
+    (False, False): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[b, FW[q, t]]",
+    (True, True): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[FR[t]]",
+    (True, False): "Z[b, t] = FV[q, t] * Y[b, FJ[q, t]] * X[b, FX[q, t]] * W[FW[q, t]]",
+}
+# Their gradients, in e3nn's layouts too: the same CG entries grouped by input-1 position s
+# (dX), weight position r (dW; split over batch groups g for a shared weight) and input-2
+# position j (dY), so that each gradient element is one column's sum (no atomics, no gather).
+FLAT_GRADIENT_STATEMENTS = {
+    False: {
+        "X": "DX[b, s] = GXV[q, s] * Y[b, GXJ[q, s]] * W[b, GXW[q, s]] * DZ[b, GXT[q, s]]",
+        "W": "DW[b, r] = GWV[q, r] * Y[b, GWJ[q, r]] * X[b, GWX[q, r]] * DZ[b, GWT[q, r]]",
+        "Y": "DY[b, j] = GYV[q, j] * X[b, GYX[q, j]] * W[b, GYW[q, j]] * DZ[b, GYT[q, j]]",
+    },
+    True: {
+        "X": "DX[b, s] = GXV[q, s] * Y[b, GXJ[q, s]] * W[GXW[q, s]] * DZ[b, GXT[q, s]]",
+        "W": "DW[g, r] = GWV[q, r] * Y[g, i, GWJ[q, r]] * X[g, i, GWX[q, r]] * DZ[g, i, GWT[q, r]]",
+        "Y": "DY[b, j] = GYV[q, j] * X[b, GYX[q, j]] * W[GYW[q, j]] * DZ[b, GYT[q, j]]",
+    },
 }
 
 # The backward statements (the same CG entries regrouped: see _gradient_tables), by
@@ -248,3 +280,58 @@ def _gradient_tables(entries: list[tuple], mode: str, n_components: int, n_slabs
     tables["RC"] = np.array([c for c, _ in pairs], np.int64)
     tables["RS"] = np.array([s for _, s in pairs], np.int64)
     return tables
+
+
+def flat_tables(tables: dict[str, np.ndarray], dim_out: int) -> dict[str, np.ndarray]:
+    """The tables of FLAT_STATEMENTS from a channel-wise product's component tables (rows
+    unsorted): each component row p repeated for its channels u, one column per e3nn output
+    position t, its CG entries pointing at input 1's and the weight's flat positions.
+
+    FV [Q, D] (values, float64), FJ (input 2), FX (input 1), FW (weight) [Q, D] and FL [D]
+    (entry counts); FR [D] when every entry of an output reads one weight position (MACE: one
+    path per output entry), else None. Padding entries read position 0 with value 0.
+    """
+    cgv, cgj, cgi, pw, cgl = (tables[n] for n in ("CGV", "CGJ", "CGI", "PW", "CGL"))
+    x_index, w_index = tables["X_INDEX"], tables["W_INDEX"]
+    P, U = cgv.shape[0], x_index.shape[1]
+    position = tables["OUT_INVERSE"].reshape(P, U)  # e3nn output position of (p, u); dim_out: padding
+    p, u = np.nonzero(position < dim_out)
+    t = position[p, u]
+    real = np.arange(cgv.shape[1])[None, :] < cgl[p][:, None]  # [outputs, Q]
+    columns = {
+        "FV": np.where(real, cgv[p], 0.0),
+        "FJ": np.where(real, cgj[p], 0),
+        "FX": np.where(real, x_index[cgi[p], u[:, None]], 0),
+        "FW": np.where(real, w_index[pw[p], u[:, None]], 0),
+    }
+    out = {}
+    for name, column in columns.items():
+        out[name] = np.zeros((cgv.shape[1], dim_out), column.dtype)
+        out[name][:, t] = column.T
+    out["FL"] = np.zeros(dim_out, np.int64)
+    out["FL"][t] = cgl[p]
+    first = out["FW"][0]
+    out["FR"] = first.copy() if ((out["FW"] == first) | (out["FV"] == 0)).all() else None
+    return out
+
+
+def flat_gradient_tables(flat: dict[str, np.ndarray], dim1: int, dim2: int, weight_numel: int) -> dict[str, np.ndarray]:
+    """The tables of FLAT_GRADIENT_STATEMENTS from `flat_tables`' output: the real CG entries
+    (output t, value, input-2 j, input-1 x, weight w) grouped by x (GX*), by w (GW*) and by
+    j (GY*), each [Q, rows] with the row's entry count in GXL / GWL / GYL."""
+    q, t = np.nonzero(np.arange(flat["FV"].shape[0])[:, None] < flat["FL"][None, :])
+    entry = {"V": flat["FV"][q, t], "J": flat["FJ"][q, t], "X": flat["FX"][q, t], "W": flat["FW"][q, t], "T": t}
+    out = {}
+    for key, rows, fields in (("X", dim1, "VJWT"), ("W", weight_numel, "VJXT"), ("J", dim2, "VXWT")):
+        name = "GY" if key == "J" else "G" + key
+        keys = entry[key]
+        order = np.argsort(keys, kind="stable")
+        counts = np.bincount(keys, minlength=rows)
+        slot = np.arange(len(keys)) - np.repeat(np.cumsum(counts) - counts, counts)  # rank within its row
+        width = max(int(counts.max(initial=0)), 1)
+        for field in fields:
+            table = np.zeros((width, rows), np.float64 if field == "V" else np.int64)
+            table[slot, keys[order]] = entry[field][order]
+            out[name + field] = table
+        out[name + "L"] = counts.astype(np.int64)
+    return out

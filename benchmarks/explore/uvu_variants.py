@@ -1,0 +1,443 @@
+"""The channel-wise ("uvu") tensor product of a MACE interaction block: every variant, one run.
+
+    python -m benchmarks.explore.uvu_variants [--out DIR] [--workers 12] [--budget 85] [--smoke]
+
+in1 = 128x0e+128x1o+128x2e, in2 = the spherical harmonics 0e+1o+2e+3o, every path into
+0e+1o+2e+3o (17 paths, out dim 9088), one weight vector per edge, fp32, E = 10,000 and
+40,000 edges (issue 12). Bytes per edge: x1 4608, x2 64, weight 8704, output 36352: 49.7 KB,
+0.104 ms at E = 10k on 4.8 TB/s (0.414 ms at 40k), the floor every variant is held to.
+
+Statement variants, one kernel each: a sweep ranks the tile configurations the tuner would
+try (at E = 10k; at 40k the three fastest of 10k) by the mean of 10 back-to-back launches
+(CUDA events), and the fastest is timed by `do_bench` (median, L2 flushed) and printed with
+its configuration and plan:
+
+  stmt_gather      today's statement `Z[b,p,u]` (component-major Z, X gathered), its plan
+  stmt_gather_bp   the same statement, M=b (edges) K=q N=u, grid p walked first
+  stmt_zi          `Z[b, ZI[p,u]] = ... X[b, XI[CGI[p,q],u]] ...`: e3nn layouts through nested
+                   tables (stride-d loads and stores along u), its plan (grid p first)
+  stmt_zi_plast    the same plan with the grid p walked last (the order before grid_first)
+  stmt_flat        output="flat"'s statement `Z[b,t] = FV[q,t] * Y[b,FJ[q,t]] * X[b,FX[q,t]]
+                   * W[b,FR[t]]`: one column per e3nn output position, contiguous tiles
+  stmt_flat_tb     the same statement, M=t N=b (the cost model's cheapest, not chosen)
+
+Layer variants (`TensorProduct` as a user calls it; its kernels take the best configuration
+of the sweep above, so no autotuning runs inside the timed calls): `layer_gather`
+(output="gather", the default before this branch: X gather, statement, output gather) and
+`layer_flat` (output="flat", the default for "uvu" paths now: one launch), forward and
+forward+backward (`torch.autograd.grad` of all three inputs). Their backward statements are
+swept the same way: `grad_X/W/Y` (the gather layer's, component-major, after gathering the
+output gradient) and `flat_grad_X/W/Y` (the flat layer's, in e3nn's layouts).
+cuEquivariance (`ChannelWiseTensorProduct`; its path order and normalisation differ from
+e3nn's, so its output is not compared) and OpenEquivariance (e3nn's instructions; compared)
+where they import, forward and forward+backward.
+
+Every insum output is compared with a float64 reference (the torch lowering of today's
+statement, in chunks of edges) by relative Frobenius error, the layers' gradients too; a
+variant above 1e-5 is marked FAILED. Compiling every (kernel, configuration) pair is the slow
+part: `--workers N` first compiles them in N processes (Triton's disk cache; stopped at half
+the budget), then one process times everything. `--budget` seconds: parts left when it runs
+out are skipped and named; the order is, at each size, the statements the layers run, the
+layers and the anchors, then at each size the exploratory plans. `--smoke`: CPU
+(interpreter), tiny irreps, two configurations per kernel, no timing: a check of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the smoke run: the interpreter must be chosen before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from insum.arith import next_power_of_2  # noqa: E402
+from insum.bind import bind  # noqa: E402
+from insum.codegen.schedule import plan_of, rank  # noqa: E402
+from insum.codegen.tune import configs_for, prune_configs  # noqa: E402
+from insum.execute import length_facts  # noqa: E402
+from insum.nn import TensorProduct  # noqa: E402
+from insum.nn.tensor_product import mace_instructions  # noqa: E402
+from insum.parser import parse  # noqa: E402
+from insum.runtime import Kernel, kernel_for  # noqa: E402
+
+from ..common import median_ms, relative_error  # noqa: E402
+
+IRREPS1, IRREPS2, LMAX = "128x0e+128x1o+128x2e", "0e+1o+2e+3o", 3
+SMOKE_IRREPS1 = "4x0e+4x1o+4x2e"
+EDGES, SMOKE_EDGES = (10_000, 40_000), (7,)
+TOLERANCE = 1e-5
+ZI_STATEMENT = "Z[b, ZI[p, u]] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, XI[CGI[p, q], u]] * W[b, PR[p], u]"
+
+
+@dataclasses.dataclass
+class Case:
+    """One statement on one problem size: the kernel, its binding and how to read its output."""
+
+    name: str
+    kernel: Kernel
+    bound: object
+    to_e3nn: object  # output -> e3nn-layout [E, 9088] (outside the timing); None: not compared
+
+
+def _layers(device, smoke: bool) -> dict:
+    irreps1 = SMOKE_IRREPS1 if smoke else IRREPS1
+    irreps_out, ins = mace_instructions(irreps1, IRREPS2, LMAX)
+    make = dict(shared_weights=False, internal_weights=False)
+    return {
+        "gather": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="gather", **make).to(device),
+        "flat": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="flat", **make).to(device),
+        "reference": TensorProduct(irreps1, IRREPS2, irreps_out, ins, backend="torch", output="gather", **make).to(device).double(),
+        "instructions": ins,
+        "irreps": (irreps1, IRREPS2, str(irreps_out)),
+    }
+
+
+def _inputs(layer: TensorProduct, edges: int, device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(edges)
+    shape = {"x1": layer.irreps_in1.dim, "x2": layer.irreps_in2.dim, "w": layer.weight_numel, "g": layer.irreps_out.dim}
+    return {k: torch.randn(edges, n, device=device, generator=gen) for k, n in shape.items()}
+
+
+def _reference(layer64: TensorProduct, x: dict, chunk: int = 4096) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The float64 output and the gradients of x1, x2 and the weight for the output gradient
+    x["g"], in chunks of edges (every edge is its own product: per-edge weights)."""
+    outs, grads = [], []
+    for s in range(0, x["x1"].shape[0], chunk):
+        leaves = [x[k][s:s + chunk].double().requires_grad_() for k in ("x1", "x2", "w")]
+        out = layer64(*leaves)
+        grads.append(torch.autograd.grad(out, leaves, x["g"][s:s + chunk].double()))
+        outs.append(out.detach())
+    return torch.cat(outs), [torch.cat(parts) for parts in zip(*grads)]
+
+
+def _case(name: str, stmt: str, tensors: dict, lengths: dict, to_e3nn, unique=frozenset(), pick=None, grid_first=None) -> Case:
+    """The kernel the layer's call would use (pick None), or one of a chosen candidate plan."""
+    bound = bind(parse(stmt), tensors)
+    bound, declared = length_facts(bound, lengths)
+    kernel = kernel_for(bound, "tf32", unique_indices=frozenset(unique), lengths=declared)
+    if pick is not None or grid_first is not None:
+        plan = plan_of(kernel.spec, pick(rank(kernel.spec))) if pick is not None else kernel.plan
+        if grid_first is not None:
+            plan = dataclasses.replace(plan, grid_first=grid_first)
+        kernel = Kernel(kernel.spec, plan)
+    return Case(name, kernel, bound, to_e3nn)
+
+
+def _tiles(*wanted):
+    def pick(candidates):
+        for c in candidates:
+            if tuple(v for _, v in c.tiles) == wanted and not c.stacked:
+                return c
+        raise LookupError(f"no candidate with tiles {wanted}")
+    return pick
+
+
+def _cases(layers: dict, x: dict) -> list[Case]:
+    """Every statement variant on the inputs x (forward, then the gradient statements)."""
+    gather, flat = layers["gather"], layers["flat"]
+    E = x["x1"].shape[0]
+    t = gather.statement_tensors(x["x1"], x["x2"], x["w"])
+    out_index = gather.OUT_INDEX
+    lengths = {"q[p]": gather.CGL}
+
+    def from_z(z):
+        return z.reshape(E, -1).index_select(1, out_index)
+
+    P, U = gather.CGV.shape[0], gather.X_INDEX.shape[1]
+    zi = {"Z": torch.empty(E, gather.irreps_out.dim, device=x["x1"].device), "ZI": gather.OUT_INVERSE.view(P, U).int(),
+          "XI": gather.X_INDEX.int(), "X": x["x1"], **{k: v for k, v in t.items() if k != "X"}}
+    ft = flat.statement_tensors(x["x1"], x["x2"], x["w"])
+    cases = [
+        _case("stmt_gather", gather.statement, t, lengths, from_z),
+        _case("stmt_gather_bp", gather.statement, t, lengths, from_z, pick=_tiles("b", "q", "u"), grid_first=True),
+        _case("stmt_zi", ZI_STATEMENT, zi, lengths, lambda z: z, unique={"ZI"}),
+        _case("stmt_zi_plast", ZI_STATEMENT, zi, lengths, lambda z: z, unique={"ZI"}, grid_first=False),
+        _case("stmt_flat", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z),
+        _case("stmt_flat_tb", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z, pick=_tiles("t", "q", "b")),
+    ]
+    # The gradient statements of both layers, on a random output gradient (component-major
+    # for the gather layer, e3nn's layout for the flat one).
+    dz = torch.randn(E, P, U, device=x["x1"].device)
+    given = {"Y": t["Y"], "X": t["X"], "W": t["W"], "DZ": dz}
+    rows = {"X": ("q[c]", "XL"), "W": ("q[s]", "WL"), "Y": ("q[j]", "YL")}
+    for grad, stmt in gather.gradient_statements.items():
+        key, length = rows[grad]
+        cases.append(_case(f"grad_{grad}", stmt, _statement_tensors(gather, stmt, given), {key: getattr(gather, length)}, None))
+    given = {"Y": x["x2"], "X": x["x1"], "W": x["w"], "DZ": dz.view(E, -1)}
+    rows = {"X": ("q[s]", "GXL"), "W": ("q[r]", "GWL"), "Y": ("q[j]", "GYL")}
+    for grad, stmt in flat.gradient_statements.items():
+        key, length = rows[grad]
+        cases.append(_case(f"flat_grad_{grad}", stmt, _statement_tensors(flat, stmt, given), {key: getattr(flat, length)}, None))
+    return cases
+
+
+def _statement_tensors(layer: TensorProduct, stmt: str, given: dict) -> dict:
+    """The tensors a gradient statement reads: `given` ones, else the layer's tables (value
+    tables in float32, as the layer's backward converts them)."""
+    names = re.findall(r"([A-Z][A-Z0-9]*)\[", stmt.split("=", 1)[1])
+    return {n: given[n] if n in given else layer._table(n, torch.float32) if layer._buffers[n].is_floating_point()
+            else layer._buffers[n] for n in names}
+
+
+def _configs(case: Case, smoke: bool) -> list[dict]:
+    configs = prune_configs(case.kernel.plan, configs_for(case.kernel.plan), case.kernel.prepared(case.bound).extents)
+    return configs[:2] if smoke else configs
+
+
+def _bucket(case: Case) -> tuple:
+    plan, extents = case.kernel.plan, case.bound.extents
+    return tuple(next_power_of_2(math.prod(extents[v] for v in plan.axis_vars(a))) for a, _ in plan.tiles)
+
+
+def _sweep(case: Case, expected: torch.Tensor | None, smoke: bool, only=None, configs=None) -> dict:
+    """Time the case under each configuration (configs: these instead of the tuner's list;
+    only: the indices to run, untimed: the compile workers); keep the best on the kernel and
+    its launcher, so that the layer's calls use it."""
+    launcher = case.kernel.prepared(case.bound)
+    out = case.bound.output()
+    row = {"case": case.name, "plan": str(case.kernel.plan).replace("\n", "; "), "configs": []}
+    best = None
+    for index, config in enumerate(configs if configs is not None else _configs(case, smoke)):
+        if only is not None and index not in only:
+            continue
+        try:
+            launcher.set_config(config)
+            launcher.run(case.bound.tensors, out)
+            if only is not None:
+                continue
+            ms = float("nan") if smoke else _quick_ms(lambda: launcher.run(case.bound.tensors, out))
+        except Exception as e:  # noqa: BLE001 (a configuration that does not compile or fit is skipped)
+            row["configs"].append({"config": config, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        row["configs"].append({"config": config, "ms": ms})
+        if best is None or ms < best[0] or math.isnan(best[0]):
+            best = (ms, config)
+    if only is not None or best is None:
+        return row
+    launcher.set_config(best[1])
+    case.kernel.tuned[_bucket(case)] = best[1]
+    launcher.run(case.bound.tensors, out)
+    ms = float("nan") if smoke else median_ms(lambda: launcher.run(case.bound.tensors, out), warmup=5, rep=25)
+    row.update(ms=ms, config=best[1])
+    if expected is not None and case.to_e3nn is not None:
+        row["err"] = relative_error(case.to_e3nn(out), expected)
+    return row
+
+
+def _quick_ms(fn, runs: int = 10) -> float:
+    """Mean milliseconds of `runs` back-to-back calls after two (CUDA events): the sweep's
+    ranking; the configuration it picks is then timed by do_bench."""
+    fn()
+    fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(runs):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / runs
+
+
+def _time_layer(name: str, layer: TensorProduct, x: dict, expected: torch.Tensor, expected_grads: list, smoke: bool) -> dict:
+    """Forward and forward+backward times, the output's error and the gradients' (the largest
+    of the three) against the float64 reference's, on every edge (the swept signatures: no
+    tuning inside these calls)."""
+    row = {"case": name}
+    leaves = [x[k].clone().requires_grad_() for k in ("x1", "x2", "w")]
+    got = torch.autograd.grad(layer(*leaves), leaves, x["g"])
+    row["fb_err"] = max(relative_error(a, b) for a, b in zip(got, expected_grads))
+    with torch.no_grad():
+        out = layer(x["x1"], x["x2"], x["w"])
+        row["err"] = relative_error(out, expected)
+        if not smoke:
+            row["ms"] = median_ms(lambda: layer(x["x1"], x["x2"], x["w"]), warmup=5, rep=25)
+
+    def step():
+        torch.autograd.grad(layer(*leaves), leaves, x["g"])
+
+    step()
+    if not smoke:
+        row["fb_ms"] = median_ms(step, warmup=5, rep=25)
+    return row
+
+
+def _anchors(layers: dict, x: dict, expected, smoke: bool) -> list[dict]:
+    """cuEquivariance and OpenEquivariance, where they import (forward, forward+backward)."""
+    rows = []
+    irreps1, irreps2, irreps_out = layers["irreps"]
+    leaves = [x[k].clone().requires_grad_() for k in ("x1", "x2", "w")]
+
+    def measure(name, call, check):
+        row = {"case": name}
+        try:
+            with torch.no_grad():
+                out = call(x["x1"], x["x2"], x["w"])
+                if check:
+                    row["err"] = relative_error(out, expected)
+                row["ms"] = float("nan") if smoke else median_ms(lambda: call(x["x1"], x["x2"], x["w"]), warmup=5, rep=25)
+            g = torch.randn_like(out)
+
+            def step():
+                torch.autograd.grad(call(*leaves), leaves, g)
+
+            step()
+            row["fb_ms"] = float("nan") if smoke else median_ms(step, warmup=5, rep=25)
+        except Exception as e:  # noqa: BLE001 (an anchor that fails is reported, not fatal)
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+
+    try:
+        import cuequivariance as cue
+        import cuequivariance_torch as cuet
+    except Exception as e:  # noqa: BLE001
+        rows.append({"case": "cue", "error": f"not importable: {type(e).__name__}: {str(e)[:120]}"})
+    else:
+        try:
+            if "cue" not in layers:  # built once, for every size
+                layers["cue"] = cuet.ChannelWiseTensorProduct(
+                    cue.Irreps("O3", irreps1), cue.Irreps("O3", irreps2), [cue.O3(l, (-1) ** l) for l in range(LMAX + 1)],  # noqa: E741
+                    layout=cue.mul_ir, shared_weights=False, internal_weights=False, device=x["x1"].device)
+            measure("cue", layers["cue"], check=False)  # same paths and sizes, its own path order and normalisation
+        except Exception as e:  # noqa: BLE001
+            rows.append({"case": "cue", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    try:
+        import openequivariance as oeq
+    except Exception as e:  # noqa: BLE001
+        rows.append({"case": "oeq", "error": f"not importable: {type(e).__name__}: {str(e)[:120]}"})
+    else:
+        try:
+            if "oeq" not in layers:  # built (and its kernels compiled) once, for every size
+                problem = oeq.TPProblem(irreps1, irreps2, irreps_out, [(*i, 1.0) for i in layers["instructions"]],
+                                        shared_weights=False, internal_weights=False)
+                layers["oeq"] = oeq.TensorProduct(problem, torch_op=True)
+            measure("oeq", layers["oeq"], check=True)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"case": "oeq", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    return rows
+
+
+def warm(shard: int, shards: int, smoke: bool) -> None:
+    """Compile this shard's (kernel, configuration) pairs (round robin over all of them)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers = _layers(device, smoke)
+    x = _inputs(layers["gather"], (SMOKE_EDGES if smoke else EDGES)[0], device)
+    position = 0
+    for case in _cases(layers, x):
+        count = len(_configs(case, smoke))
+        mine = {i for i in range(count) if (position + i) % shards == shard}
+        position += count
+        _sweep(case, None, smoke, only=mine)
+
+
+def _print_table(rows: list[dict]) -> None:
+    print("\nuvu tensor product, MACE-like (ms, do_bench medians; err vs float64)")
+    print(f"{'E':>6} {'variant':16} {'fwd ms':>8} {'f+b ms':>8} {'err':>9}  note")
+    for r in rows:
+        if "edges" not in r:
+            continue
+        note = r.get("error") or r.get("note") or (f"{r['config']} | {r['plan']}" if "config" in r else "")
+        flag = "  FAILED" if any(not r[k] <= TOLERANCE for k in ("err", "fb_err") if isinstance(r.get(k), float)) else ""
+        cells = [f"{r[k]:8.3f}" if isinstance(r.get(k), float) else f"{'-':>8}" for k in ("ms", "fb_ms")]
+        err = f"{r['err']:9.1e}" if isinstance(r.get("err"), float) else f"{'-':>9}"
+        if isinstance(r.get("fb_err"), float):
+            note = f"gradients err {r['fb_err']:.1e} " + note
+        print(f"{r['edges']:>6} {r['case']:16} {cells[0]} {cells[1]} {err}  {note[:150]}{flag}")
+    for edges in sorted({r["edges"] for r in rows if "edges" in r}):
+        by = {r["case"]: r for r in rows if r.get("edges") == edges}
+        for anchor in ("cue", "oeq"):
+            for name in ("layer_gather", "layer_flat", "stmt_flat"):
+                a, b = by.get(anchor, {}), by.get(name, {})
+                for key in ("ms", "fb_ms"):
+                    if isinstance(a.get(key), float) and isinstance(b.get(key), float) and b[key] > 0:
+                        print(f"E={edges}: {name} {key} speed-up over {anchor}: {a[key] / b[key]:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--workers", type=int, default=12, help="processes that compile first (0: none)")
+    parser.add_argument("--budget", type=float, default=85.0, help="seconds; later parts are skipped")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # "k/N": a compile worker
+    args = parser.parse_args()
+    if args.warm:
+        shard, shards = map(int, args.warm.split("/"))
+        warm(shard, shards, args.smoke)
+        return
+    start = time.time()
+    if args.workers > 0:
+        env = dict(os.environ, INSUM_CACHE_DIR=tempfile.mkdtemp(prefix="uvu_warm_"))  # their tuning results stay theirs
+        command = [sys.executable, "-m", "benchmarks.explore.uvu_variants"] + (["--smoke"] if args.smoke else [])
+        workers = [subprocess.Popen([*command, "--warm", f"{k}/{args.workers}"], env=env) for k in range(args.workers)]
+        codes = []
+        for worker in workers:  # at most half the budget: what is left compiles on first use
+            try:
+                codes.append(worker.wait(timeout=max(1.0, start + args.budget / 2 - time.time())))
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                codes.append("stopped")
+        print(f"compiled in {args.workers} processes: {time.time() - start:.0f} s (exit codes {codes})", flush=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers = _layers(device, args.smoke)
+    rows: list[dict] = []
+    fastest: dict[str, list[dict]] = {}  # per case, its fastest configurations at the first size
+    sizes = SMOKE_EDGES if args.smoke else EDGES
+    data = {}  # per size: inputs, float64 output and gradients, the cases (built on first use)
+    # What the layers run first (their best configurations are what the layers then use), the
+    # layers and the anchors next, at every size; the exploratory plans last (first skipped).
+    first = ["stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "stmt_gather", "grad_X", "grad_W", "grad_Y"]
+    later = ["stmt_gather_bp", "stmt_zi", "stmt_zi_plast", "stmt_flat_tb"]
+    steps = [(e, n) for e in sizes for n in [*first, "layers", "anchors"]] + [(e, n) for e in sizes for n in later]
+    for edges, name in steps:
+        if time.time() - start > args.budget:
+            print(f"budget spent: skipping {name} at E={edges}")
+            continue
+        if edges not in data:
+            x = _inputs(layers["gather"], edges, device)
+            data[edges] = (x, *_reference(layers["reference"], x), {case.name: case for case in _cases(layers, x)})
+        x, expected, expected_grads, cases = data[edges]
+        if name == "layers":
+            for kind in ("gather", "flat"):
+                rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
+                print(json.dumps(rows[-1]), flush=True)
+            continue
+        if name == "anchors":
+            anchors = [{"edges": edges, **r} for r in _anchors(layers, x, expected, args.smoke)]
+            rows.extend(anchors)
+            print(json.dumps(anchors), flush=True)
+            continue
+        try:
+            row = _sweep(cases[name], expected, args.smoke, configs=fastest.get(name))
+            timed = sorted((c for c in row["configs"] if "ms" in c), key=lambda c: c["ms"])
+            fastest.setdefault(name, [c["config"] for c in timed[:3]])
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+        rows.append({"edges": edges, **row})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+    layer = layers["gather"]
+    per_edge = 4 * (layer.irreps_in1.dim + layer.irreps_in2.dim + layer.weight_numel + layer.irreps_out.dim)
+    for edges in sizes:  # every byte read or written once, at the H200's 4.8 TB/s
+        rows.append({"edges": edges, "case": "hbm_floor", "ms": edges * per_edge / 4.8e9,
+                     "note": f"{per_edge} B per edge (x1, x2, weight, output), read or written once, at 4.8 TB/s"})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "uvu_variants.json").write_text(json.dumps(rows, indent=1, default=str))
+    _print_table(rows)
+    print(f"(total {time.time() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
