@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
 #   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop, kernel-map builds
 #   bash benchmarks/gpu_suite.sh conv-spconv2           # the same against spconv 2.x (its CUDA wheels, carried as trees)
+#   bash benchmarks/gpu_suite.sh kmap                   # kernel maps (< 90 s): the CUDA kernel-map tests, then the builds (hash table,
+#                                                       #   sorted keys, torch ops) against spconv-triton's at 145k and 1.2M voxels
 #   bash benchmarks/gpu_suite.sh layers                 # layer_overhead: ops/bytes per layer call, a profile of the conv layer
 #   bash benchmarks/gpu_suite.sh schedule               # ownership, ranked tilings, declared lengths: A/B against the conventional plans
 #   bash benchmarks/gpu_suite.sh tp                     # tensor products vs e3nn, cuEquivariance, OEQ
@@ -42,7 +44,7 @@ case "$PART" in
     if [ "${SKIP_TESTS:-0}" != 1 ]; then
       python -m pytest -q -p no:cacheprovider tests/test_codegen.py tests/test_formats_kernels.py tests/test_formats.py \
         tests/test_tensorcore.py tests/test_reliability.py tests/test_nn.py tests/test_conv.py tests/test_tensor_product.py \
-        tests/test_segment.py tests/test_auto.py tests/test_direct_launch.py tests/test_schedule.py \
+        tests/test_segment.py tests/test_auto.py tests/test_direct_launch.py tests/test_schedule.py tests/test_kernel_map.py \
         tests/test_structure.py tests/test_bind.py \
         ${PYTEST_ARGS:-} 2>&1 | tee "$DIR/pytest_cuda.log" | tail -15
     fi
@@ -56,6 +58,14 @@ case "$PART" in
   conv)
     [ -d .carry-conv-whl ] && pip install -q --no-index --no-deps --target /tmp/site .carry-conv-whl/*.whl
     timeout 560 python -m benchmarks.study_conv --out "$DIR" "$@" 2>&1 | quiet | tee "$DIR/conv.log"
+    ;;
+  kmap)
+    [ -d .carry-conv-whl ] && pip install -q --no-index --no-deps --target /tmp/site .carry-conv-whl/*.whl
+    timeout 25 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_map.py -k "edge or duplicate or out_of_range \
+      or budget or pair_groups or (lookups and dtype1 and (3-1-1-subm or 3-2-1-strided or 3-2-1-transposed))" 2>&1 \
+      | tee "$DIR/pytest_kmap.log" | tail -5
+    CONV_BUDGET_S=50 timeout 55 python -m benchmarks.study_conv --parts maps --sizes 120000,1000000 --out "$DIR" "$@" 2>&1 \
+      | quiet | tee "$DIR/conv_maps.log"
     ;;
   conv-spconv2)
     mkdir -p /tmp/site2 && for t in .carry-spconv2/*.tar.xz; do tar xJf "$t" -C /tmp/site2; done

@@ -9,8 +9,8 @@ sampled densely on their surfaces and voxelised at unit size: surface-like sets 
 voxels have about 9-14 neighbours of 27. Every form is checked against the float32 loop
 (relative error); TFLOP/s count 2 * in * out flops per real (input, output, offset) pair,
 three times that for forward+backward. The kernel-map part (`maps`, DIR/conv_maps.json) times
-insum's build (sort, searchsorted, tiling; plus the transposed tiling and pair groups for
-training) against spconv-triton's own builder on the same scenes,
+insum's build (hash table, tiling; plus the transposed tiling and pair groups for training;
+also with the sorted-keys lookup and with torch ops) against spconv-triton's own builder on the same scenes,
 `ops.get_indice_pairs_implicit_gemm` (what its SubMConv3d calls on a tensor without cached
 indices), for inference and for training. Rows go to DIR/conv.json as they finish. On a
 CPU the study runs with the torch backend and wall-clock medians (no spconv-triton).
@@ -229,9 +229,10 @@ def main(argv=None) -> int:
 
 def _map_times(coords) -> dict:
     """insum's kernel map: for inference (map + tiles, one-launch packing) and for training
-    (+ the transposed map's, pair groups); the build alone; the same with the build's torch
-    ops in place of its Triton kernels (`kernel_map._use_kernels`), and whether both give the
-    same map and tiles."""
+    (+ the transposed map's, pair groups); the build alone; the same with the sorted-keys
+    lookup kernel in place of the hash table (INSUM_MAP_HASH=0, `kernel_map._hashing`) and
+    with the build's torch ops in place of its Triton kernels (`kernel_map._use_kernels`),
+    and whether all give the same map and tiles."""
     def build_train():
         km = build_kernel_map(coords)
         km.tiles_whole(128), km.transpose().tiles_whole(128), km.pair_groups()
@@ -240,16 +241,21 @@ def _map_times(coords) -> dict:
     times = {"map_fwd_ms": median_ms(lambda: build_kernel_map(coords).tiles_whole(128)),
              "map_train_ms": median_ms(build_train), "map_build_ms": median_ms(lambda: build_kernel_map(coords))}
     if coords.is_cuda:
-        fast = build_kernel_map(coords)
-        chosen = kernel_map_module._use_kernels
-        kernel_map_module._use_kernels = lambda device: False
-        try:
-            times["map_fwd_torch_ops_ms"] = median_ms(lambda: build_kernel_map(coords).tiles_whole(128))
-            plain = build_kernel_map(coords)
-            times["map_kernels_equal_torch_ops"] = torch.equal(fast.nbr, plain.nbr) and all(
-                torch.equal(a, b) for a, b in zip(fast.tiles_whole(128), plain.tiles_whole(128)))
-        finally:
-            kernel_map_module._use_kernels = chosen
+        def packed(km):  # the map, its tiles, the tiles' output rows, the pair groups
+            groups = km.pair_groups()
+            return [km.nbr, *km.tiles_whole(128), km.tiles(128).output_rows(), groups.PI, groups.PO, groups.PW]
+
+        fast = packed(build_kernel_map(coords))
+        for name, switch, choice in (("sorted", "_hashing", lambda: False), ("torch_ops", "_use_kernels", lambda device: False)):
+            chosen = getattr(kernel_map_module, switch)
+            setattr(kernel_map_module, switch, choice)
+            try:
+                times[f"map_fwd_{name}_ms"] = median_ms(lambda: build_kernel_map(coords).tiles_whole(128))
+                times[f"map_build_{name}_ms"] = median_ms(lambda: build_kernel_map(coords))
+                other = packed(build_kernel_map(coords))
+                times[f"map_equal_{name}"] = all(torch.equal(a, b) for a, b in zip(fast, other, strict=True))
+            finally:
+                setattr(kernel_map_module, switch, chosen)
     return times
 
 
@@ -278,7 +284,8 @@ def _map_table(rows) -> None:
     if not rows:
         return
     print("\nkernel-map build, ms (median): insum (map + tiles | + transposed tiles, pair groups | the build alone) vs "
-          "spconv-triton (get_indice_pairs_implicit_gemm, inference | training)")
+          "spconv-triton (get_indice_pairs_implicit_gemm, inference | training); insum's map + tiles | build with the "
+          "sorted-keys lookup (INSUM_MAP_HASH=0) and with torch ops")
     for r in rows:
         def f(key, r=r):
             v = r.get(key)
@@ -288,8 +295,10 @@ def _map_table(rows) -> None:
         print(f"{r['voxels']:>8} voxels | insum {f('map_fwd_ms')} {f('map_train_ms')} {f('map_build_ms')}"
               f" | spconv-triton {f('spconv_map_fwd_ms')} {f('spconv_map_train_ms')}"
               f" | spconv/insum inference {ratio if ratio is None else f'{ratio:.2f}x'}"
-              f" | insum with torch ops for its kernels {f('map_fwd_torch_ops_ms')}"
-              f" (same map: {r.get('map_kernels_equal_torch_ops', '-')})")
+              f" | sorted-keys lookup {f('map_fwd_sorted_ms')} {f('map_build_sorted_ms')}"
+              f" (same map: {r.get('map_equal_sorted', '-')})"
+              f" | torch ops for the kernels {f('map_fwd_torch_ops_ms')} {f('map_build_torch_ops_ms')}"
+              f" (same map: {r.get('map_equal_torch_ops', '-')})")
 
 
 def _case(km, coords, ins, outs, c, spconv) -> dict:

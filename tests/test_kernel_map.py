@@ -55,28 +55,47 @@ def tiled_pair_set(km: KernelMap, tile: int) -> set[tuple[int, int, int]]:
     return set(whole)
 
 
+def packings(km: KernelMap, tile: int) -> list[torch.Tensor]:
+    """Every tensor of the tiled packing the layer reads, the buckets included."""
+    tiled = km.tiles(tile)
+    buckets = [t for _start, _end, nb, tw in tiled.buckets for t in (nb, tw)]
+    return [*km.tiles_whole(tile), tiled.inverse, tiled.output_rows(), tiled._rows, tiled._counts, *buckets]
+
+
+def assert_same_maps(got: KernelMap, expected: KernelMap, tiles=(16, 12)) -> None:
+    assert torch.equal(got.out_coords, expected.out_coords)
+    assert torch.equal(got.nbr, expected.nbr) and got.nbr.dtype == torch.int32
+    assert got.offset_pairs == expected.offset_pairs == (expected.nbr >= 0).sum(0).tolist()
+    for tile in tiles:  # the tile kernels (12: not a power of two)
+        for a, b in zip(packings(got, tile), packings(expected, tile), strict=True):
+            assert torch.equal(a, b) and a.dtype == b.dtype
+
+
+def kernel_build(monkeypatch, lookup: str, *args) -> KernelMap:
+    """The map by CUDA's path (the Triton kernels), `lookup` "hash" (the default) or
+    "sorted" (INSUM_MAP_HASH=0), or by the torch ops ("torch")."""
+    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: lookup != "torch")
+    monkeypatch.setattr(kernel_map, "_hashing", lambda: lookup == "hash")
+    return build_kernel_map(*args)
+
+
 @KERNEL_MARK
 @pytest.mark.parametrize("k,s,d,mode", [
     (3, 1, 1, "subm"), (3, 1, 2, "subm"), (2, 1, 1, "subm"), (5, 1, 1, "subm"), (1, 1, 1, "subm"),
-    (2, 2, 1, "strided"), (3, 2, 1, "strided"), (3, 2, 2, "strided"),
+    (2, 2, 1, "strided"), (3, 2, 1, "strided"), (3, 2, 2, "strided"), (2, 2, 1, "transposed"), (3, 2, 1, "transposed"),
 ])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_fused_lookup_equals_the_torch_lookup(monkeypatch, k, s, d, mode, dtype):
+def test_kernel_lookups_equal_the_torch_lookup(monkeypatch, k, s, d, mode, dtype):
     coords = random_sites(100, 7, seed=k + s + d, dtype=dtype).to(DEVICE)
-    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: False)  # (CUDA's default is the kernels)
-    plain = build_kernel_map(coords, k, s, d, mode)
-    plain_tiles = [plain.tiles_whole(tile) for tile in (16, 12)]
-    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: True)
-    fused = build_kernel_map(coords, k, s, d, mode)
-    assert torch.equal(fused.out_coords, plain.out_coords)
-    assert torch.equal(fused.nbr, plain.nbr) and fused.nbr.dtype == torch.int32
-    assert fused.offset_pairs == plain.offset_pairs == (plain.nbr >= 0).sum(0).tolist()
-    for tile, expected in zip((16, 12), plain_tiles):  # the pack kernel (12: not a power of two)
-        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(fused.tiles_whole(tile), expected))
+    out = random_sites(90, 12, seed=3, dtype=dtype).to(DEVICE) if mode == "transposed" else None
+    plain = kernel_build(monkeypatch, "torch", coords, k, s, d, mode, out)
+    assert_same_maps(kernel_build(monkeypatch, "hash", coords, k, s, d, mode, out), plain)
+    if dtype == torch.int64 and mode != "transposed":  # the sorted-keys kernel (no transposed maps)
+        assert_same_maps(kernel_build(monkeypatch, "sorted", coords, k, s, d, mode, out), plain, tiles=(16,))
 
 
 @KERNEL_MARK
-def test_fused_lookup_edge_cases(monkeypatch):
+def test_kernel_lookup_edge_cases(monkeypatch):
     monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: True)
     wide = random_sites(70, 6, seed=4).to(DEVICE).t().contiguous().t()  # column-major [N, 4]
     assert not wide.is_contiguous()
@@ -85,11 +104,44 @@ def test_fused_lookup_edge_cases(monkeypatch):
     assert one.nbr.tolist() == [[-1] * 13 + [0] + [-1] * 13] and one.pairs == 1
     groups = one.pair_groups(4)  # the pair-group kernel on one row
     assert groups.PI.tolist() == [[0, 1, 1, 1]] and groups.PO.tolist() == [[0] * 4] and groups.PW.tolist() == [13]
+    NB, TW, TL = one.tiles_whole(4)
+    assert NB.tolist() == [[[0], [1], [1], [1]]] and TW.tolist() == [[13]] and TL.tolist() == [1]
+    assert one.tiles(4).output_rows().tolist() == [[0, 1, 2, 3]]
     empty = build_kernel_map(torch.zeros(0, 3, dtype=torch.long, device=DEVICE))
     assert empty.nbr.shape == (0, 27) and empty.pairs == 0
+    NB, TW, TL = empty.tiles_whole(4)
+    assert NB.tolist() == [[[0]] * 4] and TL.tolist() == [0] and empty.tiles(4).output_rows().tolist() == [[0, 1, 2, 3]]
     # strided onto given sites, none of which reads an input
     far = build_kernel_map(random_sites(20, 4).to(DEVICE), 3, 2, 1, "strided", torch.tensor([[0, 50, 50, 50]], device=DEVICE))
     assert far.nbr.tolist() == [[-1] * 27] and far.offset_pairs == [0] * 27
+    # transposed onto no sites, and from no sites
+    sites = random_sites(20, 4).to(DEVICE)
+    assert build_kernel_map(sites, 3, 2, 1, "transposed", sites[:0]).nbr.shape == (0, 27)
+    assert build_kernel_map(sites[:0], 3, 2, 1, "transposed", sites).offset_pairs == [0] * 27
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("lookup", ["hash", "torch"])
+def test_duplicate_sites_read_their_first_copy(monkeypatch, lookup):
+    """A site given twice: both paths map both copies to the first copy's row (the sorted-keys
+    kernel does not: its window of places assumes distinct keys)."""
+    sites = random_sites(40, 5, seed=6).to(DEVICE)
+    n = sites.shape[0]
+    coords = torch.cat([sites, sites[[3, 0, 3]]])  # rows n, n + 2 copy row 3; row n + 1 copies row 0
+    km = kernel_build(monkeypatch, lookup, coords)
+    unique = build_kernel_map(sites)
+    assert torch.equal(km.nbr[:n], unique.nbr) and torch.equal(km.nbr[n:], unique.nbr[[3, 0, 3]])
+
+
+@KERNEL_MARK
+@pytest.mark.parametrize("lookup", ["hash", "torch"])
+def test_out_of_range_sites_are_refused_on_every_path(monkeypatch, lookup):
+    sites = random_sites(30, 5)
+    for bad in ([0, 32767, 0, 0], [0, 0, -32767, 0], [-1, 0, 0, 0]):  # no room for the taps; negative batch
+        with pytest.raises(InsumError, match="coords"):
+            kernel_build(monkeypatch, lookup, torch.cat([sites, torch.tensor([bad])]).to(DEVICE))
+    with pytest.raises(InsumError, match="out_coords"):  # 40000 at stride 2
+        kernel_build(monkeypatch, lookup, sites.to(DEVICE), 3, 2, 1, "strided", torch.tensor([[0, 20000, 0, 0]], device=DEVICE))
 
 
 @pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1)])
@@ -119,7 +171,7 @@ def test_even_kernels_and_strided_maps_are_not_mirrored():
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=KERNEL_MARK)])
-@pytest.mark.parametrize("group", [None, 4, 32])
+@pytest.mark.parametrize("group", [None, 4, 32, 2048])  # 2048: padding past one block of the kernel
 def test_pair_groups_from_host_counts_equal_counted_ones(monkeypatch, group, kernel):
     """From the host's counts (with the kernel: CUDA's path) against counted anew (torch)."""
     km = build_kernel_map(random_sites(200, 7, seed=3).to(DEVICE), 3)  # (the kernel needs DEVICE's tensors)
@@ -158,6 +210,94 @@ def test_a_training_build_keeps_its_op_and_sync_budget():
     assert build.ops <= 26 and packings.ops <= 80, (build.names, packings.names)
 
 
+@KERNEL_MARK
+def test_the_kernel_path_keeps_its_launch_and_sync_budget(monkeypatch):
+    """CUDA's path: the build is 7 ops (5 launches: the table's fill, the counters' copy, the
+    insert and probe kernels, the counters' sum) and syncs once; the training packings
+    (tiles, the transposed tiles, pair groups) add 11 ops and one sync (the tiles' width).
+    Each Triton launch counts as one op (benchmarks/map_overhead.py prints them)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    monkeypatch.setattr(kernel_map, "_use_kernels", lambda device: True)
+    coords = random_sites(150, 7, seed=1).to(DEVICE)
+
+    def train_step():
+        km = build_kernel_map(coords)
+        return km, lambda: (km.tiles_whole(128), km.transpose().tiles_whole(128), km.pair_groups())
+
+    train_step()[1]()  # compiles the kernels, makes the per-device constants
+    launch = kernel_map._launch
+
+    def counted(kernel, grid, *args, **kwargs):
+        counters[-1].ops += 1
+        with _disable_current_modes():
+            launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_map, "_launch", counted)
+    counters = [count_ops()]
+    with counters[-1]:
+        km, packings = train_step()
+    counters.append(count_ops())
+    with counters[-1]:
+        packings()
+    build, packed = counters
+    assert (build.ops, build.syncs) == (7, 1), build.names
+    assert packed.ops <= 11 and packed.syncs == 1, packed.names
+
+
+# Compiles each kernel the build launched for sm_90, in a process without the interpreter.
+_COMPILE_FOR_HOPPER = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import insum.nn.kernel_map as km
+
+kernels = {k.fn.__name__: k for k in (*km._hash_kernels(), km._lookup_kernel(), km._activity_kernel(),
+           km._place_kernel(), km._pack_kernel(), km._block_pairs_kernel(), km._pairs_kernel())}
+for name, signature, constexprs in json.load(sys.stdin):
+    compiled = triton.compile(ASTSource(fn=kernels[name], signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], name
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile and run them")
+def test_the_build_kernels_compile_for_hopper(monkeypatch):
+    """The interpreter runs the kernels' Python, not Triton's compiler: compile every kernel
+    the CUDA path launches (with the arguments it launches them with) for an H100/H200,
+    which needs no GPU (ptxas ships with triton)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    seen = {}
+    launch = kernel_map._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        names = [name for name in kernel.arg_names if name not in kwargs]
+        types = {torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
+        signature = {name: types[a.dtype] if isinstance(a, torch.Tensor) else "i32" for name, a in zip(names, args)}
+        seen[kernel.fn.__name__, json.dumps(kwargs, sort_keys=True)] = (signature | dict.fromkeys(kwargs, "constexpr"), kwargs)
+        launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_map, "_launch", record)
+    coords = random_sites(60, 6, seed=5)
+    km = kernel_build(monkeypatch, "hash", coords)
+    km.tiles_whole(16), km.pair_groups()
+    kernel_build(monkeypatch, "hash", kernel_map.output_coords(coords, 3, 2, 1), 3, 2, 1, "transposed", coords)
+    kernel_build(monkeypatch, "sorted", coords)
+    jobs = [(name, signature, constexprs) for (name, _), (signature, constexprs) in seen.items()]
+    assert len({name for name, _, _ in jobs}) == 8
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], input=json.dumps(jobs), capture_output=True,
+                          text=True, env=env | {"PYTHONPATH": str(root)}, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("n,tile", [(300, 16), (64, 16), (5, 16), (0, 8)])
 def test_output_rows_place_every_tile_row_once(n, tile):
     """TR (the one-launch tiles' output rows) against its definition: real rows where the
@@ -189,3 +329,14 @@ def test_a_prepared_map_runs_the_layer_without_host_reads(monkeypatch):
     for form in ("tiles", "pairs"):
         sparse_conv3d(x, w, km, form=form, tile=16, backend="torch").sum().backward()
     assert reads == []
+
+
+def test_the_mirrored_transpose_copies_its_table_only_when_read():
+    """The one-launch backward reads the transpose's tiles (the forward's) and its counts,
+    never its table: no flipped copy of the map is made for them."""
+    km = build_kernel_map(random_sites(100, 6, seed=2))
+    t = km.transpose()
+    t.tiles_whole(16), t.tiles(16).output_rows(), t.pairs, t.n_out, t.volume
+    assert t._flipped is None and t.tiles(16)._nbr is None
+    assert torch.equal(t.nbr, km.nbr.flip(1)) and (t.n_out, t.volume) == (km.n_in, 27)
+    assert tiled_pair_set(t, 16) == pair_set(t)  # the buckets: the mirrored table made for them

@@ -3,11 +3,13 @@
 A sparse convolution's kernel map is the table `nbr[v, w]`: the input row that output row
 `v` multiplies by `weight[w]` (`-1` where that neighbour is absent). It is built on the
 coordinates' device without a Python loop over points: coordinates become int64 keys
-(batch and three 16-bit axes), the input keys are sorted once, and every (output, offset)
-query is looked up in them: one `torch.searchsorted`, or on CUDA one Triton kernel
-(`_lookup_fused`, submanifold and strided maps). Keys are linear in the coordinates, so the
-query key of an offset is the output's key plus the offset's key; each axis is checked on
-its own.
+(batch and three 16-bit axes). On CUDA the input keys go into a hash table (one insert
+kernel) and one probe kernel looks every (output, offset) query up in it (`_lookup_hashed`,
+every mode); elsewhere (and with INSUM_MAP_KERNELS=0) the keys are sorted once and the
+queries found by one `torch.searchsorted`. Both give the same map, duplicate sites
+included (every copy reads the first copy's row). Keys are linear in the coordinates, so
+the query key of an offset is the output's key plus the offset's key; each axis is checked
+on its own.
 
     >>> import torch
     >>> coords = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 1]])
@@ -20,13 +22,18 @@ The map is then packed into the tensors of the statements that run the convoluti
 a `KernelMapCache` keyed by the coordinate tensors' identity, so the layers of a network
 that share coordinates share one map.
 
-On a GPU, at 100k-1M voxels, the build's time is host time (kernel launches, host syncs),
-not bandwidth, so it is written to few torch ops and few syncs (counted by
-`benchmarks/map_overhead.py`): the range check and the per-offset pair counts are read back
-in one sync at the end of the build; the one-launch tiles read one value (their width);
-the transposed map of a submanifold map with an odd kernel is the offset-mirrored map and
-reuses the forward tiles; the pair groups are sized from the counts already on the host
-(and on CUDA written by one kernel from a running count of each offset's pairs).
+On a GPU, at 100k-1M voxels, the build's time is host time (kernel launches, host syncs)
+and the lookup's chains of dependent reads (the sorted-keys build, 1.37 ms at 1.2M voxels
+on an H200: a sort, then 9 binary searches of 21 dependent reads per site), so it is
+written to few torch ops, few syncs and short probes (counted by
+`benchmarks/map_overhead.py`): the range check and the per-offset pair counts are read
+back in one sync at the end of the build (on CUDA both written by the lookup kernels); the
+tiles are one sort of the rows' neighbour bitmasks, two kernels and one small sort, and
+the one-launch packing reads one value (their width) and is one kernel; the transposed map
+of a submanifold map with an odd kernel is the offset-mirrored map, reuses the forward
+tiles and copies the table only when read; the pair groups are sized from the counts
+already on the host (and on CUDA written by two kernels around one scan of per-block pair
+counts).
 Shape-deciding values come to the host only there, never through `nonzero` or a mask.
 """
 
@@ -180,22 +187,29 @@ class TiledMap:
     in one launch. The buckets (a host loop over the tiles' offset counts) and the pair
     totals are computed on first use: the one-launch path never reads them."""
 
-    def __init__(self, tile: int, nbr: torch.Tensor, n_in: int, rows: torch.Tensor, active: torch.Tensor,
-                 counts: torch.Tensor, inverse: torch.Tensor, max_buckets: int, mirror_of: TiledMap | None = None):
+    def __init__(self, tile: int, nbr: torch.Tensor | None, n_in: int, rows: torch.Tensor, active: torch.Tensor,
+                 counts: torch.Tensor, inverse: torch.Tensor, max_buckets: int, mirror_of: TiledMap | None = None,
+                 output_rows: torch.Tensor | None = None):
         self.tile, self.n_tiles, self.inverse = tile, rows.shape[0], inverse
         # rows [T, tile] (-1: padding), active [T, volume], counts [T] ascending: the tiles
         self._nbr, self._n_in, self._rows, self._active, self._counts = nbr, n_in, rows, active, counts
         self._max_buckets, self._mirror_of = max_buckets, mirror_of
         self._buckets: list | None = None
         self._whole: tuple | None = None
-        self._output_rows: torch.Tensor | None = None
+        self._output_rows = output_rows  # (the placing kernel writes them with the rows)
 
-    def mirrored(self, nbr_t: torch.Tensor) -> TiledMap:
-        """The same tiles over the offset-mirrored map `nbr_t = nbr.flip(1)` (the transpose
-        of a submanifold map with an odd kernel): each row reads the same inputs at the
-        mirrored offsets."""
-        return TiledMap(self.tile, nbr_t, self._n_in, self._rows, self._active.flip(1), self._counts,
+    def mirrored(self) -> TiledMap:
+        """The same tiles over the offset-mirrored map `nbr.flip(1)` (the transpose of a
+        submanifold map with an odd kernel): each row reads the same inputs at the mirrored
+        offsets. The mirrored table is made only for the buckets (`_table`)."""
+        return TiledMap(self.tile, None, self._n_in, self._rows, self._active.flip(1), self._counts,
                         self.inverse, self._max_buckets, mirror_of=self)
+
+    def _table(self) -> torch.Tensor:
+        """The map the tiles pack (a mirrored tiling: its forward tiling's, flipped once)."""
+        if self._nbr is None:
+            self._nbr = self._mirror_of._table().flip(1)
+        return self._nbr
 
     @property
     def buckets(self) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -206,7 +220,7 @@ class TiledMap:
 
     @property
     def real_pairs(self) -> int:
-        return int((self._nbr >= 0).sum())
+        return int((self._table() >= 0).sum())
 
     @property
     def padded_pairs(self) -> int:
@@ -229,7 +243,7 @@ class TiledMap:
 
     def _make_buckets(self):
         host_counts = self._counts.tolist()
-        nbr_padded = F.pad(self._nbr, (0, 0, 0, 1), value=-1)  # row -1 (padding) reads no neighbour
+        nbr_padded = F.pad(self._table(), (0, 0, 0, 1), value=-1)  # row -1 (padding) reads no neighbour
         buckets = []
         start = 0
         for end in bucket_bounds(host_counts, self._max_buckets):
@@ -250,25 +264,32 @@ class TiledMap:
         if self._whole is None:
             if self._mirror_of is not None:
                 NB, TW, TL = self._mirror_of.whole()
-                self._whole = NB, (self._nbr.shape[1] - 1) - TW, TL
+                self._whole = NB, (self._active.shape[1] - 1) - TW, TL
             else:
                 width = max(1, int(self._counts[-1]))
-                tw = torch.argsort((~self._active).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
-                self._whole = _pack_tiles(self._nbr, self._n_in, self._rows, tw), tw, self._counts.to(torch.int32)
+                self._whole = _pack_tiles(self._nbr, self._n_in, self._rows, self._active, self._counts, width)
         return self._whole
 
 
-def _pack_tiles(nbr: torch.Tensor, n_in: int, rows: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
-    """NB[t, m, j] = nbr[rows[t, m], tw[t, j]], n_in where absent or rows[t, m] = -1."""
+def _pack_tiles(nbr: torch.Tensor, n_in: int, rows: torch.Tensor, active: torch.Tensor, counts: torch.Tensor,
+                width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(NB, TW, TL) of `TiledMap.whole`: TW[t] the offsets of tile t, its active ones first
+    (a stable sort of the inactive flags), cut to `width`; NB[t, m, j] = nbr[rows[t, m],
+    TW[t, j]], n_in where absent or rows[t, m] = -1; TL = counts. On the kernel path one
+    launch writes all three."""
     if not _use_kernels(nbr.device):
+        tw = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
         nbr_zero_row = F.pad(torch.where(nbr >= 0, nbr, n_in), (0, 0, 0, 1), value=n_in)  # row -1: padding
-        return nbr_zero_row[rows[:, :, None], tw[:, None, :]].to(torch.int32)  # [T, tile, J]
+        return nbr_zero_row[rows[:, :, None], tw[:, None, :]].to(torch.int32), tw, counts.to(torch.int32)
     n_tiles, tile = rows.shape
-    width = tw.shape[1]
+    volume = nbr.shape[1]
     NB = torch.empty((n_tiles, tile, width), dtype=torch.int32, device=nbr.device)
-    _launch(_pack_kernel(), (n_tiles,), nbr, rows, tw, NB, n_in, tile, width, nbr.stride(0), nbr.stride(1),
-            rows.stride(0), tw.stride(0), BLOCK_M=next_power_of_2(tile), BLOCK_J=next_power_of_2(width))
-    return NB
+    TW = torch.empty((n_tiles, width), dtype=torch.int32, device=nbr.device)
+    TL = torch.empty(n_tiles, dtype=torch.int32, device=nbr.device)
+    _launch(_pack_kernel(), (n_tiles,), nbr, rows, active.view(torch.int8), NB, TW, TL, n_in, tile, width, volume,
+            nbr.stride(0), nbr.stride(1), rows.stride(0), active.stride(0), BLOCK_M=next_power_of_2(tile),
+            BLOCK_J=next_power_of_2(width), BLOCK_W=next_power_of_2(volume))
+    return NB, TW, TL
 
 
 @functools.cache
@@ -279,21 +300,31 @@ def _pack_kernel():
     @triton.jit
     def insum_kernel_map_pack_tiles(
         # pointers
-        nbr_ptr, rows_ptr, tw_ptr, nb_ptr,
+        nbr_ptr, rows_ptr, active_ptr, nb_ptr, tw_ptr, tl_ptr,
         # sizes
-        n_in, tile, width,
+        n_in, tile, width, volume,
         # strides
-        stride_nv, stride_nw, stride_rt, stride_twt,
+        stride_nv, stride_nw, stride_rt, stride_at,
         # meta-parameters
-        BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
         offs_j = tl.arange(0, BLOCK_J)  # [BLOCK_J]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
         mask_m = offs_m < tile
         mask_j = offs_j < width
+        mask_w = offs_w < volume
+        # TW: the active offsets in order, then the others in order (place of offset w: dest[w])
+        active = tl.load(active_ptr + pid_t * stride_at + offs_w, mask=mask_w, other=0).to(tl.int32)  # [BLOCK_W]
+        idle = mask_w.to(tl.int32) - active  # [BLOCK_W]
+        count = tl.sum(active, axis=0)
+        dest = tl.where(active > 0, tl.cumsum(active, axis=0), count + tl.cumsum(idle, axis=0)) - 1  # [BLOCK_W]
+        placed = (dest[None, :] == offs_j[:, None]) & mask_w[None, :]  # [BLOCK_J, BLOCK_W]
+        tw = tl.sum(tl.where(placed, offs_w[None, :], 0), axis=1)  # [BLOCK_J]
+        tl.store(tw_ptr + pid_t.to(tl.int64) * width + offs_j, tw, mask=mask_j)
+        tl.store(tl_ptr + pid_t, count)
         rows = tl.load(rows_ptr + pid_t * stride_rt + offs_m, mask=mask_m, other=-1).to(tl.int64)  # [BLOCK_M]
-        tw = tl.load(tw_ptr + pid_t * stride_twt + offs_j, mask=mask_j, other=0)  # [BLOCK_J]
         real = (rows[:, None] >= 0) & mask_j[None, :]  # [BLOCK_M, BLOCK_J]
         nbr_ptrs = nbr_ptr + rows[:, None] * stride_nv + tw[None, :] * stride_nw
         v = tl.load(nbr_ptrs, mask=real, other=-1)  # [BLOCK_M, BLOCK_J]
@@ -380,9 +411,9 @@ class KernelMap:
     def tiles(self, tile: int = 128) -> TiledMap:
         if tile not in self._tilings:
             if self._mirror_tilings is not None:  # the forward map's tiles, offsets mirrored
-                if tile not in self._mirror_tilings:
-                    self._mirror_tilings[tile] = tile_map(self.nbr.flip(1), self.n_out, tile)
-                self._tilings[tile] = self._mirror_tilings[tile].mirrored(self.nbr)
+                if tile not in self._mirror_tilings:  # (self: a _MirroredTranspose; its source, the forward map)
+                    self._mirror_tilings[tile] = tile_map(self._source, self.n_out, tile)
+                self._tilings[tile] = self._mirror_tilings[tile].mirrored()
             else:
                 self._tilings[tile] = tile_map(self.nbr, self.n_in, tile, mask=self._row_mask)
         return self._tilings[tile]
@@ -430,12 +461,36 @@ class KernelMap:
         return self._packed[key]
 
 
+class _MirroredTranspose(KernelMap):
+    """The transpose of a symmetric map: the forward map's table with its offsets mirrored.
+    Constructed from the forward table (`nbr` below is its setter), flipped (a copy of the
+    table) on first read: the tiled backward reuses the forward tiles and never reads it."""
+
+    @property
+    def nbr(self) -> torch.Tensor:
+        if self._flipped is None:
+            self._flipped = self._source.flip(1)
+        return self._flipped
+
+    @nbr.setter
+    def nbr(self, source: torch.Tensor) -> None:
+        self._source, self._flipped = source, None
+
+    @property
+    def n_out(self) -> int:
+        return self._source.shape[0]
+
+    @property
+    def volume(self) -> int:
+        return self._source.shape[1]
+
+
 def _transpose(km: KernelMap) -> KernelMap:
     if km.symmetric:
         # nbr[v, w] = i: site i = site v + t_w, so v = site i + t_(mirror w) = nbr[i, mirror w].
         offset_pairs = None if km.offset_pairs is None else km.offset_pairs[::-1]
-        return KernelMap(km.nbr.flip(1), km.n_out, km.out_coords, km.kernel_size, offset_pairs, symmetric=True,
-                         _mirror_tilings=km._tilings)
+        return _MirroredTranspose(km.nbr, km.n_out, km.out_coords, km.kernel_size, offset_pairs, symmetric=True,
+                                  _mirror_tilings=km._tilings)
     out, w = (km.nbr >= 0).nonzero(as_tuple=True)
     nbr_t = torch.full((km.n_in, km.volume), -1, dtype=km.nbr.dtype, device=km.nbr.device)
     nbr_t[km.nbr[out, w].long(), w] = out.to(km.nbr.dtype)
@@ -458,16 +513,202 @@ def _lookup(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor, mode:
 
 
 def _use_kernels(device: torch.device) -> bool:
-    """Whether the build runs its Triton kernels (`_lookup_kernel`: the lookup in one launch,
-    no [M, k**3] int64 temporaries; `_pack_kernel`: the one-launch tiles in one gather)
-    rather than the torch ops that do the same: on CUDA, unless INSUM_MAP_KERNELS=0. Tests
-    switch them on in the Triton interpreter."""
+    """Whether the build runs its Triton kernels (`_hash_kernels`: the lookup in two launches,
+    no sort and no [M, k**3] int64 temporaries; the tiles' activity, placing and packing
+    kernels; the pair groups' count and scatter kernels) rather than the torch ops that do
+    the same: on CUDA, unless INSUM_MAP_KERNELS=0. Tests switch them on in the Triton
+    interpreter."""
     return device.type == "cuda" and flag("INSUM_MAP_KERNELS", default=True)
 
 
 def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """One Triton launch (benchmarks/map_overhead.py counts them here)."""
     kernel[grid](*args, **kwargs)
+
+
+def _hashing() -> bool:
+    """Whether the kernel path looks neighbours up in a hash table (`_lookup_hashed`) rather
+    than in the sorted keys (`_lookup_fused`): unless INSUM_MAP_HASH=0 (kept to time both)."""
+    return flag("INSUM_MAP_HASH", default=True)
+
+
+_EMPTY = -1  # a free slot of the hash table: no key of a valid site (batch >= 0) is negative
+_INT64_MAX = (1 << 63) - 1
+_MAX_HASHED = 1 << 29  # input sites the hash table takes (its slots: 2**31 at most, int32 masks)
+# Copies of the pairs-per-offset counters that the probe kernel's programs add to (program p
+# to copy p % 64): one set of 27 counters would take every program's atomic adds in turn.
+_COUNT_COPIES = 64
+
+
+@functools.cache
+def _stats_template(volume: int, device: torch.device) -> torch.Tensor:
+    """The starting value of `_lookup_hashed`'s result buffer: for the input and the output
+    sites (least axis value, greatest axis value, least batch index), then `_COUNT_COPIES`
+    copies of the pairs per offset. Cloned per build (one copy; a tensor built from a list
+    is an upload, a sync)."""
+    far = [_INT64_MAX, -_INT64_MAX - 1, _INT64_MAX]
+    return torch.tensor(far + far + [0] * (_COUNT_COPIES * volume), dtype=torch.int64, device=device)
+
+
+def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_size: int, stride: int,
+                   dilation: int, check_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The map by a hash table on the device, in two launches and no sort: every input key
+    is inserted once (open addressing, linear probing), then each (output, offset) query
+    probes it. Every mode. Returns nbr [M, k**3] (int32), each row's neighbour bitmask
+    (`tile_map`'s sort key) and an int64 [6 + k**3]: the range check's values (of the output
+    sites only when `check_out`) and the pairs per offset, for the build's one read back.
+
+    Keys are those of `_keys`. Two sites that differ only in z's low bit hash to one pair of
+    adjacent slots, so the 3 z taps of an (x, y) tap read 2 places rather than 3. Simulated
+    on the 1.2M-voxel room scene (table at 2**22 slots, load 0.28): 1.33 probes per found
+    key, 1.66 per absent one; 7.3 probe rounds per block of 64 sites (the block's longest;
+    4 slots per group: 13.6 rounds, one: 7.6), 5.9 per block of 16. A block's lanes loop
+    until its longest probe ends, so the blocks are small: 16 sites in the probe kernel
+    (also 48 registers a thread for sm_90, 92 at 32 sites), 128 keys in the insert kernel
+    (4.4 compare-and-swaps issued per key, 1.33 needed; 6.6 in blocks of 1024).
+    Duplicate sites: every copy maps to the first copy's row, as the lower bound in the
+    stably sorted keys does (the row is kept as n_in - 1 - row by an atomic max)."""
+    volume = kernel_size**3
+    n_out, n_in = out.shape[0], coords.shape[0]
+    device = out.device
+    slot_bits = max(4, (2 * n_in - 1).bit_length())  # at least two slots per key
+    table = torch.full((3 << slot_bits,), _EMPTY, dtype=torch.int32, device=device)
+    keys, rows = table[: 2 << slot_bits].view(torch.int64), table[2 << slot_bits:]
+    stats = _stats_template(volume, device).clone()
+    nbr = torch.empty((n_out, volume), dtype=torch.int32, device=device)
+    bits = min(volume, _MASK_BITS)
+    mask = torch.empty(n_out, dtype=_mask_dtype(bits), device=device)
+    insert, probe = _hash_kernels()
+    if n_in:
+        block = 128
+        _launch(insert, (cdiv(n_in, block),), coords, keys, rows, stats, n_in, slot_bits, coords.stride(0),
+                coords.stride(1), BLOCK=block)
+    if n_out:
+        block_w = next_power_of_2(volume)
+        block_m = max(1, 512 // block_w)
+        _launch(probe, (cdiv(n_out, block_m),), out, keys, rows, nbr, mask, stats, n_out, n_in, slot_bits,
+                out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
+                TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits, COPIES=_COUNT_COPIES,
+                BLOCK_M=block_m, BLOCK_W=block_w)
+    return nbr, mask, torch.cat([stats[:6], stats[6:].view(_COUNT_COPIES, volume).sum(0)])
+
+
+@functools.cache
+def _hash_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_hash_insert(
+        # pointers
+        coords_ptr, keys_ptr, rows_ptr, stats_ptr,
+        # sizes
+        n_in, slot_bits,
+        # strides
+        stride_cm, stride_cc,
+        # meta-parameters
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+        mask = offs < n_in
+        site_ptrs = coords_ptr + offs.to(tl.int64) * stride_cm
+        batch = tl.load(site_ptrs, mask=mask, other=0)  # [BLOCK]
+        x = tl.load(site_ptrs + stride_cc, mask=mask, other=0)  # [BLOCK]
+        y = tl.load(site_ptrs + 2 * stride_cc, mask=mask, other=0)  # [BLOCK]
+        z = tl.load(site_ptrs + 3 * stride_cc, mask=mask, other=0)  # [BLOCK]
+        key = (batch << 48) | ((x + 32768) << 32) | ((y + 32768) << 16) | (z + 32768)  # [BLOCK] as `_keys`
+        # The first slot: a multiplicative hash (Fibonacci's constant as a signed int64, the
+        # wrapping product's top bits) of the key without z's low bit, which then picks the
+        # place in a pair of slots (the probe kernel does the same).
+        mixed = (key >> 1) * -7046029254386353131  # [BLOCK]
+        slot = (((mixed >> (65 - slot_bits)) & ((1 << (slot_bits - 1)) - 1)) << 1) | (key & 1)  # [BLOCK]
+        slot_mask = (1 << slot_bits) - 1
+        # Each pending key tries its slot: placed when it was free or already held the key.
+        # A settled key compares with -2 (no key): its try writes nothing.
+        pending = mask  # [BLOCK]
+        while tl.max(pending.to(tl.int32), axis=0) > 0:
+            held = tl.atomic_cas(keys_ptr + slot, tl.where(pending, -1, -2).to(tl.int64), key)  # [BLOCK]
+            pending = pending & (held != -1) & (held != key)
+            slot = tl.where(pending, (slot + 1) & slot_mask, slot)
+        tl.atomic_max(rows_ptr + slot, (n_in - 1 - offs).to(tl.int32), mask=mask)
+        # the range check's values: least and greatest axis value, least batch index
+        lo = tl.minimum(tl.minimum(x, y), z)
+        hi = tl.maximum(tl.maximum(x, y), z)
+        tl.atomic_min(stats_ptr, tl.min(tl.where(mask, lo, 1 << 62), axis=0))
+        tl.atomic_max(stats_ptr + 1, tl.max(tl.where(mask, hi, -(1 << 62)), axis=0))
+        tl.atomic_min(stats_ptr + 2, tl.min(tl.where(mask, batch, 1 << 62), axis=0))
+
+    @triton.jit
+    def insum_kernel_map_hash_probe(
+        # pointers
+        out_ptr, keys_ptr, rows_ptr, nbr_ptr, mask_ptr, stats_ptr,
+        # sizes
+        n_out, n_in, slot_bits,
+        # strides
+        stride_om, stride_oc,
+        # meta-parameters
+        STRIDE: tl.constexpr, DILATION: tl.constexpr, K: tl.constexpr, TRANSPOSED: tl.constexpr,
+        OUT_STATS: tl.constexpr, BITS: tl.constexpr, COPIES: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        VOLUME: tl.constexpr = K * K * K
+        R: tl.constexpr = (K - 1) // 2
+        pid_m = tl.program_id(0)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W] the offsets, z tap fastest
+        mask_m = offs_m < n_out
+        mask_w = offs_w < VOLUME
+        site_ptrs = out_ptr + offs_m.to(tl.int64) * stride_om
+        batch = tl.load(site_ptrs, mask=mask_m, other=0)  # [BLOCK_M]
+        x = tl.load(site_ptrs + stride_oc, mask=mask_m, other=0)  # [BLOCK_M]
+        y = tl.load(site_ptrs + 2 * stride_oc, mask=mask_m, other=0)  # [BLOCK_M]
+        z = tl.load(site_ptrs + 3 * stride_oc, mask=mask_m, other=0)  # [BLOCK_M]
+        tap_x = DILATION * (offs_w // (K * K) - R)  # [BLOCK_W]
+        tap_y = DILATION * (offs_w // K % K - R)  # [BLOCK_W]
+        tap_z = DILATION * (offs_w % K - R)  # [BLOCK_W]
+        live = mask_m[:, None] & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
+        if TRANSPOSED:  # input (x - t) / s where that is an integer (exact division: C's truncation is fine)
+            qx = x[:, None] - tap_x[None, :]  # [BLOCK_M, BLOCK_W]
+            qy = y[:, None] - tap_y[None, :]  # [BLOCK_M, BLOCK_W]
+            qz = z[:, None] - tap_z[None, :]  # [BLOCK_M, BLOCK_W]
+            live = live & (qx % STRIDE == 0) & (qy % STRIDE == 0) & (qz % STRIDE == 0)
+            qx = qx // STRIDE
+            qy = qy // STRIDE
+            qz = qz // STRIDE
+        else:  # input o * s + t
+            qx = x[:, None] * STRIDE + tap_x[None, :]  # [BLOCK_M, BLOCK_W]
+            qy = y[:, None] * STRIDE + tap_y[None, :]  # [BLOCK_M, BLOCK_W]
+            qz = z[:, None] * STRIDE + tap_z[None, :]  # [BLOCK_M, BLOCK_W]
+        query = (batch[:, None] << 48) | ((qx + 32768) << 32) | ((qy + 32768) << 16) | (qz + 32768)  # [BLOCK_M, BLOCK_W]
+        mixed = (query >> 1) * -7046029254386353131  # [BLOCK_M, BLOCK_W] the insert kernel's first slot
+        slot = (((mixed >> (65 - slot_bits)) & ((1 << (slot_bits - 1)) - 1)) << 1) | (query & 1)  # [BLOCK_M, BLOCK_W]
+        slot_mask = (1 << slot_bits) - 1
+        found = tl.full((BLOCK_M, BLOCK_W), -1, tl.int64)  # [BLOCK_M, BLOCK_W] the query's slot
+        # Probe until the key or a free slot: every inserted key lies before the first free slot.
+        pending = live  # [BLOCK_M, BLOCK_W]
+        while tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0:
+            held = tl.load(keys_ptr + slot, mask=pending, other=-1)  # [BLOCK_M, BLOCK_W]
+            found = tl.where(pending & (held == query), slot, found)
+            pending = pending & (held != query) & (held != -1)
+            slot = (slot + 1) & slot_mask
+        hit = found >= 0  # [BLOCK_M, BLOCK_W]
+        row = n_in - 1 - tl.load(rows_ptr + found, mask=hit, other=0)  # [BLOCK_M, BLOCK_W]
+        nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
+        tl.store(nbr_ptrs, tl.where(hit, row, -1), mask=mask_m[:, None] & mask_w[None, :])
+        counts_ptrs = stats_ptr + 6 + (pid_m % COPIES) * VOLUME + offs_w
+        tl.atomic_add(counts_ptrs, tl.sum(hit.to(tl.int64), axis=0), mask=mask_w)
+        bit = tl.where(offs_w < BITS, tl.full((BLOCK_W,), 1, tl.int64) << offs_w.to(tl.int64), 0)  # [BLOCK_W]
+        tl.store(mask_ptr + offs_m, tl.sum(tl.where(hit, bit[None, :], 0), axis=1).to(mask_ptr.dtype.element_ty),
+                 mask=mask_m)
+        if OUT_STATS:  # the range check's values of the output sites
+            lo = tl.minimum(tl.minimum(x, y), z)
+            hi = tl.maximum(tl.maximum(x, y), z)
+            tl.atomic_min(stats_ptr + 3, tl.min(tl.where(mask_m, lo, 1 << 62), axis=0))
+            tl.atomic_max(stats_ptr + 4, tl.max(tl.where(mask_m, hi, -(1 << 62)), axis=0))
+            tl.atomic_min(stats_ptr + 5, tl.min(tl.where(mask_m, batch, 1 << 62), axis=0))
+
+    return insum_kernel_map_hash_insert, insum_kernel_map_hash_probe
 
 
 def _lookup_fused(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor, kernel_size: int, stride: int,
@@ -478,7 +719,8 @@ def _lookup_fused(in_keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor,
     The k taps along z of one (x, y) tap are keys d apart (d: the dilation), so the sorted
     input keys hold them within (k - 1) * d + 1 places of the first one's lower bound: one
     binary search per (output, x tap, y tap), then a look at that window, instead of one
-    search per offset (a third of the searches for k = 3)."""
+    search per offset (a third of the searches for k = 3). Distinct sites only: a duplicate
+    key shifts the window. Taken only with INSUM_MAP_HASH=0 (`_lookup_hashed` is the default)."""
     volume = kernel_size**3
     n_out, n_in = out.shape[0], in_keys.shape[0]
     nbr = torch.empty((n_out, volume), dtype=torch.int32, device=out.device)
@@ -589,22 +831,29 @@ def build_kernel_map(
         out = output_coords(coords, kernel_size, stride, dilation)
     else:
         out = _as_batched(out_coords, "out_coords")
-    in_keys, order = torch.sort(_keys(coords))
-    row_mask = None
-    if mode != "transposed" and _use_kernels(coords.device):
-        nbr, offset_pairs, row_mask = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
-    else:
-        nbr, offset_pairs = _lookup(in_keys, order, out, mode, kernel_size, stride, dilation)
     # One sync: the coordinates' ranges (checked now: keys out of range would alias) and the
     # pairs per offset (sizing the pair groups, the form choice).
     checks = [(coords, 1, "coords")] if coords.shape[0] else []
     if mode != "subm" and out_coords is not None and out.shape[0]:
         checks.append((out, stride if mode == "strided" else 1, "out_coords"))
-    host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [offset_pairs]).tolist()
-    for i, (_, scale, name) in enumerate(checks):
-        _check_stats(host[3 * i: 3 * i + 3], scale, reach, name)
+    row_mask = None
+    if _use_kernels(coords.device) and _hashing() and coords.shape[0] < _MAX_HASHED:
+        nbr, row_mask, stats = _lookup_hashed(coords, out, mode, kernel_size, stride, dilation, len(checks) == 2)
+        host = stats.tolist()
+        ranges, offset_pairs = [host[0:3], host[3:6]][: len(checks)], host[6:]
+    else:
+        in_keys, order = torch.sort(_keys(coords), stable=True)  # stable: duplicates map to their first row
+        if mode != "transposed" and _use_kernels(coords.device):
+            nbr, counts, row_mask = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
+        else:
+            nbr, counts = _lookup(in_keys, order, out, mode, kernel_size, stride, dilation)
+        host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [counts]).tolist()
+        ranges = [host[3 * i: 3 * i + 3] for i in range(len(checks))]
+        offset_pairs = host[3 * len(checks):]
+    for (_, scale, name), values in zip(checks, ranges):
+        _check_stats(values, scale, reach, name)
     symmetric = mode == "subm" and kernel_size % 2 == 1
-    return KernelMap(nbr, coords.shape[0], out, kernel_size, offset_pairs=host[3 * len(checks):], symmetric=symmetric,
+    return KernelMap(nbr, coords.shape[0], out, kernel_size, offset_pairs=offset_pairs, symmetric=symmetric,
                      _row_mask=row_mask)
 
 
@@ -657,9 +906,12 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
         mask = torch.where(nbr[:, : weights.shape[0]] >= 0, weights, 0).sum(1, dtype=weights.dtype)
     order = torch.argsort(mask, stable=True)
     n_tiles = max(1, cdiv(n_out, tile))
+    if _use_kernels(device):
+        return _tile_map_kernels(nbr, n_in, tile, max_buckets, mask, order, n_tiles)
     rows = F.pad(order, (0, n_tiles * tile - n_out), value=-1).view(n_tiles, tile)
-    active, counts = _tile_activity(nbr, rows)
-    counts, tile_order = torch.sort(counts, stable=True)
+    found = F.pad(nbr >= 0, (0, 0, 0, 1))  # row -1 (padding) reads no neighbour
+    active = found[rows].any(1)
+    counts, tile_order = torch.sort(active.sum(1), stable=True)
     rows, active = rows[tile_order], active[tile_order]
     # Padding rows (-1) all land in one spare slot past the end.
     flat = rows.flatten()
@@ -668,20 +920,28 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
     return TiledMap(tile, nbr, n_in, rows, active, counts, inverse[:n_out], max_buckets)
 
 
-def _tile_activity(nbr: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """active [T, volume]: whether some row of tile t (rows [T, tile], -1: padding) reads
-    offset w; counts [T] (int64): the active offsets per tile."""
-    n_tiles, tile = rows.shape
-    volume = nbr.shape[1]
-    if not _use_kernels(nbr.device):
-        found = F.pad(nbr >= 0, (0, 0, 0, 1))  # row -1 (padding) reads no neighbour
-        active = found[rows].any(1)
-        return active, active.sum(1)
-    active = torch.empty((n_tiles, volume), dtype=torch.int8, device=nbr.device)
-    counts = torch.empty(n_tiles, dtype=torch.int64, device=nbr.device)
-    _launch(_activity_kernel(), (n_tiles,), nbr, rows, active, counts, tile, volume, nbr.stride(0), nbr.stride(1),
-            rows.stride(0), BLOCK_M=next_power_of_2(tile), BLOCK_W=next_power_of_2(volume))
-    return active.view(torch.bool), counts
+def _tile_map_kernels(nbr: torch.Tensor, n_in: int, tile: int, max_buckets: int, mask: torch.Tensor,
+                      order: torch.Tensor, n_tiles: int) -> TiledMap:
+    """`tile_map`'s torch ops after the row sort as two launches and one small sort: the
+    activity kernel (each tile's offsets, from its rows' bitmasks where they hold every
+    offset), the sort of the tiles by their offset counts, the placing kernel (rows, inverse,
+    output rows and activity in the sorted tile order)."""
+    n_out, volume = nbr.shape
+    device = nbr.device
+    active = torch.empty((n_tiles, volume), dtype=torch.int8, device=device)
+    counts = torch.empty(n_tiles, dtype=torch.int64, device=device)
+    block_m, block_w = next_power_of_2(tile), next_power_of_2(volume)
+    _launch(_activity_kernel(), (n_tiles,), nbr, order, mask, active, counts, n_out, tile, volume, nbr.stride(0),
+            nbr.stride(1), FROM_MASK=volume <= _MASK_BITS, BLOCK_M=block_m, BLOCK_W=block_w)
+    counts, tile_order = torch.sort(counts, stable=True)
+    rows = torch.empty((n_tiles, tile), dtype=torch.int64, device=device)
+    output_rows = torch.empty((n_tiles, tile), dtype=torch.int32, device=device)
+    inverse = torch.empty(n_out, dtype=torch.int64, device=device)
+    placed_active = torch.empty((n_tiles, volume), dtype=torch.int8, device=device)
+    _launch(_place_kernel(), (n_tiles,), order, tile_order, active, rows, output_rows, inverse, placed_active, n_out,
+            tile, volume, BLOCK_M=block_m, BLOCK_W=block_w)
+    return TiledMap(tile, nbr, n_in, rows, placed_active.view(torch.bool), counts, inverse, max_buckets,
+                    output_rows=output_rows)
 
 
 @functools.cache
@@ -692,26 +952,67 @@ def _activity_kernel():
     @triton.jit
     def insum_kernel_map_tile_activity(
         # pointers
-        nbr_ptr, rows_ptr, active_ptr, counts_ptr,
+        nbr_ptr, order_ptr, mask_ptr, active_ptr, counts_ptr,
         # sizes
-        tile, volume,
+        n_out, tile, volume,
         # strides
-        stride_nv, stride_nw, stride_rt,
+        stride_nv, stride_nw,
         # meta-parameters
-        BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+        FROM_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
         offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
         mask_w = offs_w < volume
-        rows = tl.load(rows_ptr + pid_t * stride_rt + offs_m, mask=offs_m < tile, other=-1).to(tl.int64)  # [BLOCK_M]
-        real = (rows[:, None] >= 0) & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
-        v = tl.load(nbr_ptr + rows[:, None] * stride_nv + offs_w[None, :] * stride_nw, mask=real, other=-1)
-        active = tl.max((v >= 0).to(tl.int8), axis=0)  # [BLOCK_W]
+        places = pid_t.to(tl.int64) * tile + offs_m  # [BLOCK_M] tile t holds rows order[t * tile: (t + 1) * tile]
+        real = (offs_m < tile) & (places < n_out)
+        rows = tl.load(order_ptr + places, mask=real, other=0)  # [BLOCK_M]
+        if FROM_MASK:  # the bitmask holds every offset
+            bits = tl.load(mask_ptr + rows, mask=real, other=0).to(tl.int64)  # [BLOCK_M]
+            found = ((bits[:, None] >> offs_w.to(tl.int64)[None, :]) & 1) > 0  # [BLOCK_M, BLOCK_W]
+        else:
+            v = tl.load(nbr_ptr + rows[:, None] * stride_nv + offs_w[None, :] * stride_nw,
+                        mask=real[:, None] & mask_w[None, :], other=-1)  # [BLOCK_M, BLOCK_W]
+            found = v >= 0
+        active = tl.max((found & real[:, None] & mask_w[None, :]).to(tl.int8), axis=0)  # [BLOCK_W]
         tl.store(active_ptr + pid_t.to(tl.int64) * volume + offs_w, active, mask=mask_w)
         tl.store(counts_ptr + pid_t, tl.sum(active.to(tl.int64), axis=0))
 
     return insum_kernel_map_tile_activity
+
+
+@functools.cache
+def _place_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_place_tiles(
+        # pointers
+        order_ptr, tile_order_ptr, active_ptr, rows_ptr, output_rows_ptr, inverse_ptr, placed_active_ptr,
+        # sizes
+        n_out, tile, volume,
+        # meta-parameters
+        BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)  # the tile's place in count order
+        offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        mask_m = offs_m < tile
+        mask_w = offs_w < volume
+        source = tl.load(tile_order_ptr + pid_t)  # the tile's index before the sort
+        places = source * tile + offs_m  # [BLOCK_M]
+        real = mask_m & (places < n_out)
+        rows = tl.load(order_ptr + places, mask=real, other=-1)  # [BLOCK_M]
+        slots = pid_t.to(tl.int64) * tile + offs_m  # [BLOCK_M]
+        tl.store(rows_ptr + slots, rows, mask=mask_m)
+        # padding rows (the end of the last tile before the sort) numbered on from n_out
+        tl.store(output_rows_ptr + slots, tl.where(real, rows, places).to(tl.int32), mask=mask_m)
+        tl.store(inverse_ptr + rows, slots, mask=real)
+        active = tl.load(active_ptr + source * volume + offs_w, mask=mask_w, other=0)  # [BLOCK_W]
+        tl.store(placed_active_ptr + pid_t.to(tl.int64) * volume + offs_w, active, mask=mask_w)
+
+    return insum_kernel_map_place_tiles
 
 
 def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_pairs: list[int] | None = None) -> PairGroups:
@@ -727,26 +1028,31 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_p
         group = min(16384, max(256, next_power_of_2(cdiv(max(1, n_pairs), 384))))
     groups = [cdiv(c, group) for c in offset_pairs]
     n_groups = max(1, sum(groups))
+    if sum(groups) and _use_kernels(device):
+        # Pair r of offset w goes to slot first_group[w] * group + r, r counted in output order:
+        # the pairs of each block of rows per offset (one launch), one scan of those counts
+        # (offset-major, flat: torch scans a 1-D tensor with CUB), then each block ranks its
+        # own pairs after the scanned ones and pads its offset's last group (one launch).
+        PI = torch.empty((n_groups, group), dtype=torch.int32, device=device)
+        PO = torch.empty((n_groups, group), dtype=torch.int32, device=device)
+        n_out = nbr.shape[0]
+        block_w = next_power_of_2(volume)
+        block_m = max(1, 2048 // block_w)
+        n_blocks = cdiv(n_out, block_m)
+        block_pairs = torch.empty((volume, n_blocks), dtype=torch.int32, device=device)
+        _launch(_block_pairs_kernel(), (n_blocks,), nbr, block_pairs, n_out, n_blocks, nbr.stride(0), nbr.stride(1),
+                VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w)
+        scanned = torch.cumsum(block_pairs.view(-1), 0, dtype=torch.int32)
+        PW = torch.empty(n_groups, dtype=torch.long, device=device)
+        grid = max(n_blocks, cdiv(n_groups, 1024), volume)
+        _launch(_pairs_kernel(), (grid,), nbr, block_pairs, scanned, PI, PO, PW, n_in, n_out, n_blocks, n_groups,
+                group, nbr.stride(0), nbr.stride(1), VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_G=1024,
+                BLOCK_P=1024)
+        return PairGroups(group, PI, PO, PW)
     PI = torch.full((n_groups, group), n_in, dtype=torch.int32, device=device)
     PO = torch.zeros((n_groups, group), dtype=torch.int32, device=device)
     if not sum(groups):
         return PairGroups(group, PI, PO, torch.zeros(1, dtype=torch.long, device=device))
-    if _use_kernels(device):
-        # rank[w, v]: the real pairs of offset w up to output row v (its last column: the
-        # counts), offset-major. One scan of the flat offset-major flags (torch scans a 1-D
-        # tensor with CUB), less the pairs of the offsets before: torch's scan down the rows
-        # of an [n_out, 27] tensor runs one thread per column, the likely cause of the 440 ms
-        # training map build measured at 1.2M voxels on an H200 (this way not yet measured).
-        n_out = nbr.shape[0]
-        rank = torch.cumsum((nbr >= 0).t().reshape(-1), 0, dtype=torch.int32).view(volume, n_out)
-        rank -= torch.cat([rank.new_zeros(1), rank[:-1, -1]])[:, None]
-        PW = torch.empty(n_groups, dtype=torch.long, device=device)
-        block_w = next_power_of_2(volume)
-        block_m = max(1, 2048 // block_w)
-        grid = max(cdiv(n_out, block_m), cdiv(n_groups, 1024))
-        _launch(_pairs_kernel(), (grid,), nbr, rank, rank[:, -1].contiguous(), PI, PO, PW, n_out, n_groups, group, nbr.stride(0),
-                nbr.stride(1), VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_G=1024)
-        return PairGroups(group, PI, PO, PW)
     # Pair r of offset w (r-th in output order) goes to slot first_group[w] * group + r.
     found_t = nbr.t() >= 0
     w, out = torch.nonzero_static(found_t, size=n_pairs).unbind(1)  # by offset, then output row
@@ -761,6 +1067,35 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_p
 
 
 @functools.cache
+def _block_pairs_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def insum_kernel_map_block_pairs(
+        # pointers
+        nbr_ptr, block_pairs_ptr,
+        # sizes
+        n_out, n_blocks,
+        # strides
+        stride_nv, stride_nw,
+        # meta-parameters
+        VOLUME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
+        mask_w = offs_w < VOLUME
+        live = (offs_m < n_out)[:, None] & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
+        inp = tl.load(nbr_ptr + offs_m.to(tl.int64)[:, None] * stride_nv + offs_w[None, :] * stride_nw, mask=live,
+                      other=-1)  # [BLOCK_M, BLOCK_W]
+        pairs = tl.sum((inp >= 0).to(tl.int32), axis=0)  # [BLOCK_W]
+        tl.store(block_pairs_ptr + offs_w.to(tl.int64) * n_blocks + pid, pairs, mask=mask_w)
+
+    return insum_kernel_map_block_pairs
+
+
+@functools.cache
 def _pairs_kernel():
     import triton
     import triton.language as tl
@@ -768,29 +1103,37 @@ def _pairs_kernel():
     @triton.jit
     def insum_kernel_map_pair_groups(
         # pointers
-        nbr_ptr, rank_ptr, counts_ptr, pi_ptr, po_ptr, pw_ptr,
+        nbr_ptr, block_pairs_ptr, scanned_ptr, pi_ptr, po_ptr, pw_ptr,
         # sizes
-        n_out, n_groups, group,
+        n_in, n_out, n_blocks, n_groups, group,
         # strides
         stride_nv, stride_nw,
         # meta-parameters
         VOLUME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_P: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
         mask_w = offs_w < VOLUME
+        # scanned: the inclusive scan of the pairs per (offset, block of rows), offset-major
+        row_w = offs_w.to(tl.int64) * n_blocks  # [BLOCK_W]
+        before_w = (tl.load(scanned_ptr + row_w, mask=mask_w, other=0)
+                    - tl.load(block_pairs_ptr + row_w, mask=mask_w, other=0))  # [BLOCK_W] pairs of the offsets before
+        counts = tl.load(scanned_ptr + row_w + n_blocks - 1, mask=mask_w, other=0) - before_w  # [BLOCK_W]
         # Each offset's groups follow the previous offsets' (every program works them out).
-        counts = tl.load(counts_ptr + offs_w, mask=mask_w, other=0)  # [BLOCK_W] rank's last column
         groups = (counts + group - 1) // group  # [BLOCK_W]
         end_group = tl.cumsum(groups, axis=0)  # [BLOCK_W]
         first_slot = (end_group - groups) * group - 1  # [BLOCK_W] slot of rank 1, less one
-        # The pairs of BLOCK_M output rows: pair of rank r (1-based) of offset w in slot first_slot[w] + r.
+        # The pairs of this block of rows: rank r (1-based) of offset w in slot first_slot[w] + r.
+        mine = mask_w & (offs_w * 0 + pid < n_blocks)  # [BLOCK_W] (programs past the rows only write PW)
+        done = (tl.load(scanned_ptr + row_w + pid, mask=mine, other=0)
+                - tl.load(block_pairs_ptr + row_w + pid, mask=mine, other=0) - before_w)  # [BLOCK_W] earlier blocks' pairs
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
         live = (offs_m < n_out)[:, None] & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
         rows = offs_m.to(tl.int64)[:, None]
         inp = tl.load(nbr_ptr + rows * stride_nv + offs_w[None, :] * stride_nw, mask=live, other=-1)
         real = live & (inp >= 0)  # [BLOCK_M, BLOCK_W]
-        rank = tl.load(rank_ptr + offs_w.to(tl.int64)[None, :] * n_out + rows, mask=real, other=0)  # [BLOCK_M, BLOCK_W]
+        rank = done[None, :] + tl.cumsum(real.to(tl.int32), axis=0)  # [BLOCK_M, BLOCK_W]
         slots = first_slot[None, :].to(tl.int64) + rank  # [BLOCK_M, BLOCK_W]
         tl.store(pi_ptr + slots, inp.to(tl.int32), mask=real)
         tl.store(po_ptr + slots, (rows + tl.zeros((BLOCK_M, BLOCK_W), tl.int64)).to(tl.int32), mask=real)
@@ -798,6 +1141,14 @@ def _pairs_kernel():
         offs_g = pid * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
         ended = (end_group[None, :] <= offs_g[:, None]) & mask_w[None, :]  # [BLOCK_G, BLOCK_W]
         tl.store(pw_ptr + offs_g, tl.sum(ended.to(tl.int64), axis=1), mask=offs_g < n_groups)
+        if pid < VOLUME:  # program w pads offset w's last group: the zero row of X, output row 0
+            this_w = offs_w == pid  # [BLOCK_W]
+            pad_start = tl.sum(tl.where(this_w, first_slot + 1 + counts, 0), axis=0).to(tl.int64)
+            pad_end = tl.sum(tl.where(this_w, end_group, 0), axis=0).to(tl.int64) * group
+            for start in range(0, group, BLOCK_P):
+                offs_p = pad_start + start + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+                tl.store(pi_ptr + offs_p, tl.full((BLOCK_P,), 0, tl.int32) + n_in, mask=offs_p < pad_end)
+                tl.store(po_ptr + offs_p, tl.full((BLOCK_P,), 0, tl.int32), mask=offs_p < pad_end)
 
     return insum_kernel_map_pair_groups
 
