@@ -10,7 +10,7 @@
   backward (gradients of both inputs and the weights, `torch.autograd.grad`).
 - uvu: the channel-wise product of a MACE interaction block: in1 = 128x0e+128x1o+128x2e,
   in2 = sh up to 3, every path whose output is in 0e+1o+2e+3o (sorted as MACE does),
-  per-edge weights; e3nn, insum (output="flat", the default; "gather", "views" and
+  per-edge weights; e3nn, insum (output="gather", the default; "flat", "views" and
   row_buckets=4 beside it), cuEquivariance (`ChannelWiseTensorProduct`) and OEQ.
 - compile: e3nn under torch.compile at one grid point (compiling e3nn is not cheap).
 
@@ -261,9 +261,9 @@ def _uvu_point(edges: int, libs: dict) -> dict:
     if "e3nn" in MEASURE:
         measure("e3nn", ref)
     if "insum" in MEASURE:
-        layer = TensorProduct.from_e3nn(ref).to(DEVICE)  # output="flat", the default for uvu paths
+        layer = TensorProduct.from_e3nn(ref).to(DEVICE)  # output="gather", the default for uvu paths
         measure("insum", layer)
-        measure("insum_gather", TensorProduct.from_e3nn(ref, output="gather").to(DEVICE))
+        measure("insum_flat", TensorProduct.from_e3nn(ref, output="flat").to(DEVICE))
         measure("insum_views", TensorProduct.from_e3nn(ref, output="views").to(DEVICE))
         # rows sorted by CG entry count, one launch per bucket (opt-in; 568 -> 239 entry slots per edge, 215 real)
         measure("insum_buckets4", TensorProduct.from_e3nn(ref, row_buckets=4).to(DEVICE))

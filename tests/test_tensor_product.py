@@ -361,7 +361,7 @@ def test_flat_statements_plan_edges_by_contiguous_outputs_at_mace_scale():
     from insum.runtime import spec_for
 
     irreps_out, ins = mace_instructions("128x0e+128x1o+128x2e", "0e+1o+2e+3o", 3)
-    layer = TensorProduct("128x0e+128x1o+128x2e", "0e+1o+2e+3o", irreps_out, ins, shared_weights=False)
+    layer = TensorProduct("128x0e+128x1o+128x2e", "0e+1o+2e+3o", irreps_out, ins, shared_weights=False, output="flat")
     E = 10_000
     flat = {"Y": (E, 16), "X": (E, 1152), "W": (E, layer.weight_numel), "DZ": (E, irreps_out.dim)}
     cases = [(layer.statement, "q[t]", "FL", "t")] + [

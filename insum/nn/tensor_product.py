@@ -37,7 +37,8 @@ so do its gradient statements (`LAYOUT_STATEMENTS`). Otherwise input 1 is permut
 component-major `[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks
 (two gathers, inside the autograd function: its backward returns each input's gradient by
 one inverse gather); channel-wise ("uvu") layers read and write e3nn's layouts through
-`FLAT_STATEMENTS` (`output="flat"`, their default). Gradients are regrouped statements
+`FLAT_STATEMENTS` with `output="flat"` (opt-in: on the H200 its one launch took 3.1x the
+three of "gather" at 10k MACE edges, 2.227 against 0.717 ms). Gradients are regrouped statements
 (`GRADIENT_STATEMENTS`); the layer runs under `torch.compile`. Outside it, for
 `output="direct"`, each statement is pinned to its tables after its
 first run (`insum.execute.Pinned`), and a repeated forward on inputs of one signature goes
@@ -109,9 +110,10 @@ class TensorProduct(nn.Module):
     reading x1 and the weight and writing the output in e3nn's layouts, and a backward of
     FLAT_GRADIENT_STATEMENTS (no layout gathers: on MACE's 128x0e+128x1o+128x2e edges the
     forward moves 49.7 instead of 131.6 KB per edge in one launch instead of three, over
-    33.5k instead of 72.7k padded multiply slots). None (default): "flat" for "uvu" paths
-    (without row_buckets), "direct" for "uvw" paths where it applies (without row_buckets),
-    else "gather".
+    33.5k instead of 72.7k padded multiply slots; yet 3.1x slower than "gather" on the
+    H200: its plan puts 256 edges by 16 positions per program, one entry per step).
+    None (default): "direct" for "uvw" paths where it applies (without row_buckets), else
+    "gather".
     row_buckets: with "gather", the output components sorted by their number of CG entries
     and run in up to this many launches, each with its own entry count Q (less padded work
     where counts differ, as in MACE's channel-wise product: 568 -> 239 entry slots per edge
@@ -171,7 +173,7 @@ class TensorProduct(nn.Module):
         self.mode = modes.pop() if modes else "uvw"
         automatic = output is None  # "uvw": "direct" where the layouts allow it (below)
         if output is None:
-            output = "flat" if self.mode == "uvu" and row_buckets == 1 else "gather"
+            output = "gather"
         if row_buckets < 1 or (row_buckets > 1 and output != "gather"):
             raise IrrepsError(f"row_buckets={row_buckets}: needs a positive count, and output='gather' above 1")
         self.output = output
