@@ -134,6 +134,21 @@ def test_duplicate_sites_read_their_first_copy(monkeypatch, lookup):
 
 
 @KERNEL_MARK
+def test_the_hash_table_is_exact_when_fingerprints_collide(monkeypatch):
+    """With 2-bit fingerprints (rows given 29 bits) a quarter of the other keys' entries
+    share a probe's fingerprint: their keys are read and refused, and copies of a site still
+    keep the first one's row."""
+    sites = random_sites(120, 6, seed=11).to(DEVICE)
+    coords = torch.cat([sites, sites[[7, 2, 7]]])
+    plain = kernel_build(monkeypatch, "torch", coords)
+    monkeypatch.setattr(kernel_map, "_row_bits", lambda n_in: 29)
+    assert_same_maps(kernel_build(monkeypatch, "hash", coords), plain, tiles=(16,))
+    out = kernel_map.output_coords(sites, 3, 2, 1)
+    assert_same_maps(kernel_build(monkeypatch, "hash", out, 3, 2, 1, "transposed", sites),
+                     kernel_build(monkeypatch, "torch", out, 3, 2, 1, "transposed", sites), tiles=(16,))
+
+
+@KERNEL_MARK
 @pytest.mark.parametrize("lookup", ["hash", "torch"])
 def test_out_of_range_sites_are_refused_on_every_path(monkeypatch, lookup):
     sites = random_sites(30, 5)

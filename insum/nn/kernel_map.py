@@ -532,12 +532,18 @@ def _hashing() -> bool:
     return flag("INSUM_MAP_HASH", default=True)
 
 
-_EMPTY = -1  # a free slot of the hash table: no key of a valid site (batch >= 0) is negative
+_EMPTY = -1  # a free slot of the hash table: every entry (fingerprint and row) is below 2**31
 _INT64_MAX = (1 << 63) - 1
 _MAX_HASHED = 1 << 29  # input sites the hash table takes (its slots: 2**31 at most, int32 masks)
 # Copies of the pairs-per-offset counters that the probe kernel's programs add to (program p
 # to copy p % 64): one set of 27 counters would take every program's atomic adds in turn.
 _COUNT_COPIES = 64
+
+
+def _row_bits(n_in: int) -> int:
+    """Bits of the row in a hash table entry ((fingerprint << row_bits) | row, below 2**31;
+    the fingerprint takes the other 31 - row_bits, at least 2 below `_MAX_HASHED`)."""
+    return max(1, (n_in - 1).bit_length())
 
 
 @functools.cache
@@ -566,14 +572,26 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     until its longest probe ends, so the blocks are small: 16 sites in the probe kernel
     (also 48 registers a thread for sm_90, 92 at 32 sites), 128 keys in the insert kernel
     (4.4 compare-and-swaps issued per key, 1.33 needed; 6.6 in blocks of 1024).
+
+    The table is one int32 per slot: the input row under a fingerprint (`_row_bits`: the
+    hash's bits below the slot's), and the keys sit in input order (`row_keys`, written by
+    the insert kernel): a probe reads a key only at an entry with its fingerprint (its hit,
+    or 1 in 2**(31 - row_bits) of the other keys' entries, 1 in 1024 at 1.2M sites). At 1.2M
+    sites (2**22 slots) that is 16.8 MB of table and 9.4 MB of keys where an int64 key and an
+    int32 row per slot took 50.3 MB: the H200's L2 holds 50 MB, and the probe kernel also
+    streams out the 130 MB map. Counted on the 1.17M-voxel room scene (benchmarks'
+    `room_scene(1_000_000)`), the 32-byte sectors each block of 16 sites reads: 164 (of the
+    table and the hits' keys), against 182 (of the int64 keys and the hits' rows).
     Duplicate sites: every copy maps to the first copy's row, as the lower bound in the
-    stably sorted keys does (the row is kept as n_in - 1 - row by an atomic max)."""
+    stably sorted keys does (a copy keeps the least entry by an atomic min: the fingerprints
+    are equal)."""
     volume = kernel_size**3
     n_out, n_in = out.shape[0], coords.shape[0]
     device = out.device
     slot_bits = max(4, (2 * n_in - 1).bit_length())  # at least two slots per key
-    table = torch.full((3 << slot_bits,), _EMPTY, dtype=torch.int32, device=device)
-    keys, rows = table[: 2 << slot_bits].view(torch.int64), table[2 << slot_bits:]
+    row_bits = _row_bits(n_in)
+    table = torch.full((1 << slot_bits,), _EMPTY, dtype=torch.int32, device=device)
+    row_keys = torch.empty(n_in, dtype=torch.int64, device=device)
     stats = _stats_template(volume, device).clone()
     nbr = torch.empty((n_out, volume), dtype=torch.int32, device=device)
     bits = min(volume, _MASK_BITS)
@@ -581,13 +599,13 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     insert, probe = _hash_kernels()
     if n_in:
         block = 128
-        _launch(insert, (cdiv(n_in, block),), coords, keys, rows, stats, n_in, slot_bits, coords.stride(0),
-                coords.stride(1), BLOCK=block)
+        _launch(insert, (cdiv(n_in, block),), coords, table, row_keys, stats, n_in, slot_bits, row_bits,
+                coords.stride(0), coords.stride(1), BLOCK=block)
     if n_out:
         block_w = next_power_of_2(volume)
         block_m = max(1, 512 // block_w)
-        _launch(probe, (cdiv(n_out, block_m),), out, keys, rows, nbr, mask, stats, n_out, n_in, slot_bits,
-                out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
+        _launch(probe, (cdiv(n_out, block_m),), out, table, row_keys, nbr, mask, stats, n_out, slot_bits,
+                row_bits, out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
                 TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits, COPIES=_COUNT_COPIES,
                 BLOCK_M=block_m, BLOCK_W=block_w)
     return nbr, mask, torch.cat([stats[:6], stats[6:].view(_COUNT_COPIES, volume).sum(0)])
@@ -601,9 +619,9 @@ def _hash_kernels():
     @triton.jit
     def insum_kernel_map_hash_insert(
         # pointers
-        coords_ptr, keys_ptr, rows_ptr, stats_ptr,
+        coords_ptr, table_ptr, row_keys_ptr, stats_ptr,
         # sizes
-        n_in, slot_bits,
+        n_in, slot_bits, row_bits,
         # strides
         stride_cm, stride_cc,
         # meta-parameters
@@ -618,20 +636,36 @@ def _hash_kernels():
         y = tl.load(site_ptrs + 2 * stride_cc, mask=mask, other=0)  # [BLOCK]
         z = tl.load(site_ptrs + 3 * stride_cc, mask=mask, other=0)  # [BLOCK]
         key = (batch << 48) | ((x + 32768) << 32) | ((y + 32768) << 16) | (z + 32768)  # [BLOCK] as `_keys`
+        tl.store(row_keys_ptr + offs, key, mask=mask)  # the probe kernel compares its queries with these
         # The first slot: a multiplicative hash (Fibonacci's constant as a signed int64, the
         # wrapping product's top bits) of the key without z's low bit, which then picks the
         # place in a pair of slots (the probe kernel does the same).
         mixed = (key >> 1) * -7046029254386353131  # [BLOCK]
         slot = (((mixed >> (65 - slot_bits)) & ((1 << (slot_bits - 1)) - 1)) << 1) | (key & 1)  # [BLOCK]
         slot_mask = (1 << slot_bits) - 1
-        # Each pending key tries its slot: placed when it was free or already held the key.
-        # A settled key compares with -2 (no key): its try writes nothing.
+        # the entry: the row under the next bits of the hash (the probe kernel does the same)
+        print_bits = 31 - row_bits
+        finger = ((mixed >> (65 - slot_bits - print_bits)) & ((1 << print_bits) - 1)).to(tl.int32)  # [BLOCK]
+        entry = (finger << row_bits) | offs  # [BLOCK]
+        # Each pending row tries to claim its slot. A slot held by another fingerprint sends
+        # the row on; by the same one, the held row's key is read from the coordinates (never
+        # written: no ordering needed with the store above): a copy of the key keeps the
+        # least row of its copies, another key sends the row on. A settled row compares with
+        # -2 (no entry): its try writes nothing.
         pending = mask  # [BLOCK]
         while tl.max(pending.to(tl.int32), axis=0) > 0:
-            held = tl.atomic_cas(keys_ptr + slot, tl.where(pending, -1, -2).to(tl.int64), key)  # [BLOCK]
-            pending = pending & (held != -1) & (held != key)
+            held = tl.atomic_cas(table_ptr + slot, tl.where(pending, -1, -2), tl.where(pending, entry, -2))  # [BLOCK]
+            taken = pending & (held >= 0)  # [BLOCK]
+            alike = taken & ((held >> row_bits) == finger)  # [BLOCK]
+            held_ptrs = coords_ptr + (held & ((1 << row_bits) - 1)).to(tl.int64) * stride_cm
+            held_key = ((tl.load(held_ptrs, mask=alike, other=0) << 48)
+                        | ((tl.load(held_ptrs + stride_cc, mask=alike, other=0) + 32768) << 32)
+                        | ((tl.load(held_ptrs + 2 * stride_cc, mask=alike, other=0) + 32768) << 16)
+                        | (tl.load(held_ptrs + 3 * stride_cc, mask=alike, other=0) + 32768))  # [BLOCK]
+            copy = alike & (held_key == key)  # [BLOCK]
+            tl.atomic_min(table_ptr + slot, entry, mask=copy)  # (a copy's entry: the same fingerprint)
+            pending = taken & ~copy
             slot = tl.where(pending, (slot + 1) & slot_mask, slot)
-        tl.atomic_max(rows_ptr + slot, (n_in - 1 - offs).to(tl.int32), mask=mask)
         # the range check's values: least and greatest axis value, least batch index
         lo = tl.minimum(tl.minimum(x, y), z)
         hi = tl.maximum(tl.maximum(x, y), z)
@@ -642,9 +676,9 @@ def _hash_kernels():
     @triton.jit
     def insum_kernel_map_hash_probe(
         # pointers
-        out_ptr, keys_ptr, rows_ptr, nbr_ptr, mask_ptr, stats_ptr,
+        out_ptr, table_ptr, row_keys_ptr, nbr_ptr, mask_ptr, stats_ptr,
         # sizes
-        n_out, n_in, slot_bits,
+        n_out, slot_bits, row_bits,
         # strides
         stride_om, stride_oc,
         # meta-parameters
@@ -684,18 +718,24 @@ def _hash_kernels():
         mixed = (query >> 1) * -7046029254386353131  # [BLOCK_M, BLOCK_W] the insert kernel's first slot
         slot = (((mixed >> (65 - slot_bits)) & ((1 << (slot_bits - 1)) - 1)) << 1) | (query & 1)  # [BLOCK_M, BLOCK_W]
         slot_mask = (1 << slot_bits) - 1
-        found = tl.full((BLOCK_M, BLOCK_W), -1, tl.int64)  # [BLOCK_M, BLOCK_W] the query's slot
+        print_bits = 31 - row_bits
+        finger = ((mixed >> (65 - slot_bits - print_bits)) & ((1 << print_bits) - 1)).to(tl.int32)  # [BLOCK_M, BLOCK_W]
+        row = tl.full((BLOCK_M, BLOCK_W), -1, tl.int32)  # [BLOCK_M, BLOCK_W] the query's input row
         # Probe until the key or a free slot: every inserted key lies before the first free slot.
+        # Only an entry with the query's fingerprint has its key read (a hit, or 1 in
+        # 2**print_bits of the other keys' entries).
         pending = live  # [BLOCK_M, BLOCK_W]
         while tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0:
-            held = tl.load(keys_ptr + slot, mask=pending, other=-1)  # [BLOCK_M, BLOCK_W]
-            found = tl.where(pending & (held == query), slot, found)
-            pending = pending & (held != query) & (held != -1)
+            held = tl.load(table_ptr + slot, mask=pending, other=-1)  # [BLOCK_M, BLOCK_W]
+            alike = pending & (held >= 0) & ((held >> row_bits) == finger)  # [BLOCK_M, BLOCK_W]
+            held_row = held & ((1 << row_bits) - 1)  # [BLOCK_M, BLOCK_W]
+            match = alike & (tl.load(row_keys_ptr + held_row, mask=alike, other=-1) == query)  # [BLOCK_M, BLOCK_W]
+            row = tl.where(match, held_row, row)
+            pending = pending & (held >= 0) & ~match
             slot = (slot + 1) & slot_mask
-        hit = found >= 0  # [BLOCK_M, BLOCK_W]
-        row = n_in - 1 - tl.load(rows_ptr + found, mask=hit, other=0)  # [BLOCK_M, BLOCK_W]
+        hit = row >= 0  # [BLOCK_M, BLOCK_W]
         nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
-        tl.store(nbr_ptrs, tl.where(hit, row, -1), mask=mask_m[:, None] & mask_w[None, :])
+        tl.store(nbr_ptrs, row, mask=mask_m[:, None] & mask_w[None, :])
         counts_ptrs = stats_ptr + 6 + (pid_m % COPIES) * VOLUME + offs_w
         tl.atomic_add(counts_ptrs, tl.sum(hit.to(tl.int64), axis=0), mask=mask_w)
         bit = tl.where(offs_w < BITS, tl.full((BLOCK_W,), 1, tl.int64) << offs_w.to(tl.int64), 0)  # [BLOCK_W]
