@@ -580,8 +580,10 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     sites (2**22 slots) that is 16.8 MB of table and 9.4 MB of keys where an int64 key and an
     int32 row per slot took 50.3 MB: the H200's L2 holds 50 MB, and the probe kernel also
     streams out the 130 MB map. Counted on the 1.17M-voxel room scene (benchmarks'
-    `room_scene(1_000_000)`), the 32-byte sectors each block of 16 sites reads: 164 (of the
-    table and the hits' keys), against 182 (of the int64 keys and the hits' rows).
+    `room_scene(1_000_000)`), the distinct 32-byte sectors each block of 16 sites reads: 140
+    (of the table and the hits' keys), against 182 (of the int64 keys and the hits' rows);
+    144 against 188 at 142k sites. The chain of dependent reads is as long: the probe
+    rounds, then one key (where it was one row).
     Duplicate sites: every copy maps to the first copy's row, as the lower bound in the
     stably sorted keys does (a copy keeps the least entry by an atomic min: the fingerprints
     are equal)."""
@@ -721,18 +723,26 @@ def _hash_kernels():
         print_bits = 31 - row_bits
         finger = ((mixed >> (65 - slot_bits - print_bits)) & ((1 << print_bits) - 1)).to(tl.int32)  # [BLOCK_M, BLOCK_W]
         row = tl.full((BLOCK_M, BLOCK_W), -1, tl.int32)  # [BLOCK_M, BLOCK_W] the query's input row
+        held = tl.full((BLOCK_M, BLOCK_W), -1, tl.int32)  # [BLOCK_M, BLOCK_W] the entry the probe stopped at
         # Probe until the key or a free slot: every inserted key lies before the first free slot.
-        # Only an entry with the query's fingerprint has its key read (a hit, or 1 in
-        # 2**print_bits of the other keys' entries).
+        # The inner loop reads entries only, up to one with the query's fingerprint (or a free
+        # slot); then that entry's key is read, once per probe but for the 1 in
+        # 2**print_bits of the other keys' entries with the fingerprint, whose probe goes on.
         pending = live  # [BLOCK_M, BLOCK_W]
         while tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0:
-            held = tl.load(table_ptr + slot, mask=pending, other=-1)  # [BLOCK_M, BLOCK_W]
-            alike = pending & (held >= 0) & ((held >> row_bits) == finger)  # [BLOCK_M, BLOCK_W]
+            seeking = pending  # [BLOCK_M, BLOCK_W]
+            while tl.max(tl.max(seeking.to(tl.int32), axis=1), axis=0) > 0:
+                entry = tl.load(table_ptr + slot, mask=seeking, other=-1)  # [BLOCK_M, BLOCK_W]
+                stop = seeking & ((entry < 0) | ((entry >> row_bits) == finger))  # [BLOCK_M, BLOCK_W]
+                held = tl.where(stop, entry, held)
+                seeking = seeking & ~stop
+                slot = tl.where(seeking, (slot + 1) & slot_mask, slot)
+            alike = pending & (held >= 0)  # [BLOCK_M, BLOCK_W]
             held_row = held & ((1 << row_bits) - 1)  # [BLOCK_M, BLOCK_W]
             match = alike & (tl.load(row_keys_ptr + held_row, mask=alike, other=-1) == query)  # [BLOCK_M, BLOCK_W]
             row = tl.where(match, held_row, row)
-            pending = pending & (held >= 0) & ~match
-            slot = (slot + 1) & slot_mask
+            pending = alike & ~match  # another key with the fingerprint: on past it
+            slot = tl.where(pending, (slot + 1) & slot_mask, slot)
         hit = row >= 0  # [BLOCK_M, BLOCK_W]
         nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
         tl.store(nbr_ptrs, row, mask=mask_m[:, None] & mask_w[None, :])
