@@ -1178,19 +1178,21 @@ def _pairs_kernel():
         mine = mask_w & (offs_w * 0 + pid < n_blocks)  # [BLOCK_W] (programs past the rows only write PW)
         done = (tl.load(scanned_ptr + row_w + pid, mask=mine, other=0)
                 - tl.load(block_pairs_ptr + row_w + pid, mask=mine, other=0) - before_w)  # [BLOCK_W] earlier blocks' pairs
+        # Offsets by rows, rows fastest: a warp's lanes store one offset's pairs of consecutive
+        # rows, to consecutive slots (rows by offsets: 32 offsets' slots, a sector a pair).
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        live = (offs_m < n_out)[:, None] & mask_w[None, :]  # [BLOCK_M, BLOCK_W]
-        rows = offs_m.to(tl.int64)[:, None]
-        inp = tl.load(nbr_ptr + rows * stride_nv + offs_w[None, :] * stride_nw, mask=live, other=-1)
-        real = live & (inp >= 0)  # [BLOCK_M, BLOCK_W]
-        rank = done[None, :] + tl.cumsum(real.to(tl.int32), axis=0)  # [BLOCK_M, BLOCK_W]
-        slots = first_slot[None, :].to(tl.int64) + rank  # [BLOCK_M, BLOCK_W]
+        live = mask_w[:, None] & (offs_m < n_out)[None, :]  # [BLOCK_W, BLOCK_M]
+        rows = offs_m.to(tl.int64)[None, :]
+        inp = tl.load(nbr_ptr + rows * stride_nv + offs_w[:, None] * stride_nw, mask=live, other=-1)
+        real = live & (inp >= 0)  # [BLOCK_W, BLOCK_M]
+        rank = done[:, None] + tl.cumsum(real.to(tl.int32), axis=1)  # [BLOCK_W, BLOCK_M]
+        slots = first_slot[:, None].to(tl.int64) + rank  # [BLOCK_W, BLOCK_M]
         tl.store(pi_ptr + slots, inp.to(tl.int32), mask=real)
-        tl.store(po_ptr + slots, (rows + tl.zeros((BLOCK_M, BLOCK_W), tl.int64)).to(tl.int32), mask=real)
-        # PW[g]: the offsets whose groups end at or before g.
-        offs_g = pid * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
-        ended = (end_group[None, :] <= offs_g[:, None]) & mask_w[None, :]  # [BLOCK_G, BLOCK_W]
-        tl.store(pw_ptr + offs_g, tl.sum(ended.to(tl.int64), axis=1), mask=offs_g < n_groups)
+        tl.store(po_ptr + slots, (rows + tl.zeros((BLOCK_W, BLOCK_M), tl.int64)).to(tl.int32), mask=real)
+        if pid * BLOCK_G < n_groups:  # PW[g]: the offsets whose groups end at or before g
+            offs_g = pid * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
+            ended = (end_group[None, :] <= offs_g[:, None]) & mask_w[None, :]  # [BLOCK_G, BLOCK_W]
+            tl.store(pw_ptr + offs_g, tl.sum(ended.to(tl.int64), axis=1), mask=offs_g < n_groups)
         if pid < VOLUME:  # program w pads offset w's last group: the zero row of X, output row 0
             this_w = offs_w == pid  # [BLOCK_W]
             pad_start = tl.sum(tl.where(this_w, first_slot + 1 + counts, 0), axis=0).to(tl.int64)
