@@ -115,12 +115,24 @@ The paper's grid: in1 = C × (0e + 1o + … + L), in2 = the spherical harmonics 
 out = in1. Ratios of median times against cuEquivariance 0.13 (`cuet.FullyConnectedTensorProduct`,
 e3nn's weights copied) and e3nn eager, for the bare statement (the CG contraction alone),
 the layer (tf32 and float32 `tl.dot`), and the layer's forward + backward. From
+`python -m benchmarks.explore.layer_probe` (the layer as it is now, one launch:
+benchmarks/results/h200/session4/fctp_probe.log) where that log exists, else from
 `python -m benchmarks.study_tensor_product` (benchmarks/results/h200/tensor_product)."""),
     ("code", """\
-path = Path("..") / "benchmarks" / "results" / "h200" / "tensor_product" / "tensor_product.json"
-if not path.exists():
-    print("no measurements at", path)
-else:
+results = Path("..") / "benchmarks" / "results" / "h200"
+probe, path = results / "session4" / "fctp_probe.log", results / "tensor_product" / "tensor_product.json"
+rows = None
+if probe.exists():  # lines "L=1  C=16  key=value ...": the layer_probe grid
+    rows = [dict(kv.split("=", 1) for kv in line.split()) for line in probe.read_text().splitlines()
+            if line.startswith("L=") and "cue_fwd_us=" in line]
+    labels = [f"L{r['L']} C{r['C']}" for r in rows]
+    ratio = lambda r, a, b: float(r[a]) / float(r[b])
+    series = {
+        "statement fwd": [ratio(r, "cue_fwd_us", "stmt_fwd_us") for r in rows],
+        "layer fwd": [ratio(r, "cue_fwd_us", "layer_fwd_us") for r in rows],
+        "layer fwd+bwd": [ratio(r, "cue_fb_us", "layer_fb_us") for r in rows],
+    }
+elif path.exists():
     rows = [r for r in json.loads(path.read_text())["rows"] if r["case"] == "fctp"]
     labels = [f"L{r['L']} C{r['C']}" for r in rows]
     series = {
@@ -129,15 +141,19 @@ else:
         "layer fwd (fp32)": [r["cue_fwd_ms"] / r["insum_ieee_fwd_ms"] for r in rows],
         "layer fwd+bwd": [r["cue_fb_ms"] / r["insum_tf32_fb_ms"] for r in rows],
     }
-    x = np.arange(len(rows)); width = 0.2
+if not rows:
+    print("no measurements at", probe, "or", path)
+else:
+    x = np.arange(len(rows)); width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(12, 3.5))
     for i, (name, values) in enumerate(series.items()):
-        ax.bar(x + (i - 1.5) * width, values, width, label=name)
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=name)
     ax.axhline(1, color="k", lw=0.8); ax.set_yscale("log"); ax.set_xticks(x, labels)
     ax.set_ylabel("speed-up over cuEquivariance"); ax.legend(ncol=4); plt.tight_layout(); plt.show()
     geo = lambda v: float(np.exp(np.mean(np.log(v))))
     for name, values in series.items():
         print(f"{name:18s} geomean {geo(values):5.1f}x over cuEquivariance (min {min(values):.2f}x)")
-    print("statement fwd over e3nn eager: geomean", round(geo([r["e3nn_fwd_ms"] / r["statement_fwd_ms"] for r in rows]), 1), "x")"""),
+    if "e3nn_fwd_ms" in rows[0]:
+        print("statement fwd over e3nn eager: geomean", round(geo([r["e3nn_fwd_ms"] / r["statement_fwd_ms"] for r in rows]), 1), "x")"""),
 ]
 

@@ -35,6 +35,15 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-10) -> 
     assert (actual - expected).abs().max() <= tol * scale, (actual - expected).abs().max()
 
 
+def _close_gradients(layer, ref, x1, x2, w) -> None:
+    """The layer's float32 gradients of all three inputs against the float64 reference's."""
+    inputs = [t.float().requires_grad_() for t in (x1, x2, w)]
+    grads = torch.autograd.grad(layer(*inputs).sum(), inputs)
+    leaves = [t.clone().requires_grad_() for t in (x1, x2, w)]
+    for got, want in zip(grads, torch.autograd.grad(ref(*leaves).sum(), leaves)):
+        _close(got.double(), want, 1e-5)
+
+
 def _mace(irreps1, irreps2, lmax):
     """insum's MACE paths with e3nn's irreps (the layers under test take either)."""
     irreps_out, ins = mace_instructions(irreps1, irreps2, lmax)
@@ -239,11 +248,7 @@ def test_channel_wise_generated_kernel_in_the_interpreter():
         assert "PR[p]" in layer.statement and len(layer._buckets) == (0 if row_buckets == 1 else 2)
         _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
     # The channel-wise gradient statements (declared lengths) through the generated kernels.
-    inputs = [t.float().requires_grad_() for t in (x1, x2, w)]
-    grads = torch.autograd.grad(layer(*inputs).sum(), inputs)
-    leaves = [t.clone().requires_grad_() for t in (x1, x2, w)]
-    for got, want in zip(grads, torch.autograd.grad(ref(*leaves).sum(), leaves)):
-        _close(got.double(), want, 1e-5)
+    _close_gradients(layer, ref, x1, x2, w)
 
 
 def test_empty_batch_and_no_internal_weights():
@@ -419,11 +424,7 @@ def test_flat_output_generated_kernel_in_the_interpreter(index_dtype):
     for edges in (1, 7):
         x1, x2, w = torch.randn(edges, 12), torch.randn(edges, 4), torch.randn(edges, ref.weight_numel)
         _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
-    inputs = [t.float().requires_grad_() for t in (x1, x2, w)]
-    grads = torch.autograd.grad(layer(*inputs).sum(), inputs)
-    leaves = [t.clone().requires_grad_() for t in (x1, x2, w)]
-    for got, want in zip(grads, torch.autograd.grad(ref(*leaves).sum(), leaves)):
-        _close(got.double(), want, 1e-5)
+    _close_gradients(layer, ref, x1, x2, w)
 
 
 def test_shared_weight_gradient_split_over_batch_groups():
