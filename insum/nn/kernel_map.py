@@ -718,11 +718,10 @@ def _hash_kernels():
             qz = z[:, None] * STRIDE + tap_z[None, :]  # [BLOCK_M, BLOCK_W]
         query = (batch[:, None] << 48) | ((qx + 32768) << 32) | ((qy + 32768) << 16) | (qz + 32768)  # [BLOCK_M, BLOCK_W]
         mixed = (query >> 1) * -7046029254386353131  # [BLOCK_M, BLOCK_W] the insert kernel's first slot
-        slot = (((mixed >> (65 - slot_bits)) & ((1 << (slot_bits - 1)) - 1)) << 1) | (query & 1)  # [BLOCK_M, BLOCK_W]
+        slot = ((((mixed >> (65 - slot_bits)) & ((1 << (slot_bits - 1)) - 1)) << 1) | (query & 1)).to(tl.int32)  # [BLOCK_M, BLOCK_W]
         slot_mask = (1 << slot_bits) - 1
         print_bits = 31 - row_bits
         finger = ((mixed >> (65 - slot_bits - print_bits)) & ((1 << print_bits) - 1)).to(tl.int32)  # [BLOCK_M, BLOCK_W]
-        row = tl.full((BLOCK_M, BLOCK_W), -1, tl.int32)  # [BLOCK_M, BLOCK_W] the query's input row
         held = tl.full((BLOCK_M, BLOCK_W), -1, tl.int32)  # [BLOCK_M, BLOCK_W] the entry the probe stopped at
         # Probe until the key or a free slot: every inserted key lies before the first free slot.
         # The inner loop reads entries only, up to one with the query's fingerprint (or a free
@@ -738,12 +737,14 @@ def _hash_kernels():
                 seeking = seeking & ~stop
                 slot = tl.where(seeking, (slot + 1) & slot_mask, slot)
             alike = pending & (held >= 0)  # [BLOCK_M, BLOCK_W]
-            held_row = held & ((1 << row_bits) - 1)  # [BLOCK_M, BLOCK_W]
-            match = alike & (tl.load(row_keys_ptr + held_row, mask=alike, other=-1) == query)  # [BLOCK_M, BLOCK_W]
-            row = tl.where(match, held_row, row)
+            match = alike & (tl.load(row_keys_ptr + (held & ((1 << row_bits) - 1)), mask=alike, other=-1) == query)
             pending = alike & ~match  # another key with the fingerprint: on past it
             slot = tl.where(pending, (slot + 1) & slot_mask, slot)
-        hit = row >= 0  # [BLOCK_M, BLOCK_W]
+        # Every probe ended at a free slot (held < 0) or at its key's entry. (sm_90, ptxas 13.4:
+        # 48 registers a thread, with an int32 slot and no separate row; 55 with them, 40 for
+        # the probe of int64 keys.)
+        hit = held >= 0  # [BLOCK_M, BLOCK_W]
+        row = tl.where(hit, held & ((1 << row_bits) - 1), -1)  # [BLOCK_M, BLOCK_W] the query's input row
         nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
         tl.store(nbr_ptrs, row, mask=mask_m[:, None] & mask_w[None, :])
         counts_ptrs = stats_ptr + 6 + (pid_m % COPIES) * VOLUME + offs_w
