@@ -570,7 +570,7 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     key, 1.66 per absent one; 7.3 probe rounds per block of 64 sites (the block's longest;
     4 slots per group: 13.6 rounds, one: 7.6), 5.9 per block of 16. A block's lanes loop
     until its longest probe ends, so the blocks are small: 16 sites in the probe kernel
-    (also 48 registers a thread for sm_90, 92 at 32 sites), 128 keys in the insert kernel
+    (also fewer registers a thread: 48 for sm_90), 128 keys in the insert kernel
     (4.4 compare-and-swaps issued per key, 1.33 needed; 6.6 in blocks of 1024).
 
     The table is one int32 per slot: the input row under a fingerprint (`_row_bits`: the
