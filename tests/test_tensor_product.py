@@ -686,3 +686,37 @@ def test_direct_layout_double_backward_equals_e3nn():
         results.append((dx2, *torch.autograd.grad(dx2.pow(2).sum(), [x1, x2])))
     for a, b in zip(*results):
         _close(a, b)
+
+
+@pytest.mark.parametrize("case", ["uvw padded", "uvu per-edge", "uvu second multiplicity", "uvu buckets"])
+def test_second_derivatives_of_the_gather_path_equal_e3nn(case):
+    """Double backward (a gradient taken with create_graph, then differentiated again, as a
+    force-field loss on forces does) through output="gather": every input's second-order
+    gradient against e3nn's, in float64 on the torch lowering."""
+    torch.manual_seed(11)
+    if case == "uvw padded":
+        ref = o3.FullyConnectedTensorProduct("2x0e+1x1o", "0e+1o", "1x0e+2x1o")
+        w = None
+    elif case == "uvu second multiplicity":
+        ins = [(0, 1, 0, "uvu", True), (1, 1, 1, "uvu", True), (1, 0, 2, "uvu", True)]
+        ref = o3.TensorProduct("3x0e+2x1o", "2x0e+2x1o", "3x1o+2x0e+2x1o", ins)
+        w = None
+    else:
+        irreps_out, ins = _mace(o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o+2e"), 2)
+        ref = o3.TensorProduct("2x0e+2x1o", "0e+1o+2e", irreps_out, ins, shared_weights=False, internal_weights=False)
+        w = torch.randn(3, ref.weight_numel, dtype=torch.float64, requires_grad=True)
+    ref = ref.double()
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output="gather",
+                                    row_buckets=3 if case.endswith("buckets") else 1).double()
+    x1 = torch.randn(3, ref.irreps_in1.dim, dtype=torch.float64, requires_grad=True)
+    x2 = torch.randn(3, ref.irreps_in2.dim, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(3, ref.irreps_in1.dim, dtype=torch.float64)
+
+    def second(module, weight):
+        leaves = [x1, x2] + ([weight] if weight is not None else [module.weight])
+        out = module(x1, x2, weight) if weight is not None else module(x1, x2)
+        (g1,) = torch.autograd.grad((out * out).sum(), [x1], create_graph=True)
+        return torch.autograd.grad((g1 * probe).sum(), leaves)
+
+    for got, want in zip(second(layer, w), second(ref, w)):
+        _close(got, want, 1e-9)

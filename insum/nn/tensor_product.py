@@ -594,13 +594,16 @@ class _ProductFunction(torch.autograd.Function):
     def forward(ctx, layer: TensorProduct, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         Y, X, W = layer._operands(x1, x2, weight)
         ctx.layer = layer
-        ctx.save_for_backward(Y, X, W)
+        # The inputs, not their gathered copies: the backward gathers them again, so that a
+        # double backward (create_graph) differentiates through the gathers back to x1 and
+        # the weight (saved copies would be constants to it: wrong second derivatives).
+        ctx.save_for_backward(x1, x2, weight)
         return layer._product(Y, X, W)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
         layer: TensorProduct = ctx.layer
-        Y, X, W = ctx.saved_tensors
+        Y, X, W = layer._operands(*ctx.saved_tensors)
         if layer.output == "flat":
             return (None, *_flat_backward(layer, ctx.needs_input_grad[1:4], Y, X, W, d_out.contiguous()))
         batch = d_out.shape[0]
