@@ -106,9 +106,11 @@ def cases(device: torch.device, formats_out: dict | None = None) -> dict[str, Ca
 def launch_paths(formats: dict) -> list[str]:
     """Which path each format's repeated product takes (pinned or not, ready or not) and each
     cached launch's (direct or the JIT, and why): where a row's host time goes on CUDA."""
-    B = formats.pop("B")
+    B = formats["B"]
     lines = []
     for name, fmt in formats.items():
+        if name == "B":
+            continue
         for plan in (fmt.__dict__.get("_spmm_plans") or {}).values():
             pinned = plan.pinned
             state = "not pinned" if pinned is None else (

@@ -292,14 +292,15 @@ def prepared(expr: str, options: tuple, tensors: dict, lengths: Mapping | None =
         return None
     if call.requires_grad and torch.is_grad_enabled():
         return None
-    if call.aligned is not None and call.aligned != _alignment(call.bound, tensors):
+    if call.aligned is not None and call.aligned != _alignment(call.bound.value_names, tensors):
         return None
     check_aliasing(call.bound.stmt, call.inputs, tensors)
     return call
 
 
-def _alignment(bound: Bound, tensors) -> tuple[bool, ...]:
-    return tuple(tensors[n].data_ptr() % 16 == 0 for n in bound.value_names)
+def _alignment(names, tensors) -> tuple[bool, ...]:
+    """Whether each named tensor starts 16-byte aligned (what descriptor kernels depend on)."""
+    return tuple([tensors[n].data_ptr() % 16 == 0 for n in names])
 
 
 def prepare(
@@ -341,7 +342,7 @@ def prepare(
             if launcher.config is None and launcher.launched:
                 return  # not run yet (nothing to repeat)
             if descriptors_supported(bound.device):
-                aligned = _alignment(bound, bound.tensors)
+                aligned = _alignment(bound.value_names, bound.tensors)
     try:
         names = tuple((key, name) for key, (_, name, _) in zip(lengths or {}, declared))
         _PREPARED[(expr, options, signature)] = Prepared(bound, launcher, _checking(check_indices), autotune, aligned, names)
@@ -419,7 +420,7 @@ def prepared_batch(calls, options: tuple) -> PreparedBatch | None:
     if batch.requires_grad and torch.is_grad_enabled():
         return None
     for position, call in batch.aligned:
-        if call.aligned != _alignment(call.bound, calls[position][1]):
+        if call.aligned != _alignment(call.bound.value_names, calls[position][1]):
             return None
     written = set()
     for position in batch.outputs:
@@ -540,7 +541,7 @@ class Pinned:
         """Run the calls with the `varying` tensors (after `ready`); False, having run
         nothing, when a varying tensor is aligned otherwise than the kernels were chosen for."""
         for names, expected in self.aligned:
-            if tuple([varying[name].data_ptr() % 16 == 0 for name in names]) != expected:
+            if _alignment(names, varying) != expected:
                 return False
         launch, arguments = self.launch, self.arguments
         if arguments is None:

@@ -405,13 +405,9 @@ class TensorProduct(nn.Module):
         if needs[2]:
             if self.shared_weights:
                 groups = _batch_groups(batch)
-
-                def split(t: torch.Tensor) -> torch.Tensor:
-                    return t.reshape(groups, batch // groups, t.shape[-1])
-
                 DW = x1.new_empty(groups, *W.shape)
-                statements["W"](DW=DW, Y=split(x2), X=split(x1), DZ=split(d_out))
-                DW = (DW[0] if groups == 1 else DW.sum(0)).reshape(-1)
+                statements["W"](DW=DW, Y=_grouped(x2, groups), X=_grouped(x1, groups), DZ=_grouped(d_out, groups))
+                DW = _summed(DW).reshape(-1)
             else:
                 DW = x1.new_empty(W.shape)
                 statements["W"](DW=DW, Y=x2, X=x1, DZ=d_out)
@@ -537,14 +533,9 @@ class TensorProduct(nn.Module):
         """The statement's (Y, X, W) from flat inputs: input 1 gathered component-major, the
         weight as slabs (a view when its layout already is); all three as given for
         output="flat", whose statement reads e3nn's layouts."""
-        tables = self._buffers
         if self.output == "flat":
             return x2, x1, weight
-        if self._identity_w:
-            W = weight.view(*weight.shape[:-1], *tables["W_INDEX"].shape)
-        else:
-            W = _gather(weight, tables["W_INDEX"], self._pad_w)
-        return x2, _gather(x1, tables["X_INDEX"], self._pad_x), W
+        return x2, _gather(x1, self._buffers["X_INDEX"], self._pad_x), self._slabs(weight)
 
     def statement_tensors(
         self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None, lead: tuple[int, ...] | None = None
@@ -624,12 +615,9 @@ class _ProductFunction(torch.autograd.Function):
             tables = {"WV": layer._table("WV", dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
             if layer.shared_weights:
                 groups = _batch_groups(batch)
-
-                def split(t: torch.Tensor) -> torch.Tensor:
-                    return t.reshape(groups, t.shape[0] // groups, *t.shape[1:])
-
-                DW = layer._run(stmts["W"], Y=split(Y), X=split(X), DZ=split(DZ), lengths={"q[s]": layer.WL}, **tables)
-                DW = DW[0] if groups == 1 else DW.sum(0)
+                DW = layer._run(stmts["W"], Y=_grouped(Y, groups), X=_grouped(X, groups), DZ=_grouped(DZ, groups),
+                                lengths={"q[s]": layer.WL}, **tables)
+                DW = _summed(DW)
                 DW = DW.reshape(-1)
             else:
                 DW = layer._run(stmts["W"], Y=Y, X=X, DZ=DZ, lengths={"q[s]": layer.WL}, **tables).reshape(batch, -1)
@@ -662,12 +650,7 @@ def _flat_backward(layer: TensorProduct, needs: tuple[bool, ...], Y: torch.Tenso
     dweight = None
     if needs[2] and layer.shared_weights:
         groups = _batch_groups(Y.shape[0])
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(groups, t.shape[0] // groups, t.shape[1])
-
-        DW = run("W", "JXT", Y=split(Y), X=split(X), DZ=split(DZ))
-        dweight = DW[0] if groups == 1 else DW.sum(0)
+        dweight = _summed(run("W", "JXT", Y=_grouped(Y, groups), X=_grouped(X, groups), DZ=_grouped(DZ, groups)))
     elif needs[2]:
         dweight = run("W", "JXT", Y=Y, X=X, DZ=DZ)
     return dx1, dx2, dweight
@@ -814,6 +797,16 @@ def _batch_groups(batch: int, most: int = 64, least_rows: int = 256) -> int:
         if batch % groups == 0:
             return groups
     return 1
+
+
+def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The batch (first) dimension split into `groups` equal groups: [groups, batch/groups, ...]."""
+    return t.reshape(groups, t.shape[0] // groups, *t.shape[1:])
+
+
+def _summed(per_group: torch.Tensor) -> torch.Tensor:
+    """A shared weight's gradient from its per-group partial gradients (no sum for one group)."""
+    return per_group[0] if per_group.shape[0] == 1 else per_group.sum(0)
 
 
 def _promoted(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
