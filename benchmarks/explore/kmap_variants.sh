@@ -19,6 +19,11 @@ declare -A EDITS=(
   [warp1_sites4]='s|block_m = max(1, 512 // block_w)|block_m = max(1, 128 // block_w)|; s|^                BLOCK_M=block_m, BLOCK_W=block_w)$|                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)|'
   [warp1_sites8]='s|block_m = max(1, 512 // block_w)|block_m = max(1, 256 // block_w)|; s|^                BLOCK_M=block_m, BLOCK_W=block_w)$|                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)|'
   [warp2_sites8]='s|block_m = max(1, 512 // block_w)|block_m = max(1, 256 // block_w)|; s|^                BLOCK_M=block_m, BLOCK_W=block_w)$|                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=2)|'
+  # round 2 (after the probe's one-warp programs landed): the insert kernel, the pair groups
+  [insert_warp1]='s|coords.stride(0), coords.stride(1), BLOCK=block)|coords.stride(0), coords.stride(1), BLOCK=block, num_warps=1)|'
+  [insert_warp1_64]='s|coords.stride(0), coords.stride(1), BLOCK=block)|coords.stride(0), coords.stride(1), BLOCK=block, num_warps=1)|; s|        block = 128$|        block = 64|'
+  [pairs_rows32]='s|block_m = max(1, 2048 // block_w)|block_m = max(1, 1024 // block_w)|'
+  [pairs_warp8]='s|                BLOCK_P=1024)|                BLOCK_P=1024, num_warps=8)|'
 )
 VARIANTS=${VARIANTS:-base stream_nbr stream_nbr_keep_table sites8 sites32}
 for name in $VARIANTS; do
