@@ -546,6 +546,13 @@ def _row_bits(n_in: int) -> int:
     return max(1, (n_in - 1).bit_length())
 
 
+def _slot_bits(n_in: int) -> int:
+    """log2 of the hash table's slots: 8 to 16 a key (`_lookup_hashed` says why), at most
+    2**30 slots (4 GB) unless 2 a key need more, and at least 16."""
+    sparse = (8 * n_in - 1).bit_length()
+    return max(4, min(sparse, max(30, (2 * n_in - 1).bit_length())))
+
+
 @functools.cache
 def _stats_template(volume: int, device: torch.device) -> torch.Tensor:
     """The starting value of `_lookup_hashed`'s result buffer: for the input and the output
@@ -576,15 +583,19 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     a program each round's exit test is a warp's shuffles rather than a block reduction
     through shared memory and a barrier: 445M instructions instead of 651M, the build
     0.92 ms instead of 1.22 (16 sites and 4 warps a program; benchmarks/results/h200/
-    session5/kmap_variants*).
+    session5/kmap_variants*). For the same reason the table is sparse, 8 to 16 slots a key
+    (`_slot_bits`): a warp's 256 probes run as many rounds as the longest of them, and a
+    sparser table shortens the longest more than it costs in L2 hits. Measured at 1.45M
+    sites (A/B in one call, each build with spconv-triton's beside it): the build 0.96 ms
+    at 2 to 4 slots a key (2**22 slots), 0.78 at 4 to 8, 0.70 at 8 to 16 (67 MB, transient);
+    map + tiles 1.35 / 1.20 / 1.11 ms, with the training packings 1.64 / 1.48 / 1.41 ms,
+    against spconv-triton's 1.53-1.55 and 1.57-1.59 ms.
 
     The table is one int32 per slot: the input row under a fingerprint (`_row_bits`: the
     hash's bits below the slot's), and the keys sit in input order (`row_keys`, written by
     the insert kernel): a probe reads a key only at an entry with its fingerprint (its hit,
-    or 1 in 2**(31 - row_bits) of the other keys' entries, 1 in 1024 at 1.2M sites). At 1.2M
-    sites (2**22 slots) that is 16.8 MB of table and 9.4 MB of keys where an int64 key and an
-    int32 row per slot took 50.3 MB: the H200's L2 holds 50 MB, and the probe kernel also
-    streams out the 130 MB map. Counted on the 1.17M-voxel room scene (benchmarks'
+    or 1 in 2**(31 - row_bits) of the other keys' entries, 1 in 1024 at 1.2M sites): a slot
+    of 4 bytes where an int64 key and an int32 row took 12. Counted on the 1.17M-voxel room scene (benchmarks'
     `room_scene(1_000_000)`), the distinct 32-byte sectors each block of 16 sites reads: 140
     (of the table and the hits' keys), against 182 (of the int64 keys and the hits' rows);
     144 against 188 at 142k sites. The chain of dependent reads is as long: the probe
@@ -595,7 +606,7 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     volume = kernel_size**3
     n_out, n_in = out.shape[0], coords.shape[0]
     device = out.device
-    slot_bits = max(4, (2 * n_in - 1).bit_length())  # at least two slots per key
+    slot_bits = _slot_bits(n_in)
     row_bits = _row_bits(n_in)
     table = torch.full((1 << slot_bits,), _EMPTY, dtype=torch.int32, device=device)
     row_keys = torch.empty(n_in, dtype=torch.int64, device=device)
