@@ -24,6 +24,9 @@ declare -A EDITS=(
   [insert_warp1_64]='s|coords.stride(0), coords.stride(1), BLOCK=block)|coords.stride(0), coords.stride(1), BLOCK=block, num_warps=1)|; s|        block = 128$|        block = 64|'
   [pairs_rows32]='s|block_m = max(1, 2048 // block_w)|block_m = max(1, 1024 // block_w)|'
   [pairs_warp8]='s|                BLOCK_P=1024)|                BLOCK_P=1024, num_warps=8)|'
+  # round 3: a sparser table (4 or 8 slots a key, not 2): shorter longest probes in a warp
+  [table4]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (4 * n_in - 1).bit_length())|'
+  [table8]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (8 * n_in - 1).bit_length())|'
 )
 VARIANTS=${VARIANTS:-base stream_nbr stream_nbr_keep_table sites8 sites32}
 for name in $VARIANTS; do
