@@ -254,6 +254,15 @@ def test_channel_wise_generated_kernel_in_the_interpreter():
     tensors["Z"].fill_(float("nan"))  # every output element is stored (ZO: a permutation, no zero fill)
     out = insum(indexed.statement, backend="triton", precision="ieee", **indexed.statement_facts(), **tensors)
     _close(out.double(), ref(x1, x2, w), 1e-5)
+    from insum.bind import bind
+    from insum.execute import length_facts
+    from insum.parser import parse
+    from insum.runtime import kernel_for
+
+    facts = indexed.statement_facts()
+    bound, declared = length_facts(bind(parse(indexed.statement), tensors), facts["lengths"])
+    launcher = kernel_for(bound, "ieee", unique_indices=facts["unique_indices"], lengths=declared).prepared(bound)
+    assert not launcher.zero_fill  # ZO covers the output: plain stores only
     # The channel-wise gradient statements (declared lengths) through the generated kernels.
     _close_gradients(layer, ref, x1, x2, w)
 
