@@ -10,7 +10,8 @@ to the grid (one value per program); other reduced variables become scalar outer
 Which variable goes on M, N and K (and which become grid or loop variables) is ranked, not
 read off the index order: `rank` enumerates every valid tiling of the plan's kind and
 scores it with a cost model of tile fill, loop steps, operand contiguity, programs against
-SMs and output writes (atomics cost more than owned stores); `schedule` takes the cheapest,
+SMs, output writes (atomics cost more than owned stores) and declared lengths (a program
+holding one padded row stops at its length); `schedule` takes the cheapest,
 but keeps the conventional tiling (innermost output variable on N, ...) unless another
 costs less than KEEP times as much, so that GPU-tuned defaults move only for a clear reason.
 `insum.explain` prints the ranked candidates.
