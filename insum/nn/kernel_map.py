@@ -569,9 +569,14 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     on the 1.2M-voxel room scene (table at 2**22 slots, load 0.28): 1.33 probes per found
     key, 1.66 per absent one; 7.3 probe rounds per block of 64 sites (the block's longest;
     4 slots per group: 13.6 rounds, one: 7.6), 5.9 per block of 16. A block's lanes loop
-    until its longest probe ends, so the blocks are small: 16 sites in the probe kernel
-    (also fewer registers a thread: 48 for sm_90), 128 keys in the insert kernel
-    (4.4 compare-and-swaps issued per key, 1.33 needed; 6.6 in blocks of 1024).
+    until its longest probe ends, so the blocks are small: 8 sites in the probe kernel, one
+    warp a program, 128 keys in the insert kernel (4.4 compare-and-swaps issued per key,
+    1.33 needed; 6.6 in blocks of 1024). The probe is bound by integer instructions (ncu,
+    1.45M sites on an H200: the ALU pipe 82% busy, DRAM 4%, L2 hits 90%), and with one warp
+    a program each round's exit test is a warp's shuffles rather than a block reduction
+    through shared memory and a barrier: 445M instructions instead of 651M, the build
+    0.92 ms instead of 1.22 (16 sites and 4 warps a program; benchmarks/results/h200/
+    session5/kmap_variants*).
 
     The table is one int32 per slot: the input row under a fingerprint (`_row_bits`: the
     hash's bits below the slot's), and the keys sit in input order (`row_keys`, written by
@@ -605,11 +610,11 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
                 coords.stride(0), coords.stride(1), BLOCK=block)
     if n_out:
         block_w = next_power_of_2(volume)
-        block_m = max(1, 512 // block_w)
+        block_m = max(1, 256 // block_w)
         _launch(probe, (cdiv(n_out, block_m),), out, table, row_keys, nbr, mask, stats, n_out, slot_bits,
                 row_bits, out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
                 TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits, COPIES=_COUNT_COPIES,
-                BLOCK_M=block_m, BLOCK_W=block_w)
+                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)
     return nbr, mask, torch.cat([stats[:6], stats[6:].view(_COUNT_COPIES, volume).sum(0)])
 
 
@@ -740,9 +745,7 @@ def _hash_kernels():
             match = alike & (tl.load(row_keys_ptr + (held & ((1 << row_bits) - 1)), mask=alike, other=-1) == query)
             pending = alike & ~match  # another key with the fingerprint: on past it
             slot = tl.where(pending, (slot + 1) & slot_mask, slot)
-        # Every probe ended at a free slot (held < 0) or at its key's entry. (sm_90, ptxas 13.4:
-        # 48 registers a thread, with an int32 slot and no separate row; 55 with them, 40 for
-        # the probe of int64 keys.)
+        # Every probe ended at a free slot (held < 0) or at its key's entry.
         hit = held >= 0  # [BLOCK_M, BLOCK_W]
         row = tl.where(hit, held & ((1 << row_bits) - 1), -1)  # [BLOCK_M, BLOCK_W] the query's input row
         nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
