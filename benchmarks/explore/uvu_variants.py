@@ -25,6 +25,10 @@ its configuration and plan:
                    * W[b,FR[t]]`: one column per e3nn output position, contiguous tiles
   stmt_flat_tb     the same statement, M=t N=b (the cost model's cheapest, not chosen)
 
+and the gather layer's output gather alone, component-major Z into e3nn's layout: `gather_torch`
+(its `index_select`, as the layer runs it) and `gather_insum` (`O[b, t] = Z[b, OI[t]]`, the
+configurations GATHER_CONFIGS), each against the HBM time of its bytes (`note`).
+
 Layer variants (`TensorProduct` as a user calls it; its kernels take the best configuration
 of the sweep above, so no autotuning runs inside the timed calls): `layer_gather`
 (output="gather", the default: X gather, statement, output gather), `layer_indexed`
@@ -84,6 +88,8 @@ SMOKE_IRREPS1 = "4x0e+4x1o+4x2e"
 EDGES, SMOKE_EDGES = (10_000, 40_000), (7,)
 TOLERANCE = 1e-5
 ZI_STATEMENT = "Z[b, ZI[p, u]] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, XI[CGI[p, q], u]] * W[b, PR[p], u]"
+GATHER_STATEMENT = "O[b, t] = Z[b, OI[t]]"
+GATHER_CONFIGS = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": 2} for m, n in ((4, 512), (8, 256), (16, 128))]
 
 
 @dataclasses.dataclass
@@ -336,6 +342,21 @@ def _anchors(layers: dict, x: dict, expected, smoke: bool) -> list[dict]:
     return rows
 
 
+def _output_gathers(layer: TensorProduct, expected: torch.Tensor, smoke: bool) -> list[dict]:
+    """The gather layer's output permutation alone (component-major Z -> e3nn's layout), by
+    torch's index_select and by an insum gather statement, on Z made from the expected output."""
+    z = expected.float().index_select(1, layer.OUT_INVERSE).contiguous()
+    per_edge = 2 * z.shape[1] * z.element_size()
+    note = f"{per_edge} B per edge read and written: {z.shape[0] * per_edge / 4.8e9:.3f} ms at 4.8 TB/s"
+    row = {"case": "gather_torch", "note": note}
+    out = z.index_select(1, layer.OUT_INDEX)
+    row["err"] = relative_error(out, expected)
+    row["ms"] = float("nan") if smoke else median_ms(lambda: z.index_select(1, layer.OUT_INDEX), warmup=5, rep=25)
+    case = _case("gather_insum", GATHER_STATEMENT, {"Z": z, "OI": layer.OUT_INDEX.int()}, {}, lambda o: o)
+    swept = _sweep(case, expected, smoke, configs=GATHER_CONFIGS[:1] if smoke else GATHER_CONFIGS)
+    return [row, {**{k: v for k, v in swept.items() if k != "configs"}, "note": f"{note} | {swept.get('config')}"}]
+
+
 def warm(shard: int, shards: int, smoke: bool) -> None:
     """Compile this shard's (kernel, configuration) pairs (round robin over all of them)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -407,7 +428,8 @@ def main() -> None:
     # layers then use), the layers and the anchors next, at every size; the conventional plan,
     # the flat layer (its statements first) and the exploratory plans last (first skipped).
     first = ["stmt_gather", "stmt_indexed", "grad_X", "grad_W", "grad_Y", "layers", "anchors"]
-    later = ["stmt_gather_pb", "stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "layer_flat", "stmt_zi", "stmt_flat_tb"]
+    later = ["stmt_gather_pb", "output_gathers", "stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "layer_flat", "stmt_zi",
+             "stmt_flat_tb"]
     steps = [(e, n) for e in sizes for n in first] + [(e, n) for e in sizes for n in later]
     for edges, name in steps:
         if time.time() - start > args.budget:
@@ -421,6 +443,10 @@ def main() -> None:
             for kind in ("gather", "indexed") if name == "layers" else ("flat",):
                 rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
                 print(json.dumps(rows[-1]), flush=True)
+            continue
+        if name == "output_gathers":
+            rows.extend({"edges": edges, **r} for r in _output_gathers(layers["gather"], expected, args.smoke))
+            print(json.dumps(rows[-2:]), flush=True)
             continue
         if name == "anchors":
             anchors = [{"edges": edges, **r} for r in _anchors(layers, x, expected, args.smoke)]

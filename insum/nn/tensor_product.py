@@ -203,17 +203,14 @@ class TensorProduct(nn.Module):
                               f"({self.irreps_in1}) and one across irreps_out ({self.irreps_out})")
         if automatic and direct:
             self.output = output = "direct"
-        indexed = row_buckets == 1 and not self._pad_dz
-        if output == "indexed" and not indexed:
+        if output == "indexed" and (row_buckets != 1 or self._pad_dz):
             raise IrrepsError(f"output='indexed' needs row_buckets=1 and one multiplicity across irreps_out ({self.irreps_out})")
-        if output == "indexed":
-            # the output's flat position of (component p, channel): a permutation of its columns
+        if output in ("direct", "indexed"):
+            # the output's flat position of (component p, channel): a permutation of its
+            # columns (no padding); for "direct" also x1's of (component, channel)
             tables["ZO"] = tables["OUT_INVERSE"].reshape(tables["CGV"].shape[0], -1)
         if output == "direct":
-            # x1's flat position of (component, channel) and the output's of (component p,
-            # channel w): both permutations of their layouts (no padding)
             tables["XI"] = tables["X_INDEX"]
-            tables["ZO"] = tables["OUT_INVERSE"].reshape(tables["CGV"].shape[0], -1)
         # The inverse layout gathers of the backward: the gradients of x1 and of the flat
         # weight, read from the component-major / slab-major gradients (no zero-fill, no scatter).
         tables["X_INVERSE"] = _inverse(tables["X_INDEX"], self.irreps_in1.dim)
