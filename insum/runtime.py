@@ -437,13 +437,15 @@ class BatchLaunch:
     own first call) as one launch of a batch kernel (`codegen.emit_batch`).
 
     Only for parts that add into their outputs atomically without a float32 buffer (no zero
-    fill, no copy back): run concurrently, they sum as the separate launches would.
+    fill, no copy back): run concurrently, they sum as the separate launches would. With
+    `disjoint` also overwriting (`=`) parts that store every element of their own outputs
+    once (no zero fill): layout copies, one run of blocks each.
     """
 
     def __init__(self, parts: list[_Launcher], disjoint: bool = False):
         for part in parts:
-            if part.config is None or part.half_scratch or part.zero_fill or not part.accumulate:
-                raise UnsupportedStatement("a batch takes prepared `+=` statements only")
+            if part.config is None or part.half_scratch or part.zero_fill or not (part.accumulate or disjoint):
+                raise UnsupportedStatement("a batch takes prepared `+=` statements, or disjoint ones that store each element once")
             if part.kernel.plan.output not in ("atomic", "segment") and not disjoint:
                 raise UnsupportedStatement("a batch takes statements whose outputs add atomically, or write disjoint elements")
         batch = emit_batch([part.kernel.emitted for part in parts])

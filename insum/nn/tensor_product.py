@@ -79,6 +79,7 @@ from .cg_tables import (
 )
 from .irreps import Irrep, Irreps, IrrepsError
 from .kernel_map import bucket_bounds
+from .layout import BlockLayout
 
 __all__ = [
     "TensorProduct",
@@ -215,6 +216,10 @@ class TensorProduct(nn.Module):
         # weight, read from the component-major / slab-major gradients (no zero-fill, no scatter).
         tables["X_INVERSE"] = _inverse(tables["X_INDEX"], self.irreps_in1.dim)
         tables["W_INVERSE"] = _inverse(tables["W_INDEX"], self.weight_numel)
+        # The same layout changes as block transposes (`insum.nn.layout`; runs None where
+        # the tables are not [U, D] blocks, as with row_buckets: the gathers run instead).
+        self._x_layout = BlockLayout(tables["X_INDEX"], self.irreps_in1.dim)
+        self._out_layout = BlockLayout(tables["OUT_INVERSE"].reshape(tables["CGV"].shape[0], -1), self.irreps_out.dim)
         # float64, cast per call: the CG values must stay exact for a float64 product
         self._value_tables = {name: table for name, table in tables.items() if table.dtype == np.float64}
         for name, table in tables.items():
@@ -368,8 +373,19 @@ class TensorProduct(nn.Module):
         else:
             Z = self._run(self.statement, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=tables["CGJ"],
                           CGI=tables["CGI"], lengths={"q[p]": tables["CGL"]}, **self._weight_tables())
-        Z = Z.reshape(Z.shape[0], -1)
-        return Z if self._identity_out else Z.index_select(1, tables["OUT_INDEX"])
+        if self._identity_out:
+            return Z.reshape(Z.shape[0], -1)
+        if self._copies(self._out_layout, Z):
+            return self._out_layout.to_flat(Z)
+        return Z.reshape(Z.shape[0], -1).index_select(1, tables["OUT_INDEX"])
+
+    def _copies(self, layout: BlockLayout, t: torch.Tensor) -> bool:
+        """Whether a layout change of `t` runs as `layout`'s block transposes (generated
+        kernels, eager, no gradient through them) rather than as a gather through its table
+        (torch indexing: the torch backend, torch.compile, a graph for second derivatives)."""
+        if layout.runs is None or torch.compiler.is_compiling() or (torch.is_grad_enabled() and t.requires_grad):
+            return False
+        return self.backend == "triton" or (self.backend == "auto" and t.is_cuda)
 
     def __setattr__(self, name: str, value: Any) -> None:
         """Assigning an attribute (backend, precision, a parameter or table replaced; not
@@ -552,6 +568,8 @@ class TensorProduct(nn.Module):
         output="flat", whose statement reads e3nn's layouts."""
         if self.output == "flat":
             return x2, x1, weight
+        if self._copies(self._x_layout, x1):
+            return x2, self._x_layout.to_components(x1), self._slabs(weight)
         return x2, _gather(x1, self._buffers["X_INDEX"], self._pad_x), self._slabs(weight)
 
     def statement_tensors(
@@ -622,6 +640,8 @@ class _ProductFunction(torch.autograd.Function):
         P, channels = layer.CGV.shape[0], (X.shape[2] if layer.mode == "uvu" else W.shape[-1])
         if layer._identity_out:
             DZ = d_out.contiguous().view(batch, P, channels)
+        elif layer._copies(layer._out_layout, d_out):
+            DZ = layer._out_layout.to_components(d_out)
         else:
             DZ = _gather(d_out, layer.OUT_INVERSE, layer._pad_dz).view(batch, P, channels)
         dtype, stmts = DZ.dtype, layer.gradient_statements
@@ -630,7 +650,10 @@ class _ProductFunction(torch.autograd.Function):
         if need_x1:
             DX = layer._run(stmts["X"], XV=layer._table("XV", dtype), Y=Y, DZ=DZ, W=W, XJ=layer.XJ, XP=layer.XP, XS=layer.XS,
                             lengths={"q[c]": layer.XL})
-            dx1 = DX.reshape(batch, -1).index_select(1, layer.X_INVERSE)
+            if layer._copies(layer._x_layout, DX):
+                dx1 = layer._x_layout.to_flat(DX)
+            else:
+                dx1 = DX.reshape(batch, -1).index_select(1, layer.X_INVERSE)
         if need_w:
             tables = {"WV": layer._table("WV", dtype), "WJ": layer.WJ, "WC": layer.WC, "WP": layer.WP}
             if layer.shared_weights:
