@@ -77,6 +77,7 @@ from insum.codegen.schedule import plan_of, rank  # noqa: E402
 from insum.codegen.tune import configs_for, prune_configs  # noqa: E402
 from insum.execute import length_facts  # noqa: E402
 from insum.nn import TensorProduct  # noqa: E402
+from insum.nn.layout import COPY_TO_COMPONENTS, COPY_TO_FLAT, TO_COMPONENTS, TO_FLAT, copy_kernel  # noqa: E402
 from insum.nn.tensor_product import mace_instructions  # noqa: E402
 from insum.parser import parse  # noqa: E402
 from insum.runtime import Kernel, kernel_for  # noqa: E402
@@ -89,6 +90,11 @@ EDGES, SMOKE_EDGES = (10_000, 40_000), (7,)
 TOLERANCE = 1e-5
 ZI_STATEMENT = "Z[b, ZI[p, u]] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, XI[CGI[p, q], u]] * W[b, PR[p], u]"
 GATHER_STATEMENT = "O[b, t] = Z[b, OI[t]]"
+# The layout copies' tiles (`insum.nn.layout`): a transpose holds u (M) by m (N) of one
+# block, a plain copy (0e runs) edges (M) by channels (N); clamped to the extents.
+TRANSPOSE_CONFIGS = [{"BLOCK_M": 128, "BLOCK_N": 8, "num_warps": w, "num_stages": 2} for w in (4, 2)] + [
+    {"BLOCK_M": 64, "BLOCK_N": 8, "num_warps": 2, "num_stages": 2}]
+PLAIN_COPY_CONFIGS = [{"BLOCK_M": m, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2} for m in (4, 8, 16)]
 GATHER_CONFIGS = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": 2} for m, n in ((4, 512), (8, 256), (16, 128))]
 
 
@@ -172,7 +178,8 @@ def _cases(layers: dict, x: dict) -> list[Case]:
           "XI": gather.X_INDEX.int(), "X": x["x1"], **{k: v for k, v in t.items() if k != "X"}}
     ft = flat.statement_tensors(x["x1"], x["x2"], x["w"])
     indexed = layers["indexed"]
-    cases = [
+    cases = _copy_cases(gather, x)
+    cases += [
         _case("stmt_gather", gather.statement, t, lengths, from_z),
         _case("stmt_gather_pb", gather.statement, t, lengths, from_z, pick=_tiles("p", "q", "u"), grid_first=False),
         _case("stmt_indexed", indexed.statement, indexed.statement_tensors(x["x1"], x["x2"], x["w"]), lengths,
@@ -197,6 +204,32 @@ def _cases(layers: dict, x: dict) -> list[Case]:
     return cases
 
 
+def _layout_tensors(layer: TensorProduct, x: dict) -> dict:
+    """Per layout change of the gather layer, (layout, component-major tensor, e3nn-layout
+    tensor) on this size's inputs: the forward's output (Z -> out) and x1 (x1 -> X), the
+    backward's output gradient (g -> DZ) and x1's gradient (DX -> dx1)."""
+    E = x["x1"].shape[0]
+    out, xl = layer._out_layout, layer._x_layout
+    z = torch.randn(E, out.rows, out.channels, device=x["x1"].device)
+    dx = torch.randn(E, xl.rows, xl.channels, device=x["x1"].device)
+    return {"out": (out, z, True), "x1": (xl, x["x1"], False), "dz": (out, x["g"], False), "dx1": (xl, dx, True)}
+
+
+def _copy_cases(layer: TensorProduct, x: dict) -> list[Case]:
+    """One case per run of each layout change (the kernels the layer's copies share,
+    `insum.nn.layout.copy_kernel`), swept so that the layer's first calls find their tiles."""
+    cases = []
+    for name, (layout, source, to_flat) in _layout_tensors(layer, x).items():
+        flat = torch.empty(source.shape[0], layout.flat_dim, device=source.device) if to_flat else source
+        comp = source if to_flat else torch.empty(source.shape[0], layout.rows, layout.channels, device=source.device)
+        for kind, fv, cv in layout._views(flat, comp):
+            texts = (TO_FLAT, TO_COMPONENTS) if kind == "transpose" else (COPY_TO_FLAT, COPY_TO_COMPONENTS)
+            bound = bind(parse(texts[0] if to_flat else texts[1]), {"F": fv, "T": cv})
+            D = fv.shape[3] if kind == "transpose" else 1
+            cases.append(Case(f"copy_{name}_{fv.shape[1]}x{D}", copy_kernel(bound), bound, None))
+    return cases
+
+
 def _statement_tensors(layer: TensorProduct, stmt: str, given: dict) -> dict:
     """The tensors a gradient statement reads: `given` ones, else the layer's tables (value
     tables in float32, as the layer's backward converts them)."""
@@ -206,7 +239,10 @@ def _statement_tensors(layer: TensorProduct, stmt: str, given: dict) -> dict:
 
 
 def _configs(case: Case, smoke: bool) -> list[dict]:
-    configs = prune_configs(case.kernel.plan, configs_for(case.kernel.plan), case.kernel.prepared(case.bound).extents)
+    table = configs_for(case.kernel.plan)
+    if case.name.startswith("copy_"):
+        table = TRANSPOSE_CONFIGS if dict(case.kernel.plan.tiles).get("N") == "m" else PLAIN_COPY_CONFIGS
+    configs = prune_configs(case.kernel.plan, table, case.kernel.prepared(case.bound).extents)
     return configs[:2] if smoke else configs
 
 
@@ -357,6 +393,49 @@ def _output_gathers(layer: TensorProduct, expected: torch.Tensor, smoke: bool) -
     return [row, {**{k: v for k, v in swept.items() if k != "configs"}, "note": f"{note} | {swept.get('config')}"}]
 
 
+def _layout_rows(layer: TensorProduct, x: dict, smoke: bool) -> list[dict]:
+    """Each layout change of the gather layer alone: the block transposes the layer runs now
+    (`layout_<name>`, one launch), the gather through the flat table it ran before
+    (`gather_<name>`, index_select) and torch's strided copy per run (`tcopy_<name>`), each
+    against the HBM time of its bytes (read and written once) and checked equal to the gather."""
+    rows = []
+    tables = {"out": layer.OUT_INDEX, "x1": layer.X_INDEX.reshape(-1), "dz": layer.OUT_INVERSE, "dx1": layer.X_INVERSE}
+    for name, (layout, source, to_flat) in _layout_tensors(layer, x).items():
+        E = source.shape[0]
+        flat_source = source.reshape(E, -1)
+        per_edge = 2 * layout.flat_dim * source.element_size()
+        note = f"{per_edge} B per edge read and written: {E * per_edge / 4.8e9:.3f} ms at 4.8 TB/s"
+
+        def new(layout=layout, source=source, to_flat=to_flat):
+            return layout.to_flat(source) if to_flat else layout.to_components(source)
+
+        def old(flat_source=flat_source, index=tables[name]):
+            return flat_source.index_select(1, index)
+
+        def torch_copy(layout=layout, source=source, to_flat=to_flat):
+            E = source.shape[0]
+            target = source.new_empty(E, layout.flat_dim) if to_flat else source.new_empty(E, layout.rows, layout.channels)
+            flat, comp = (target, source) if to_flat else (source, target)
+            for kind, fv, cv in layout._views(flat, comp):
+                if to_flat:
+                    fv.copy_(cv.transpose(-1, -2) if kind == "transpose" else cv)
+                else:
+                    cv.copy_(fv.transpose(-1, -2) if kind == "transpose" else fv)
+            return target
+
+        expected = old().reshape(E, -1)
+        for case, fn in ((f"layout_{name}", new), (f"gather_{name}", old), (f"tcopy_{name}", torch_copy)):
+            row = {"case": case, "note": note}
+            try:
+                got = fn().reshape(E, -1)
+                row["err"] = float((got - expected).abs().max()) if got.shape == expected.shape else float("inf")
+                row["ms"] = float("nan") if smoke else median_ms(fn, warmup=5, rep=25)
+            except Exception as e:  # noqa: BLE001 (reported, not fatal)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+    return rows
+
+
 def warm(shard: int, shards: int, smoke: bool) -> None:
     """Compile this shard's (kernel, configuration) pairs (round robin over all of them)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -385,6 +464,11 @@ def _print_table(rows: list[dict]) -> None:
         print(f"{r['edges']:>6} {r['case']:16} {cells[0]} {cells[1]} {err}  {note[:150]}{flag}")
     for edges in sorted({r["edges"] for r in rows if "edges" in r}):
         by = {r["case"]: r for r in rows if r.get("edges") == edges}
+        for name in ("out", "x1", "dz", "dx1"):
+            new, old, tcopy = by.get(f"layout_{name}", {}), by.get(f"gather_{name}", {}), by.get(f"tcopy_{name}", {})
+            if isinstance(new.get("ms"), float) and isinstance(old.get("ms"), float):
+                print(f"E={edges}: layout change {name}: block transposes {new['ms']:.3f} ms, gather {old['ms']:.3f} ms, "
+                      f"torch strided copies {tcopy.get('ms', float('nan')):.3f} ms ({new['note']})")
         for anchor in ("cue", "oeq"):
             for name in ("layer_gather", "layer_indexed", "stmt_gather", "layer_flat"):
                 a, b = by.get(anchor, {}), by.get(name, {})
@@ -427,7 +511,7 @@ def main() -> None:
     # What the default and indexed layers run first (their best configurations are what the
     # layers then use), the layers and the anchors next, at every size; the conventional plan,
     # the flat layer (its statements first) and the exploratory plans last (first skipped).
-    first = ["stmt_gather", "stmt_indexed", "grad_X", "grad_W", "grad_Y", "layers", "anchors"]
+    first = ["copies", "layouts", "stmt_gather", "stmt_indexed", "grad_X", "grad_W", "grad_Y", "layers", "anchors"]
     later = ["stmt_gather_pb", "output_gathers", "stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "layer_flat", "stmt_zi",
              "stmt_flat_tb"]
     steps = [(e, n) for e in sizes for n in first] + [(e, n) for e in sizes for n in later]
@@ -443,6 +527,23 @@ def main() -> None:
             for kind in ("gather", "indexed") if name == "layers" else ("flat",):
                 rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
                 print(json.dumps(rows[-1]), flush=True)
+            continue
+        if name == "copies":  # every layout copy's kernel (the layer's copies then find their tiles)
+            for case in [c for c in cases.values() if c.name.startswith("copy_")]:
+                try:
+                    row = _sweep(case, None, args.smoke, configs=fastest.get(case.name))
+                    fastest.setdefault(case.name, [c["config"] for c in sorted(
+                        (c for c in row["configs"] if "ms" in c), key=lambda c: c["ms"])[:2]])
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row = {"case": case.name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                rows.append({"edges": edges, **{k: v for k, v in row.items() if k != "configs"}})
+                print(json.dumps(rows[-1]), flush=True)
+            continue
+        if name == "layouts":
+            found = [{"edges": edges, **r} for r in _layout_rows(layers["gather"], x, args.smoke)]
+            rows.extend(found)
+            print(json.dumps(found), flush=True)
             continue
         if name == "output_gathers":
             rows.extend({"edges": edges, **r} for r in _output_gathers(layers["gather"], expected, args.smoke))
