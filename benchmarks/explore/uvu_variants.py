@@ -25,13 +25,27 @@ its configuration and plan:
                    * W[b,FR[t]]`: one column per e3nn output position, contiguous tiles
   stmt_flat_tb     the same statement, M=t N=b (the cost model's cheapest, not chosen)
 
-and the gather layer's output gather alone, component-major Z into e3nn's layout: `gather_torch`
+The gather layer's layout changes (`insum.nn.layout`: each run of equal [U, D] irrep blocks
+one transpose statement `F[b,i,u,m] = T[b,i,m,u]` with u and m tiled, all runs one launch):
+first every run's kernel is swept (`copy_<change>_<n>x<D>`, tiles TRANSPOSE_CONFIGS /
+PLAIN_COPY_CONFIGS; the layer's calls then use the fastest), then each change is timed
+whole: `layout_out` (Z -> the output, forward), `layout_x1` (x1 -> X, forward and again in
+the backward), `layout_dz` (the output gradient -> DZ), `layout_dx1` (DX -> x1's gradient),
+beside the gather through the flat table that the layer ran before (`gather_<change>`,
+index_select) and torch's strided copies per run (`tcopy_<change>`), each against the HBM
+time of its bytes (`note`) and checked exactly equal to the gather (`err`: max difference).
+`grad_Y_jgrid`: the gather layer's dY statement with j on the grid (M=b, K=u; each
+program stops at its own j's entry count), a plan the schedule does not offer (equal to
+grad_Y's output on the CPU).
+
+And the gather layer's former output gather alone, component-major Z into e3nn's layout: `gather_torch`
 (its `index_select`, as the layer runs it) and `gather_insum` (`O[b, t] = Z[b, OI[t]]`, the
 configurations GATHER_CONFIGS), each against the HBM time of its bytes (`note`).
 
 Layer variants (`TensorProduct` as a user calls it; its kernels take the best configuration
 of the sweep above, so no autotuning runs inside the timed calls): `layer_gather`
-(output="gather", the default: X gather, statement, output gather), `layer_indexed`
+(output="gather", the default: x1's layout change, statement, the output's; on the GPU both
+block transposes), `layer_indexed`
 (output="indexed", opt-in: X gather, the statement storing e3nn's layout; its backward is
 the gather layer's) and `layer_flat` (output="flat", opt-in: one launch), forward and
 forward+backward (`torch.autograd.grad` of all three inputs). Their backward statements are
@@ -196,6 +210,12 @@ def _cases(layers: dict, x: dict) -> list[Case]:
     for grad, stmt in gather.gradient_statements.items():
         key, length = rows[grad]
         cases.append(_case(f"grad_{grad}", stmt, _statement_tensors(gather, stmt, given), {key: getattr(gather, length)}, None))
+    # dY with the input-2 position j on the grid (no candidate of the schedule has it): each
+    # program stops at its own j's entry count (215 entry steps per edge instead of 16 x 18).
+    stmt = gather.gradient_statements["Y"]
+    cases.append(_case("grad_Y_jgrid", stmt, _statement_tensors(gather, stmt, given), {"q[j]": gather.YL}, None,
+                       pick=lambda ranked: dataclasses.replace(ranked[0], tiles=(("M", "b"), ("K", "u")), grid=("j",),
+                                                               stacked=())))
     given = {"Y": x["x2"], "X": x["x1"], "W": x["w"], "DZ": dz.view(E, -1)}
     rows = {"X": ("q[s]", "GXL"), "W": ("q[r]", "GWL"), "Y": ("q[j]", "GYL")}
     for grad, stmt in flat.gradient_statements.items():
@@ -511,7 +531,8 @@ def main() -> None:
     # What the default and indexed layers run first (their best configurations are what the
     # layers then use), the layers and the anchors next, at every size; the conventional plan,
     # the flat layer (its statements first) and the exploratory plans last (first skipped).
-    first = ["copies", "layouts", "stmt_gather", "stmt_indexed", "grad_X", "grad_W", "grad_Y", "layers", "anchors"]
+    first = ["copies", "layouts", "stmt_gather", "stmt_indexed", "grad_X", "grad_W", "grad_Y", "grad_Y_jgrid", "layers",
+             "anchors"]
     later = ["stmt_gather_pb", "output_gathers", "stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "layer_flat", "stmt_zi",
              "stmt_flat_tb"]
     steps = [(e, n) for e in sizes for n in first] + [(e, n) for e in sizes for n in later]
