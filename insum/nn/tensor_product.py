@@ -35,8 +35,9 @@ and writes the output in e3nn's layout itself through two index tables:
 unique, a permutation of the output's columns: plain stores, no zero fill), one launch, and
 so do its gradient statements (`LAYOUT_STATEMENTS`). Otherwise input 1 is permuted into
 component-major `[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1]` blocks
-(two gathers, inside the autograd function: its backward returns each input's gradient by
-one inverse gather); channel-wise ("uvu") layers read and write e3nn's layouts through
+(two layout changes, inside the autograd function: its backward returns each input's
+gradient by one inverse change; on the generated kernels each is one launch of block
+transposes, `insum.nn.layout`, else a gather through the flat table); channel-wise ("uvu") layers read and write e3nn's layouts through
 `FLAT_STATEMENTS` with `output="flat"` (opt-in: on the H200 its one launch took 3.1x the
 three of "gather" at 10k MACE edges, 2.227 against 0.717 ms), and `output="indexed"` (opt-in)
 stores Z in e3nn's layout through ZO[p, u] in the gather layer's launch. Gradients are regrouped statements
@@ -613,8 +614,8 @@ class TensorProduct(nn.Module):
 
 
 class _ProductFunction(torch.autograd.Function):
-    """The layer from flat inputs (x1, x2, weight) to e3nn's output layout, the layout gathers
-    included, so that its backward returns the inputs' gradients with one inverse gather each
+    """The layer from flat inputs (x1, x2, weight) to e3nn's output layout, the layout changes
+    included, so that its backward returns the inputs' gradients with one inverse change each
     (no zero-filled gradient and scatter per gather). The backward runs the regrouped
     statements of GRADIENT_STATEMENTS (each gradient element owned by one row: no atomics)
     instead of insum's derived ones, which scatter every CG entry into dX and dW."""
