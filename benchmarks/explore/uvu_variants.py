@@ -125,11 +125,13 @@ class Case:
 def _layers(device, smoke: bool) -> dict:
     irreps1 = SMOKE_IRREPS1 if smoke else IRREPS1
     irreps_out, ins = mace_instructions(irreps1, IRREPS2, LMAX)
+    # (the smoke run: the generated kernels in the interpreter, layout copies included)
     make = dict(shared_weights=False, internal_weights=False)
+    kernels = {"backend": "triton"} if smoke else {}
     return {
-        "gather": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="gather", **make).to(device),
-        "indexed": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="indexed", **make).to(device),
-        "flat": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="flat", **make).to(device),
+        "gather": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="gather", **make, **kernels).to(device),
+        "indexed": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="indexed", **make, **kernels).to(device),
+        "flat": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="flat", **make, **kernels).to(device),
         "reference": TensorProduct(irreps1, IRREPS2, irreps_out, ins, backend="torch", output="gather", **make).to(device).double(),
         "instructions": ins,
         "irreps": (irreps1, IRREPS2, str(irreps_out)),

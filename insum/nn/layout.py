@@ -108,14 +108,14 @@ def copy_kernel(bound) -> Kernel:
 
 
 class _Prepared:
-    """The copies of one direction for one input signature: per run its statement, views
-    (size, stride, offset into the flat or component-major tensor) and launcher, and the
-    one-launch batch of all runs once each has its configuration."""
+    """The copies of one direction for one signature: per run its views' geometry (size,
+    stride and offset into the flat and the component-major tensor) and the one-launch
+    batch of all runs once each has its configuration (None before)."""
 
-    __slots__ = ("parts", "batch")
+    __slots__ = ("geometry", "batch")
 
-    def __init__(self, parts: list, batch) -> None:
-        self.parts = parts
+    def __init__(self, geometry: tuple, batch) -> None:
+        self.geometry = geometry
         self.batch = batch
 
 
@@ -145,36 +145,40 @@ class BlockLayout:
         self.__dict__.update(state)
         self._prepared = BoundedCache()
 
-    def _views(self, flat: torch.Tensor, comp: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """Per run, (kind, flat view, component-major view): [B, n, U, D] and [B, n, D, U]
-        for a transpose, [B, n, U] twice for a 1-dimensional run."""
+    def _geometry(self, flat: torch.Tensor, comp: torch.Tensor) -> tuple:
+        """Per run, (kind, flat view's size, stride, offset, component-major view's size,
+        stride, offset), offsets from the tensors' own: [B, n, U, D] and [B, n, D, U] for a
+        transpose, [B, n, U] twice for a 1-dimensional run."""
         B = flat.shape[0]
         sf, sc = flat.stride(), comp.stride()
         out = []
         for offset, row, n, U, D in self.runs:
-            f0 = flat.storage_offset() + offset * sf[1]
-            c0 = comp.storage_offset() + row * sc[1]
             if D == 1:
-                fv = flat.as_strided((B, n, U), (sf[0], U * sf[1], sf[1]), f0)
-                cv = comp.as_strided((B, n, U), (sc[0], sc[1], sc[2]), c0)
-                out.append(("copy", fv, cv))
+                out.append(("copy", (B, n, U), (sf[0], U * sf[1], sf[1]), offset * sf[1],
+                            (B, n, U), (sc[0], sc[1], sc[2]), row * sc[1]))
             else:
-                fv = flat.as_strided((B, n, U, D), (sf[0], U * D * sf[1], D * sf[1], sf[1]), f0)
-                cv = comp.as_strided((B, n, D, U), (sc[0], D * sc[1], sc[1], sc[2]), c0)
-                out.append(("transpose", fv, cv))
-        return out
+                out.append(("transpose", (B, n, U, D), (sf[0], U * D * sf[1], D * sf[1], sf[1]), offset * sf[1],
+                            (B, n, D, U), (sc[0], D * sc[1], sc[1], sc[2]), row * sc[1]))
+        return tuple(out)
+
+    def _views(self, flat: torch.Tensor, comp: torch.Tensor, geometry: tuple | None = None) -> list[tuple]:
+        """Per run, (kind, flat view, component-major view) (see `_geometry`)."""
+        f0, c0 = flat.storage_offset(), comp.storage_offset()
+        return [(kind, flat.as_strided(fs, fst, f0 + fo), comp.as_strided(cs, cst, c0 + co))
+                for kind, fs, fst, fo, cs, cst, co in geometry or self._geometry(flat, comp)]
 
     def _run(self, to_flat: bool, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy `source` into `target` (flat -> component-major or back), run by run."""
         flat, comp = (target, source) if to_flat else (source, target)
-        views = self._views(flat, comp)
         key = (to_flat, source.dtype, source.device, source.shape, source.stride(), target.stride())
         prepared = self._prepared.get(key)
         if prepared is not None and prepared.batch is not None:
+            views = self._views(flat, comp, prepared.geometry)
             prepared.batch.run([({"F": fv, "T": cv}, fv if to_flat else cv) for _, fv, cv in views])
             return
+        geometry = self._geometry(flat, comp)
         parts = []
-        for kind, fv, cv in views:
+        for kind, fv, cv in self._views(flat, comp, geometry):
             if kind == "copy":
                 text = COPY_TO_FLAT if to_flat else COPY_TO_COMPONENTS
             else:
@@ -188,7 +192,7 @@ class BlockLayout:
             batch = batch_launch(parts, disjoint=True)
         elif len(parts) == 1:
             batch = _Single(parts[0])
-        self._prepared[key] = _Prepared(parts, batch)
+        self._prepared[key] = _Prepared(geometry, batch)
 
     def to_flat(self, comp: torch.Tensor) -> torch.Tensor:
         """e3nn's layout [B, flat_dim] of a component-major [B, rows, channels] tensor."""
