@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..arith import cdiv
 from ..errors import InsumError
@@ -154,6 +155,52 @@ def _scan_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
 
 _SEARCHES = {"scan": _scan_widths, "binary": _search_widths}
 
+#: The covering layout keeps each row's bucket rows inside one aligned block of this many
+#: bucket rows, so that a kernel tiling the bucket by a multiple of it (or by the whole
+#: bucket) owns every row in one program.
+ROW_BLOCK = 16
+
+
+def _aligned_entries(fold_hist: list[int]) -> int:
+    """Bucket rows the folded rows take in the covering layout: each row's folds padded to a
+    power of two."""
+    return sum(n << (f - 1).bit_length() for f, n in enumerate(fold_hist) if f >= 2)
+
+
+def _covering_rows(
+    width_exp: torch.Tensor, folds: torch.Tensor, cap: int, R: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, fold) of every bucket row in the covering layout (one partition).
+
+    Every row gets a bucket row: an empty row one of width 1 whose slots are padding, so the
+    buckets' stores write it (zeros) and C needs no zero fill. In the widest bucket a row of
+    f folds takes the next power of two of f bucket rows, the ones past its folds padding
+    (value 0), and rows are ordered by that size, largest first: each then starts at a
+    multiple of its size (a sum of larger powers of two), so a row of at most ROW_BLOCK
+    bucket rows never crosses an aligned block of ROW_BLOCK. Within a width, equal rows stay
+    adjacent (the sorted claim). Returns a fold >= the row's folds for padding bucket rows.
+    """
+    device = folds.device
+    folds = folds.clamp(min=1)  # (an empty row: one bucket row)
+    size = torch.where(width_exp == cap, _next_pow2(folds), 1)
+    # Width first; in the widest bucket the largest sizes first; then by row.
+    order = torch.sort(width_exp * (2 * ROW_BLOCK) + (ROW_BLOCK - size.clamp(max=ROW_BLOCK)), stable=True).indices
+    size = size[order]
+    position = torch.cumsum(size, 0) - size
+    i = torch.arange(order.numel(), device=device)
+    starts = torch.full((R,), -1, dtype=torch.int64, device=device)
+    starts[position] = i
+    # Each bucket row belongs to the last row that starts at or before it.
+    at = torch.arange(R, device=device)
+    first = torch.cummax(torch.where(starts >= 0, at, 0), 0).values
+    return order[starts[first]], at - first
+
+
+def _next_pow2(x: torch.Tensor) -> torch.Tensor:
+    """The next power of two of each integer in 1 .. ROW_BLOCK."""
+    powers = 1 << torch.arange(ROW_BLOCK.bit_length(), device=x.device)
+    return powers[torch.bucketize(x, powers)]
+
 
 def cell_cost(
     A: torch.Tensor, *, partitions: int = 1, max_width: int, dense_cols: int = 128
@@ -231,11 +278,20 @@ class CELL(SparseFormat):
         # Cell (p, r) becomes folds[p, r] bucket rows of width 2^width_exp[p, r].
         E = seg.E
         width_exp = torch.minimum(seg.natural, cap_exp.view(-1, 1))
+        folds = -(seg.neg_count >> width_exp)
         # Bucket rows per (width, partition), negated: seg.neg_folds[e] holds -folds for
         # every cell whose width is 2^e.
         chosen = width_exp.unsqueeze(1) == seg.caps.view(1, -1, 1)
         neg_rows = (chosen * seg.neg_folds.transpose(0, 1)).sum(2)  # (P, E)
-        host = coords.read(cap_exp, neg_rows)  # the one sync
+        # What the covering layout (`_covering_rows`) needs: the most folds of a row, rows
+        # per width (empty rows included), and folded rows per fold count.
+        layout = ()
+        if partitions == 1:
+            fold_hist = torch.zeros(ROW_BLOCK + 1, dtype=torch.int64, device=device)
+            fold_hist.scatter_add_(0, folds[0].clamp(max=ROW_BLOCK), torch.ones_like(folds[0]))
+            per_width = (width_exp == seg.caps.view(-1, 1)).sum(1)
+            layout = (F.pad(folds[0], (0, 1)).max(), per_width, fold_hist)
+        host = coords.read(cap_exp, neg_rows, *layout)  # the one sync
         if host is None:
             return cls._pack(
                 coords.canonical(),
@@ -245,7 +301,23 @@ class CELL(SparseFormat):
                 search=search,
                 index_dtype=index_dtype,
             )
-        caps, per_bucket = host[:partitions], [-n for n in host[partitions:]]
+        caps, per_bucket = host[:partitions], [-n for n in host[partitions : partitions + partitions * E]]
+        host = host[partitions + partitions * E :]
+        # Cover C (every row in exactly one bucket, each within one aligned block of its
+        # bucket) with one partition, some nonzeros, no row folded more than ROW_BLOCK times,
+        # and at most M padding slots added (empty rows', folds rounded up): a padding slot
+        # reads a row of B that its row reads anyway, where the zero fill it replaces writes
+        # M rows of C.
+        covering = bool(layout) and coords.nnz > 0 and host[0] <= ROW_BLOCK
+        if covering:
+            per_width, fold_hist = host[1 : 1 + E], host[1 + E :]
+            added = fold_hist[0] + ((_aligned_entries(fold_hist) - sum(f * n for f, n in enumerate(fold_hist) if f >= 2)) << caps[0])
+            covering = added <= M
+        if covering:
+            per_bucket = list(per_width)
+            # The widest bucket: the aligned folded rows, then its unfolded rows (empty ones too
+            # when it is the only width).
+            per_bucket[caps[0]] = _aligned_entries(fold_hist) + fold_hist[0] + fold_hist[1] - sum(per_width[: caps[0]])
         buckets = [
             (p, 1 << e, per_bucket[p * E + e])
             for p in range(partitions)
@@ -259,6 +331,8 @@ class CELL(SparseFormat):
             "dense_cols": dense_cols,
             "buckets": buckets,
         }
+        if covering:
+            params["covering_block"] = ROW_BLOCK
         R = sum(rows_of)
         if R == 0:
             return cls._packed(coords, {}, itype, params)
@@ -266,12 +340,14 @@ class CELL(SparseFormat):
 
         # Bucket rows ordered by width, then partition, row and fold: each width's
         # statement is one contiguous slice. All by gathers from the cell grid.
-        order = torch.sort(width_exp.view(-1), stable=True).indices
-        folds = -(seg.neg_count >> width_exp)
-        cell_folds = folds.view(-1)[order]
-        which = torch.repeat_interleave(cell_folds, output_size=R)
-        fold = torch.arange(R, device=device) - (torch.cumsum(cell_folds, 0) - cell_folds)[which]
-        cell = order[which]
+        if covering:
+            cell, fold = _covering_rows(width_exp[0], folds[0], caps[0], R)
+        else:
+            order = torch.sort(width_exp.view(-1), stable=True).indices
+            cell_folds = folds.view(-1)[order]
+            which = torch.repeat_interleave(cell_folds, output_size=R)
+            fold = torch.arange(R, device=device) - (torch.cumsum(cell_folds, 0) - cell_folds)[which]
+            cell = order[which]
         row_exp = width_exp.view(-1)[cell]
         row_width = 1 << row_exp
         first = seg.start.reshape(-1)[cell] + (fold << row_exp)  # pad with its first column
@@ -283,7 +359,9 @@ class CELL(SparseFormat):
         first = first[slot_row]
         idx = first + (torch.arange(S, device=device) - slot_start[slot_row])
         valid = idx < end[slot_row]
-        idx = torch.where(valid, idx, first)
+        # (The covering layout's empty and padding bucket rows hold no entry: their slots pad
+        # with a column of the matrix, clamped into range.)
+        idx = torch.where(valid, idx, first.clamp(max=coords.nnz - 1) if covering else first)
         CI = coords.cols[idx].to(itype)
         V = torch.where(valid, coords.vals[idx], 0)
 
@@ -312,6 +390,14 @@ class CELL(SparseFormat):
         """With one partition each row's run goes to one bucket (folds stay in the widest), so
         the widths' statements write disjoint rows of C; partitions repeat rows."""
         return self.params["partitions"] == 1
+
+    @property
+    def covering_block(self) -> int | None:
+        """ROW_BLOCK where the packer laid the buckets out to cover C (`_covering_rows`): every
+        row, empty ones included, in one bucket, and a folded row inside one aligned block of
+        ROW_BLOCK bucket rows of the widest. Not with partitions (they repeat rows), rows
+        folded more than ROW_BLOCK times, or where it would pad more than M slots."""
+        return self.params.get("covering_block")
 
     def unique_in(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
         """RI of a width below the widest holds each row once: with one partition a row
