@@ -441,11 +441,11 @@ def prepared_batch(calls, options: tuple) -> PreparedBatch | None:
 def prepare_batch(calls, options: tuple) -> None:
     """After `calls` ran one by one through `insum()`, keep their one-launch form where every
     call ran the generated kernel, adding into its given output atomically, with no index
-    check on the device."""
+    check on the device (one call too under a covering claim: its `=` launch needs no fill)."""
     from .runtime import batch_launch  # loaded already: the calls ran the generated kernel
 
     found = _batch_key(calls, options)
-    if found is None or len(calls) < 2:
+    if found is None or (len(calls) < 2 and not options[-1]):
         return
     key, distinct = found
     parts, outputs, out_names, aligned = [], set(), [], []
@@ -584,7 +584,7 @@ def pin(
     if torch.compiler.is_compiling():
         return None
     head = (backend, precision, autotune, check_indices)
-    if len(calls) == 1:
+    if len(calls) == 1 and not covering:
         expr, tensors, *facts = calls[0]
         facts = facts[0] if facts else {}
         key = (*head, facts.get("sorted_indices", frozenset()), facts.get("unique_indices", frozenset()))

@@ -493,7 +493,8 @@ class _SpmmPlan:
             self.statements.append((statement, dict(tensors), cast, facts))
         self.disjoint = fmt.disjoint_statements
         self.covering = fmt.covering_block if self.disjoint else None
-        self.single = len(self.statements) == 1
+        # (Covering buckets run as a batch even when there is one: its launch needs no zero fill.)
+        self.single = len(self.statements) == 1 and self.covering is None
         self.pinned: Pinned | None = None  # the calls pinned to the format's tensors (on a repeat)
         # Repeats that tried to pin them; none where values are cast per call (a copy per
         # value tensor: not a call that the host's time limits).

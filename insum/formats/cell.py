@@ -234,8 +234,8 @@ class CELL(SparseFormat):
 
     >>> A = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 0.0, 6.0, 0.0, 0.0]])
     >>> F = CELL.from_dense(A, max_width=2)
-    >>> F.widths, F.RI_2.tolist(), F.RI_1.tolist()
-    ([1, 2], [0, 0, 0], [1])
+    >>> F.widths, F.RI_2.tolist(), F.RI_1.tolist()  # row 0's three folds padded to four
+    ([1, 2], [0, 0, 0, 0], [1])
     """
 
     name = "cell"
