@@ -114,14 +114,17 @@ def launch_paths(formats: dict) -> list[str]:
         for plan in (fmt.__dict__.get("_spmm_plans") or {}).values():
             pinned = plan.pinned
             state = "not pinned" if pinned is None else (
-                f"pinned, {'by address' if pinned.arguments is not None else 'by name'}, ready={pinned.ready(B)}")
+                f"pinned, {'by address' if pinned.arguments is not None else 'by name'}, ready={pinned.ready(B)}, "
+                f"C {'torch.empty (the launch covers it)' if getattr(pinned, 'covers', False) else 'zero-filled' if plan.zeros else 'torch.empty'}")
             lines.append(f"  {name} @ B: {state}, tries={plan.tries}")
     launches = [launcher for kernel in _kernels() for launcher in getattr(kernel, "_launchers", {}).values()]
     for launch in launches + list(getattr(runtime, "_BATCHES", {}).values()):
         direct = getattr(launch, "direct", None)
         if direct is not None:
             state = "direct" if direct.enabled else f"JIT: {direct.why_not}"
-            lines.append(f"  {type(launch).__name__} grid {direct.grid}: {state}, compiled keys {len(direct.compiled)}")
+            fill = ", zero fill" if getattr(launch, "zero_fill", False) else ""
+            covers = f", covers={launch.covers}" if hasattr(launch, "covers") else ""
+            lines.append(f"  {type(launch).__name__} grid {direct.grid}: {state}, compiled keys {len(direct.compiled)}{fill}{covers}")
     return lines
 
 
@@ -296,9 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     for name, (median, least) in results.items():
         over = "" if name == anchor else f"  {median - results[anchor][0]:+.1f} {least - results[anchor][1]:+.1f}"
         lines.append(f"  {name:32s} {median:8.2f} {least:8.2f}{over}")
-    if cuda:
-        lines.append("launch paths after the runs:")
-        lines.extend(launch_paths(formats))
+    lines.append("launch paths after the runs:")
+    lines.extend(launch_paths(formats))
     text = "\n".join(lines)
     print(text, flush=True)
     if args.log:

@@ -20,10 +20,9 @@ from insum import runtime
 from insum.formats import CELL
 from insum.formats.cell import ROW_BLOCK
 
-pytestmark = [
-    pytest.mark.interpreter,
-    pytest.mark.skipif(CUDA, reason="CPU tensors in the interpreter; tests/test_direct_launch.py repeats on CUDA"),
-]
+#: The tests on CPU tensors in the interpreter (the last test repeats the product on CUDA).
+cpu = pytest.mark.skipif(CUDA, reason="CPU tensors in the interpreter; test_cuda_covering_product_... repeats on CUDA")
+pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
 
 _FILLS = {"zeros", "zero_", "fill_", "new_zeros", "full", "zeros_like", "full_like"}
 
@@ -71,6 +70,7 @@ def _product(fmt: CELL, A: torch.Tensor, gen: torch.Generator, N: int = 5) -> No
     torch.testing.assert_close(fmt.spmm(B, backend="triton").double(), A.double() @ B.double(), rtol=1e-5, atol=1e-5)
 
 
+@cpu
 @pytest.mark.parametrize("name, A, params", CASES, ids=[c[0] for c in CASES])
 def test_repeated_product_fills_nothing_and_matches_a_dense_product(name, A, params, monkeypatch):
     fmt = CELL.from_dense(A, **params)
@@ -93,6 +93,7 @@ def test_repeated_product_fills_nothing_and_matches_a_dense_product(name, A, par
     assert launches == [True, True]  # one covering launch per product
 
 
+@cpu
 def test_an_all_empty_matrix_multiplies_to_zeros():
     A = torch.zeros(6, 5)
     fmt = CELL.from_dense(A)
@@ -101,6 +102,7 @@ def test_an_all_empty_matrix_multiplies_to_zeros():
         _product(fmt, A, gen)
 
 
+@cpu
 def test_rows_folded_past_the_block_keep_the_zero_fill():
     """A row of more than 16 folds cannot stay in one block: the plain layout, C zero-filled."""
     lengths = [0, 40, 3, 1, 0, 2, 5, 1, 1, 0, 2, 3]
@@ -113,6 +115,7 @@ def test_rows_folded_past_the_block_keep_the_zero_fill():
         _product(fmt, A, gen)
 
 
+@cpu
 @pytest.mark.parametrize("seed", range(6))
 def test_covering_layout_invariants(seed):
     """Every row in exactly one bucket; equal rows adjacent; a row's bucket rows within one
@@ -137,3 +140,37 @@ def test_covering_layout_invariants(seed):
             0, run, torch.arange(rows.numel()), "amin", include_self=False)
         last = torch.zeros_like(first).scatter_reduce_(0, run, torch.arange(rows.numel()), "amax", include_self=False)
         assert torch.equal(first // ROW_BLOCK, last // ROW_BLOCK)  # inside one aligned block
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the compiled batch kernel and its direct launch")
+def test_cuda_covering_product_runs_direct_into_an_unfilled_output(monkeypatch):
+    """fmt @ B on CUDA: pinned, one direct covering launch, C from torch.empty (poisoned with
+    NaN here), matching a float64 product; float32 and float16 values."""
+    from insum import execute
+
+    gen = torch.Generator().manual_seed(9)
+    M, K = 300, 96
+    lengths = (K / (torch.arange(M) + 1.0) ** 0.9).long().clamp(max=K)
+    lengths[M // 3 : M // 3 + 5] = 0
+    A = _matrix(M, K, lengths.tolist(), 9)
+    real_empty = torch.empty
+
+    def poisoned(*shape, **kwargs):
+        out = real_empty(*shape, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    for dtype in (torch.float32, torch.float16):
+        fmt = CELL.from_dense(A.to(dtype).cuda(), max_width=8)
+        assert fmt.covering_block == ROW_BLOCK
+        for i in range(5):
+            B = torch.randn(K, 64, generator=gen).to(dtype).cuda()
+            if i >= 3:
+                monkeypatch.setattr(torch, "empty", poisoned)
+            C = fmt @ B
+            monkeypatch.setattr(torch, "empty", real_empty)
+            expected = A.to(dtype).double().cuda() @ B.double()
+            torch.testing.assert_close(C.double(), expected, rtol=2e-2, atol=2e-2 * max(1.0, expected.abs().max().item()))
+        plan = next(iter(fmt.__dict__["_spmm_plans"].values()))
+        assert isinstance(plan.pinned, execute.Pinned) and plan.pinned.covers
+        direct = plan.pinned.launch.launch.direct
+        assert direct.enabled and direct.compiled, direct.why_not
