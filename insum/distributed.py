@@ -9,51 +9,32 @@ those rows, not an all-gather of B:
     >>> parts = partition_rows(A, world_size)          # every rank, the same A  # doctest: +SKIP
     >>> C_local = spmm(parts[rank], B[parts[rank].rows])                         # doctest: +SKIP
 
-How the rows are packed: one grouping, cut by column range. Two things pull apart. The
-exchange (~1 ms for 50M nonzeros on two H200s) hides only behind work that needs no
-remote row, so the product runs in two passes: a *local* pass over B_local while the halo
-travels, then a *halo* pass. Packed as two matrices (A[rows, rows] and A[rows, remote]),
-the halo block's rows are short (~2 of a row's ~13 entries on a community graph), so its
-groups are short (g = 2 where the whole rows take 4 to 8): more groups, index loads and
-writes per nonzero; it measured 28% of the time for 15% of the nonzeros. One format over
-a compact [B_local | received] operand keeps whole-row groups, but starts only when the
-exchange ends and needs all of B_local copied into that operand.
+How the rows are packed: as two matrices, A[rows, rows] (the *local* pass, over
+B_local) and A[rows, remote] (the *halo* pass, over the received rows), each packed by
+`formats.auto` (or a named format). The exchange (~1 ms for 50M nonzeros on two H200s)
+hides only behind work that needs no remote row, so the local pass runs while the halo
+travels, and the halo pass after it. The halo block's rows are short (~2 of a row's ~13
+entries on a community graph), so its groups are short and it costs more per nonzero than
+the local pass; cutting one grouping of the whole rows by column range instead (longer
+halo groups, but a third of the nonzeros behind the exchange and ~90% of B_local copied
+into the halo operand) measured slower on two H200s in every case (community fp32 1.37x
+against 1.65x, uniform fp32 0.91x against 1.12x; README, "Several GPUs"), so it was
+removed. The local pass writes C (`=`), the halo pass adds into it in place (`+=`), in
+half precision too wherever the whole rows' fan-in allows (`accumulation_dtype`, as on one
+GPU): no float32 scratch, no extra add pass. Both passes declare their sorted rows, so a
+row's groups are summed in registers (segment reduction) and written once per tile.
 
-So (format=None, the default) each row's columns are renumbered, local ones first (0 ..
-n_local-1: B_local's rows), remote ones after (the received rows), and the whole rows are
-cut into GroupCOO groups of one size g, the one `formats.auto`'s cost model ranks first
-on these rows: exactly the groups of a one-GPU packing of them. A group of local columns
-only goes to the local pass; every other group (the row's remote groups and at most one
-*mixed* group, straddling its last local and first remote columns) to the halo pass,
-which reads `[B_local[part.ext_rows] | received rows]`: the local rows its mixed groups
-touch are gathered ahead of the received ones in the buffer they arrive in. Both passes
-together hold the groups and slots of one packing (the model's cost of the 200k-node
-community graph's rank 0: 2.15M gathered rows with g = 8, 2.33M with the ext_rows gather,
-against 2.54M for the two blocks packed by formats.auto, g = 8 and 2). The price: the
-mixed groups move local nonzeros behind the exchange (the halo pass holds 38% of them, not
-16%; still hidden while the local pass outlasts the exchange), and ext_rows, gathered while
-the halo travels, cover most local rows (`benchmarks/distributed_counts.py`, results under
-benchmarks/results/cpu/). Cutting each row's groups at the local/remote boundary instead
-would need no ext_rows but pads both halves: about g + 3 more gathered rows per row in the
-model, against ~2 (a gathered row read and written) for its share of ext_rows; smaller g
-mixes less but groups more (g = 4: 2.61M). Both passes declare their
-sorted rows, so a row's groups are summed in registers (segment reduction) and written
-once per tile. The local pass writes C (`=`), the halo pass adds into it in place (`+=`),
-in half precision too wherever the whole rows' fan-in allows (`accumulation_dtype`, as
-on one GPU): no float32 scratch, no extra add pass. A named `format=` packs the two blocks
-separately in it instead (`part.ext_rows` is then empty), e.g. "auto" for the former
-default, to compare.
-
-A call enqueues, with no host sync in steady state: one gather of the rows to send (into a
-buffer the part keeps, reused by later calls), the `all_to_all_single` (async), the gather
-of ext_rows, the local pass, the wait (on NCCL a stream dependency), the halo pass. The
-backward mirrors it: the halo pass's transposed product first (its received rows go back
-to their owners), the exchange back (async), the local pass's transposed product while
-it travels, ext_rows' and then the received rows' gradients added into B_local's. The
+A call enqueues, with no host sync in steady state: one gather of the rows to send (an
+insum statement, `S[r, n] = B[R[r], n]`, into a buffer the part keeps, reused by later
+calls) and the `all_to_all_single` (async), on CUDA both on a high-priority side stream
+beside the local pass, then the wait (on NCCL a stream dependency), the halo pass. The backward mirrors it: the halo pass's transposed product
+first (its received rows go back to their owners), the exchange back (async), the local
+pass's transposed product while it travels, the received rows' gradients added into
+B_local's. The
 transposed products run on the formats' transposed patterns (kept by the part after the
 first backward), as SparseLinear's input gradient does, instead of a scatter per slot.
 
-One module of about 650 lines: the partition, the exchange and the differentiable product
+One module of about 500 lines: the partition, the exchange and the differentiable product
 all read the same halo bookkeeping (`RowPart`), and split apart each would need it.
 """
 
@@ -70,26 +51,17 @@ from .api import insum
 from .arith import cdiv
 from .dtypes import VALUE_DTYPES, compute_dtype
 from .errors import InsumError, InsumShapeError, InsumTypeError
-from .formats.auto import packer, rank, row_stats
-from .formats.base import (
-    Coords,
-    SparseFormat,
-    accumulation_dtype,
-    check_positive_int,
-    coords_of,
-    index_dtype_for,
-    overwrite,
-)
+from .formats.auto import packer
+from .formats.base import Coords, SparseFormat, accumulation_dtype, coords_of, overwrite
 from .formats.groupcoo import GroupCOO
-from .formats.grouping import pack_row_groups
 from .formats.transposed import SCALAR, with_zero_slot
 
 __all__ = ["RowPart", "partition_rows", "spmm", "steps", "BALANCES"]
 
 #: How `partition_rows` places the row boundaries.
 BALANCES = ("nnz", "rows")
-#: The parameters of the default packing (format=None).
-SPLIT_PARAMS = ("group_size", "index_dtype", "n_cols")
+#: The gather of the rows to send: one program per tile of rows, no reduction.
+GATHER_ROWS = "S[r, n] = B[R[r], n]"
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,13 +71,11 @@ class RowPart:
     rows: the global rows (and rows of B) this rank owns, a `range`.
     row_starts: every rank's first row, plus n at the end (world_size + 1 entries).
     local: the local pass, columns relative to rows.start (they index B_local).
-    halo: the halo pass, columns index `[B_local[ext_rows] | received rows]`.
+    halo: the halo pass, columns index the received rows.
     halo_rows: the global rows of B received (int64, sorted, so grouped by owner);
         `recv_counts[s]` of them come from rank s.
     send_rows: the rows of B_local (local indices, int64) that other ranks need,
         grouped by destination rank; `send_counts[d]` of them go to rank d.
-    ext_rows: the rows of B_local (local indices, int64, sorted) that the halo pass reads
-        (its mixed groups' local columns); empty when the blocks are packed separately.
     fan_in: the most groups that add into one output row over both passes (None: unknown).
     """
 
@@ -120,7 +90,6 @@ class RowPart:
     recv_counts: tuple[int, ...]
     send_rows: torch.Tensor
     send_counts: tuple[int, ...]
-    ext_rows: torch.Tensor
     fan_in: int | None
     # Buffers reused across calls and the transposed patterns of the first backward.
     workspace: dict = field(init=False, repr=False, default_factory=dict)
@@ -166,7 +135,7 @@ class RowPart:
         return {
             "rows": len(self.rows), "local": one(self.local), "halo": one(self.halo),
             "halo_rows": sum(self.recv_counts), "send_rows": sum(self.send_counts),
-            "ext_rows": int(self.ext_rows.numel()), "fan_in": self.fan_in,
+            "fan_in": self.fan_in,
         }  # fmt: skip
 
     def to(self, device: torch.device | str) -> RowPart:
@@ -174,8 +143,7 @@ class RowPart:
         return RowPart(
             self.rank, self.world_size, self.shape, self.rows, self.row_starts,
             self.local.to(device), self.halo.to(device), self.halo_rows.to(device),
-            self.recv_counts, self.send_rows.to(device), self.send_counts,
-            self.ext_rows.to(device), self.fan_in,
+            self.recv_counts, self.send_rows.to(device), self.send_counts, self.fan_in,
         )  # fmt: skip
 
     def buffer(self, name: str, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
@@ -191,7 +159,7 @@ class RowPart:
         return (
             f"RowPart(rank={self.rank}/{self.world_size}, rows={self.rows.start}:{self.rows.stop}, "
             f"nnz={self.nnz} ({self.halo.nnz} in the halo pass), halo_rows={sum(self.recv_counts)}, "
-            f"send_rows={sum(self.send_counts)}, ext_rows={self.ext_rows.numel()}, "
+            f"send_rows={sum(self.send_counts)}, "
             f"format={type(self.local).__name__}/{type(self.halo).__name__}, "
             f"dtype={self.dtype}, device={self.device})"
         )
@@ -222,7 +190,7 @@ def partition_rows(
     balance: str = "nnz",
     *,
     rank: int | None = None,
-    format: str | None = None,
+    format: str = "auto",
     **format_params: Any,
 ) -> list[RowPart]:
     """Split a square sparse matrix A into `world_size` contiguous row ranges, one part each.
@@ -232,12 +200,10 @@ def partition_rows(
     no rows (n < world_size, or one row holding most nonzeros).
     rank: pack only this rank's part (what each process of a run does) and return it
     as a one-element list; None packs every part.
-    format: None (default) cuts one GroupCOO grouping of the whole rows by column range
-    (the module docstring says why); its parameters: `group_size` (default: formats.auto's
-    cost model on the rows, for B of `n_cols` columns, default 128) and `index_dtype`.
-    A format name ("auto", "GroupCOO", "COO", "ELL", "CELL", ...) packs the local and the
-    remote block separately in it, with its packer's parameters; COO, GroupCOO and ELL add
-    the halo pass into the local pass's output in place, other formats in an extra pass.
+    format: how the local and the remote block are each packed: "auto" (default:
+    `formats.auto` per block) or a format name ("GroupCOO", "COO", "ELL", "CELL", ...),
+    with its packer's parameters (`format_params`). COO, GroupCOO and ELL add the halo
+    pass into the local pass's output in place, other formats in an extra pass.
 
     Everything runs vectorised on A's device.
 
@@ -253,16 +219,7 @@ def partition_rows(
         raise InsumError(f"unknown balance {balance!r}; choose one of {', '.join(BALANCES)}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise InsumError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-    if format is None:
-        unknown = [p for p in format_params if p not in SPLIT_PARAMS]
-        if unknown:
-            raise InsumError(
-                f"unknown parameter(s) {', '.join(map(repr, unknown))} for the default packing "
-                f"(format=None); valid: {', '.join(SPLIT_PARAMS)}"
-            )
-        pack = None
-    else:
-        pack = packer(format)
+    pack = packer(format)
     if isinstance(A, torch.Tensor) and A.dim() == 2 and A.shape[0] != A.shape[1]:
         raise InsumShapeError(
             f"distributed spmm partitions B like A's rows, so A must be square; A has shape "
@@ -303,7 +260,7 @@ def _pack_part(
     need_rank: torch.Tensor,
     need_col: torch.Tensor,
     need_owner: torch.Tensor,
-    pack_format: Callable[..., SparseFormat] | None,
+    pack_format: Callable[..., SparseFormat],
     format_params: dict[str, Any],
 ) -> RowPart:
     world_size = len(starts) - 1
@@ -329,11 +286,7 @@ def _pack_part(
     is_local = (cols >= first) & (cols < stop)
     renumbered = torch.where(is_local, cols - first, n_local + torch.searchsorted(halo_rows, cols))
     width = n_local + int(halo_rows.numel())
-    if pack_format is None:
-        local, halo, ext_rows, fan_in = _split_groups(rows, renumbered, vals, n_local, width, **format_params)
-    else:
-        local, halo, fan_in = _separate_blocks(rows, renumbered, vals, is_local, n_local, width, pack_format, format_params)
-        ext_rows = torch.empty(0, dtype=torch.int64, device=device)
+    local, halo, fan_in = _separate_blocks(rows, renumbered, vals, is_local, n_local, width, pack_format, format_params)
     return RowPart(
         rank=r,
         world_size=world_size,
@@ -346,7 +299,6 @@ def _pack_part(
         recv_counts=recv_counts,
         send_rows=send_rows,
         send_counts=send_counts,
-        ext_rows=ext_rows,
         fan_in=fan_in,
     )
 
@@ -366,68 +318,6 @@ def _separate_blocks(rows, cols, vals, is_local, n_local: int, width: int, pack_
     halo = pack(~is_local, n_local, width - n_local)
     fans = (local.fan_in, halo.fan_in)
     return local, halo, None if None in fans else sum(fans)
-
-
-def _split_groups(
-    rows: torch.Tensor,
-    cols: torch.Tensor,
-    vals: torch.Tensor,
-    n_local: int,
-    width: int,
-    *,
-    group_size: int | None = None,
-    index_dtype: torch.dtype | None = None,
-    n_cols: int = 128,
-) -> tuple[GroupCOO, GroupCOO, torch.Tensor, int]:
-    """One GroupCOO grouping of the rows (columns renumbered [local | received]) cut into
-    the local pass (groups of local columns only) and the halo pass (every other group,
-    its local columns renumbered into ext_rows). Returns (local, halo, ext_rows, fan_in)."""
-    device = cols.device
-    itype = index_dtype_for(n_local, width, requested=index_dtype)
-    order = torch.argsort(rows * max(width, 1) + cols)  # each row's local columns first
-    rows, cols, vals = rows[order], cols[order], vals[order]
-    row_ptr = torch.searchsorted(rows, torch.arange(n_local + 1, device=device))
-    counts = row_ptr.diff()
-    if group_size is None:
-        group_size = _model_group_size(rows, cols, vals, (n_local, width), n_cols)
-    g = check_positive_int("group_size", group_size)
-    per_row = cdiv(counts, g)
-    G, fan_in = torch.stack([per_row.sum(), per_row.max() if n_local else per_row.sum()]).tolist()
-    group_row, idx, valid, _ = pack_row_groups(row_ptr, per_row, g, G)
-    AK = cols[idx]
-    AV = torch.where(valid, vals[idx], 0)
-    in_halo = AK.amax(1) >= n_local if G else torch.zeros(0, dtype=torch.bool, device=device)
-    # The halo pass's local columns (its mixed groups') index ext_rows, received rows follow.
-    halo_AK = AK[in_halo]
-    ext_rows = torch.unique(halo_AK[halo_AK < n_local])
-    halo_AK = torch.where(
-        halo_AK < n_local, torch.searchsorted(ext_rows, halo_AK), halo_AK - n_local + ext_rows.numel()
-    )
-    nnz_halo = int(valid[in_halo].sum())
-
-    def fmt(keep, AK_part, K: int, nnz: int) -> GroupCOO:
-        tensors = {"AM": group_row[keep].to(itype), "AK": AK_part.to(itype), "AV": AV[keep]}
-        fan = int(torch.bincount(group_row[keep]).max()) if nnz else 0  # groups in the fullest row
-        return GroupCOO(
-            (n_local, K), tensors, nnz=nnz, dtype=vals.dtype, index_dtype=itype, device=device,
-            params={"group_size": g, "fan_in": fan},
-        )  # fmt: skip
-
-    local = fmt(~in_halo, AK[~in_halo], n_local, rows.numel() - nnz_halo)
-    halo = fmt(in_halo, halo_AK, int(ext_rows.numel()) + width - n_local, nnz_halo)
-    return local, halo, ext_rows, fan_in
-
-
-def _model_group_size(rows, cols, vals, shape: tuple[int, int], n_cols: int) -> int:
-    """The group size formats.auto's cost model ranks first among GroupCOO's for these rows
-    (sorted row-major, unique)."""
-    sparse = torch.sparse_coo_tensor(
-        torch.stack([rows, cols]), vals, shape, is_coalesced=True, check_invariants=False
-    )
-    for candidate in rank(row_stats(sparse), n_cols, vals.dtype):
-        if candidate.format == "GroupCOO":
-            return candidate.params["group_size"]
-    return 1
 
 
 # --------------------------------------------------------------------------- the product
@@ -546,25 +436,40 @@ def _transposed(part: RowPart, which: str, dC: torch.Tensor, backend: str, preci
     return grad.to(out_dtype)
 
 
-def _forward_buffers(part: RowPart, B_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(send, ext, recv) views of one buffer kept by the part, laid out [send | ext_rows |
-    received]: the halo pass reads ext (ext_rows, then the received rows) as its B."""
-    S, k = int(part.send_rows.numel()), int(part.ext_rows.numel())
-    H = int(part.halo_rows.numel())
-    buf = part.buffer("forward", S + k + H, B_local.shape[1], B_local.dtype)
-    return buf[:S], buf[S:], buf[S + k :]
+def _forward_buffers(part: RowPart, B_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(send, recv), buffers kept by the part: the rows to send and the rows received."""
+    S, H = int(part.send_rows.numel()), int(part.halo_rows.numel())
+    buf = part.buffer("forward", S + H, B_local.shape[1], B_local.dtype)
+    return buf[:S], buf[S:]
 
 
-def _gather_send(part: RowPart, B_local: torch.Tensor, send: torch.Tensor) -> None:
-    """The rows other ranks need, by one gather kernel into the kept send buffer."""
-    torch.index_select(B_local, 0, part.send_rows, out=send)
+def _gather_send(part: RowPart, B_local: torch.Tensor, send: torch.Tensor, backend: str) -> None:
+    """The rows other ranks need, gathered into the kept send buffer by an insum statement
+    (a row tile per program, each row read as one contiguous vector: torch.index_select
+    measured ~0.45 ms for 670k rows of 128 floats on an H200, as slow in fp16 as in fp32)."""
+    if send.numel():
+        insum(GATHER_ROWS, backend=backend, check_indices=False, S=send, B=B_local, R=part.send_rows)
 
 
-def _gather_ext(part: RowPart, B_local: torch.Tensor, ext: torch.Tensor) -> None:
-    """The local rows the halo pass reads (ext_rows), ahead of the received rows; enqueued
-    after the exchange has started, so that it runs while the rows travel."""
-    if part.ext_rows.numel():
-        torch.index_select(B_local, 0, part.ext_rows, out=ext[: part.ext_rows.numel()])
+def _send_halo(part: RowPart, B_local: torch.Tensor, send, recv, group, backend: str) -> Any:
+    """Gather the rows to send and start the exchange. On CUDA both go on a high-priority
+    side stream, so that the gather runs beside the local pass rather than before it (its
+    blocks are scheduled first as the local pass's retire); the side stream waits for
+    the current one first, so B_local is ready and the previous call's halo pass is done
+    with `recv` (and its exchange with `send`, which the current stream has waited for)."""
+    if B_local.device.type != "cuda":
+        _gather_send(part, B_local, send, backend)
+        return _start_exchange(recv, send, part.recv_counts, part.send_counts, group)
+    key = ("side stream", B_local.device)
+    if key not in part.workspace:
+        part.workspace[key] = torch.cuda.Stream(B_local.device, priority=-1)
+    side = part.workspace[key]
+    side.wait_stream(torch.cuda.current_stream(B_local.device))
+    with torch.cuda.stream(side):
+        _gather_send(part, B_local, send, backend)
+        work = _start_exchange(recv, send, part.recv_counts, part.send_counts, group)
+    B_local.record_stream(side)  # the caller may free it before the side stream reads it
+    return work
 
 
 def _output(part: RowPart, B_local: torch.Tensor) -> torch.Tensor:
@@ -576,27 +481,23 @@ class _HaloSpMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, B_local, part: RowPart, group, backend: str, precision: str):
         ctx.part, ctx.group, ctx.backend, ctx.precision = part, group, backend, precision
-        send, ext, recv = _forward_buffers(part, B_local)
-        _gather_send(part, B_local, send)
-        work = _start_exchange(recv, send, part.recv_counts, part.send_counts, group)
-        _gather_ext(part, B_local, ext)
+        send, recv = _forward_buffers(part, B_local)
+        work = _send_halo(part, B_local, send, recv, group, backend)
         C = _output(part, B_local)
         _accumulate(part.local, C, B_local, backend, precision, first=True)  # while the halo travels
         work.wait()
-        _accumulate(part.halo, C, ext, backend, precision, first=False)
+        _accumulate(part.halo, C, recv, backend, precision, first=False)
         return C.to(B_local.dtype)
 
     @staticmethod
     def backward(ctx, dC):
         part, group = ctx.part, ctx.group
-        dtype, k = dC.dtype, int(part.ext_rows.numel())
+        dtype = dC.dtype
         # The halo pass's transposed product: its received rows go back to their owners.
-        dExt = _transposed(part, "halo", dC, ctx.backend, ctx.precision)
-        send = dExt[k:].to(dtype)
+        send = _transposed(part, "halo", dC, ctx.backend, ctx.precision).to(dtype)
         recv = part.buffer("backward", int(part.send_rows.numel()), dC.shape[1], dtype)
         work = _start_exchange(recv, send, part.send_counts, part.recv_counts, group)
         dB = _transposed(part, "local", dC, ctx.backend, ctx.precision)  # while it travels
-        dB.index_add_(0, part.ext_rows, dExt[:k])
         work.wait()
         dB.index_add_(0, part.send_rows, recv.to(dB.dtype))
         return dB.to(dtype), None, None, None, None
@@ -612,7 +513,7 @@ def steps(
     precision: str = "tf32",
 ) -> dict[str, Callable[[], object]]:
     """The steps `spmm` overlaps, each runnable alone, for timing them one by one (the
-    benchmark): "gather_send", "gather_ext" (the gathers from B_local), "exchange" (collective, waited
+    benchmark): "gather_send" (the gather from B_local), "exchange" (collective, waited
     for), "local" and "halo" (the passes, on buffers filled once here); with the output
     gradient dC also "local_T", "halo_T" (the transposed products) and "exchange_T".
 
@@ -620,17 +521,15 @@ def steps(
     """
     _check(part, B_local, group)
     B = B_local.detach()
-    send, ext, recv = _forward_buffers(part, B)
-    _gather_send(part, B, send)
+    send, recv = _forward_buffers(part, B)
+    _gather_send(part, B, send, backend)
     _start_exchange(recv, send, part.recv_counts, part.send_counts, group).wait()
-    _gather_ext(part, B, ext)
     C = _output(part, B_local)
     out = {
-        "gather_send": lambda: _gather_send(part, B, send),
-        "gather_ext": lambda: _gather_ext(part, B, ext),
+        "gather_send": lambda: _gather_send(part, B, send, backend),
         "exchange": lambda: _start_exchange(recv, send, part.recv_counts, part.send_counts, group).wait(),
         "local": lambda: _accumulate(part.local, C, B, backend, precision, first=True),
-        "halo": lambda: _accumulate(part.halo, C, ext, backend, precision, first=False),
+        "halo": lambda: _accumulate(part.halo, C, recv, backend, precision, first=False),
     }
     if dC is not None:
         back = torch.empty_like(send)

@@ -42,14 +42,10 @@ def skewed(n: int, avg: float, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def rebuilt_rows(p, n):
-    """A part's rows of A from its two passes: the halo pass's columns are B_local's
-    ext_rows, then the received rows."""
+    """A part's rows of A from its two passes: the halo pass's columns are the received rows."""
     out = torch.zeros(len(p.rows), n, dtype=p.dtype)
     out[:, p.rows.start : p.rows.stop] = p.local.to_dense()
-    halo = p.halo.to_dense()
-    k = p.ext_rows.numel()
-    out[:, p.rows.start + p.ext_rows] += halo[:, :k]
-    out[:, p.halo_rows] += halo[:, k:]
+    out[:, p.halo_rows] += p.halo.to_dense()
     return out
 
 
@@ -101,33 +97,26 @@ def test_more_ranks_than_rows_leaves_ranks_empty():
     assert any(len(p.rows) == 0 and p.nnz == 0 for p in parts)
 
 
-def test_the_default_cuts_one_grouping_of_the_whole_rows():
+def test_the_default_packs_each_block_by_formats_auto():
     A = skewed(300, 12.0, seed=4)
     dense = A.to_dense()
     for p in partition_rows(A, 2):
-        g = p.local.group_size
-        assert p.halo.group_size == g and g > 1  # the whole rows' group size, in both passes
-        counts = (dense[p.rows.start : p.rows.stop] != 0).sum(1)
-        # Exactly the groups (and slots) of one packing of these rows: no group is split.
-        assert p.local.groups + p.halo.groups == int(((counts + g - 1) // g).sum())
-        assert p.nnz == int(counts.sum())
-        # The halo pass reads a few local rows (its mixed groups'), at most one group a row.
-        assert 0 < p.ext_rows.numel() <= len(p.rows)
-        assert p.ext_rows.max() < len(p.rows) and torch.equal(p.ext_rows, p.ext_rows.unique())
-        mixed = (p.halo.AK < p.ext_rows.numel()).any(1)
-        assert torch.equal(p.halo.AM[mixed], p.halo.AM[mixed].unique())
+        assert p.local.shape == (len(p.rows), len(p.rows))
+        assert p.halo.shape == (len(p.rows), p.halo_rows.numel()) and p.halo.nnz > 0
+        assert p.nnz == int((dense[p.rows.start : p.rows.stop] != 0).sum())
+        assert p.fan_in == p.local.fan_in + p.halo.fan_in
         torch.testing.assert_close(rebuilt_rows(p, 300), dense[p.rows.start : p.rows.stop], rtol=0, atol=0)
-        assert p.fan_in == int(((counts + g - 1) // g).max())
-    (fixed,) = partition_rows(A, 2, rank=1, group_size=8, index_dtype=torch.int64)
-    assert fixed.local.group_size == fixed.halo.group_size == 8 and fixed.halo.index_dtype == torch.int64
 
 
-def test_a_named_format_packs_the_two_blocks_separately():
+def test_a_named_format_packs_both_blocks_with_its_parameters():
     A = skewed(40, 3.0, seed=4)
-    for fmt in ("auto", "COO"):
-        for p in partition_rows(A, 2, format=fmt):
-            assert p.ext_rows.numel() == 0 and p.halo.shape[1] == p.halo_rows.numel()
+    for fmt, params in (("GroupCOO", {"group_size": 2}), ("COO", {})):
+        for p in partition_rows(A, 2, format=fmt, **params):
+            assert type(p.local).__name__ == type(p.halo).__name__ == fmt
+            assert p.halo.shape[1] == p.halo_rows.numel()
             torch.testing.assert_close(rebuilt_rows(p, 40), A.to_dense()[p.rows.start : p.rows.stop])
+    (fixed,) = partition_rows(A, 2, rank=1, format="GroupCOO", group_size=8)
+    assert fixed.local.group_size == fixed.halo.group_size == 8
 
 
 @pytest.mark.parametrize(
@@ -140,7 +129,7 @@ def test_a_named_format_packs_the_two_blocks_separately():
         (lambda: partition_rows(torch.eye(3), 2, format="CSR5"), InsumError, "unknown format"),
         (lambda: partition_rows(torch.eye(3), 2, group_sise=2), InsumError, "group_sise"),
         (lambda: partition_rows(torch.eye(3), 2, format="COO", group_size=2), InsumError, "group_size"),
-        (lambda: partition_rows(torch.eye(3), 2, group_size=0), InsumError, "group_size"),
+        (lambda: partition_rows(torch.eye(3), 2, format="GroupCOO", group_size=0), InsumError, "group_size"),
         (lambda: spmm(partition_rows(torch.eye(3), 1)[0], torch.ones(3, 2)), InsumError, "process group"),
     ],
 )
@@ -163,7 +152,7 @@ def _row_slice(part):
     return slice(part.rows.start, part.rows.stop)
 
 
-def _spmm_against_one_process(rank, A, N, fmt=None, balance="nnz", grad=True, **params):
+def _spmm_against_one_process(rank, A, N, fmt="auto", balance="nnz", grad=True, **params):
     """spmm on this rank's part vs the one-process format product and float64 (values, grads)."""
     dtype = A.dtype
     (part,) = partition_rows(A, WORLD, balance, rank=rank, format=fmt, **params)
@@ -194,16 +183,14 @@ def spmm_fp32_int32(rank):
 
 
 @check
-def spmm_mixed_groups_reused_buffers_no_syncs(rank):
-    # Long rows and g = 4: groups straddle local and remote columns (the halo pass reads
-    # ext_rows). Two calls on one part: the buffers it keeps are reused, and once the
+def spmm_reused_buffers_no_syncs(rank):
+    # Long rows, GroupCOO with g = 4. Two calls on one part: the buffers it keeps are reused, and once the
     # first backward has kept the transposed patterns, a call syncs the host nowhere (on
     # the generated kernels: the torch lowering, the CPU's, reads sizes back itself).
     triton = os.environ.get("TRITON_INTERPRET") == "1"
     backend = "triton" if triton else "torch"
     A = skewed(40, 12.0, seed=25)
-    (part,) = partition_rows(A, WORLD, rank=rank, group_size=4)
-    assert part.ext_rows.numel() > 0
+    (part,) = partition_rows(A, WORLD, rank=rank, format="GroupCOO", group_size=4)
     dense = A.to_dense().double()
     gen = torch.Generator().manual_seed(26)
     rows = _row_slice(part)
@@ -227,7 +214,7 @@ def spmm_mixed_groups_reused_buffers_no_syncs(rank):
 @check
 def spmm_groupcoo_blocks_separately(rank):
     part = _spmm_against_one_process(rank, skewed(37, 3.0, seed=11), 5, fmt="GroupCOO")
-    assert part.ext_rows.numel() == 0
+    assert isinstance(part.local, GroupCOO) and isinstance(part.halo, GroupCOO)
 
 
 @check
@@ -261,7 +248,7 @@ def spmm_fp16_one_column(rank):
     A = skewed(31, 3.0, seed=15, dtype=torch.float16)
     part = _spmm_against_one_process(rank, A, 1)  # few groups a row: accumulated in fp16 in place
     assert part.fan_in <= HALF_FAN_IN
-    part = _spmm_against_one_process(rank, A, 1, group_size=1)  # rank 0: 30 groups in a row, float32
+    part = _spmm_against_one_process(rank, A, 1, fmt="GroupCOO", group_size=1)  # rank 0: 30 groups in a row, float32
     assert (part.fan_in > HALF_FAN_IN) == (rank == 0)
 
 
@@ -408,7 +395,6 @@ def cuda_spmm_generated_kernels_against_one_gpu(rank):
     for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)]:
         A = skewed(3001, 12.0, seed=31, dtype=dtype).to(device)
         (part,) = partition_rows(A, WORLD, rank=rank)
-        assert part.ext_rows.numel() > 0
         gen = torch.Generator(device=device).manual_seed(32)
         B = torch.randn(3001, 48, generator=gen, device=device, dtype=dtype)
         G = torch.randn(3001, 48, generator=gen, device=device, dtype=dtype)
