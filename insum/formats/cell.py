@@ -228,6 +228,9 @@ class CELL(SparseFormat):
     search: how the cost model picks the maximum width: "scan" (default) evaluates every
     power of two and takes the minimum; "binary" is the paper's Algorithm 3, which can
     stop at a local minimum.
+    cover: lay the buckets out to cover C where that costs at most M padded slots (see
+    `covering_block`), so that the repeated product needs no zero fill; False keeps the
+    plain layout (every product zero-fills C).
 
     `tensors` holds RI_W / CI_W / V_W for every width W in `widths`; `buckets` lists
     (partition, width, bucket rows). `expression` is the statement each width runs.
@@ -253,6 +256,7 @@ class CELL(SparseFormat):
         max_width: int | None = None,
         dense_cols: int = 128,
         search: str = "scan",
+        cover: bool = True,
         index_dtype: torch.dtype | None = None,
     ) -> CELL:
         M, K = coords.shape
@@ -286,7 +290,7 @@ class CELL(SparseFormat):
         # What the covering layout (`_covering_rows`) needs: the most folds of a row, rows
         # per width (empty rows included), and folded rows per fold count.
         layout = ()
-        if partitions == 1:
+        if partitions == 1 and cover:
             fold_hist = torch.zeros(ROW_BLOCK + 1, dtype=torch.int64, device=device)
             fold_hist.scatter_add_(0, folds[0].clamp(max=ROW_BLOCK), torch.ones_like(folds[0]))
             per_width = (width_exp == seg.caps.view(-1, 1)).sum(1)
@@ -299,6 +303,7 @@ class CELL(SparseFormat):
                 max_width=max_width,
                 dense_cols=dense_cols,
                 search=search,
+                cover=cover,
                 index_dtype=index_dtype,
             )
         caps, per_bucket = host[:partitions], [-n for n in host[partitions : partitions + partitions * E]]
