@@ -174,3 +174,42 @@ def test_cuda_covering_product_runs_direct_into_an_unfilled_output(monkeypatch):
         assert isinstance(plan.pinned, execute.Pinned) and plan.pinned.covers
         direct = plan.pinned.launch.launch.direct
         assert direct.enabled and direct.compiled, direct.why_not
+
+
+def _next_fit_reference(folds: list[int]) -> list[int]:
+    """The first bucket row of each row (in the order given), placed one after the other so
+    that none crosses an aligned block of ROW_BLOCK: the sequential rule `_next_fit` scans."""
+    positions, end = [], 0
+    for f in folds:
+        if end % ROW_BLOCK + f > ROW_BLOCK:
+            end += ROW_BLOCK - end % ROW_BLOCK
+        positions.append(end)
+        end += f
+    return positions
+
+
+@cpu
+@pytest.mark.parametrize("seed", range(4))
+def test_widest_bucket_is_the_sequential_next_fit(seed):
+    """The device scan places the widest bucket's rows where a sequential next fit over them
+    (most folds first, then by row) does; the padding is what it skips."""
+    gen = torch.Generator().manual_seed(10 + seed)
+    M, K = 90, 40
+    lengths = torch.randint(0, 9, (M,), generator=gen) * (torch.rand(M, generator=gen) < 0.9)
+    lengths[seed : seed + 3] = torch.tensor([26, 14, 11])  # 13, 7 and 6 folds: runs that skip rows
+    A = _matrix(M, K, lengths.tolist(), seed)
+    fmt = CELL.from_dense(A, max_width=2)
+    assert fmt.covering_block == ROW_BLOCK
+    counts = (A != 0).sum(1)
+    widest = [(-(-int(n) // 2), r) for r, n in enumerate(counts.tolist()) if n > 1]
+    widest.sort(key=lambda item: (-item[0], item[1]))
+    positions = _next_fit_reference([f for f, _ in widest])
+    expected = torch.full((positions[-1] + widest[-1][0],), -1)
+    for (f, row), at in zip(widest, positions):
+        expected[at : at + f] = row
+    got = fmt.RI_2.long()
+    padding = expected < 0
+    assert got.numel() == expected.numel()
+    assert torch.equal(got[~padding], expected[~padding])
+    # A padding bucket row repeats the row before it, and adds nothing.
+    assert torch.equal(got[padding], got[torch.nonzero(padding).view(-1) - 1])

@@ -28,11 +28,12 @@ BUDGET = [
     (BlockGroupCOO, {}, 44),
     (BlockGroupCOO, {"group_size": 2}, 41),
     (BlockGroupCOO, {"group_size": "row"}, 34),
-    # CELL: +6 for the covering layout's summary, read in the same sync (this matrix's
-    # hub rows fold too often for it; `test_covering_cell_packs_in_one_sync` takes it).
-    (CELL, {}, 81),
+    # CELL: +65 for the covering layout's next fit (a scan over the fold counts' runs) and
+    # summary, before the sync (this matrix's hub rows fold too often for the layout;
+    # `test_covering_cell_packs_in_one_sync` takes it).
+    (CELL, {}, 140),
     (CELL, {"partitions": 3}, 84),
-    (CELL, {"max_width": 8}, 76),
+    (CELL, {"max_width": 8}, 135),
 ]
 
 
@@ -49,14 +50,14 @@ def test_packing_from_csr_syncs_once(cls, params, most_ops):
 
 
 def test_covering_cell_packs_in_one_sync():
-    """CELL's covering layout (no row folded more than 16 times): ~20 more ops than the plain
-    layout (the padded bucket rows' positions), still one sync."""
+    """CELL's covering layout (no row folded more than 16 times): ~30 more ops than the plain
+    layout's after the sync (the bucket rows' positions), still one sync."""
     A = power_law_matrix(600, 500, 12.0, alpha=0.3, seed=0, dtype=torch.float32)
     with count_ops() as counted:
         fmt = CELL.from_torch(A)
     assert fmt.covering_block == 16
     assert counted.syncs <= 1, counted
-    assert counted.ops <= 100, counted
+    assert counted.ops <= 170, counted
     assert torch.equal(fmt.to_dense(), A.to_dense())
 
 

@@ -161,45 +161,82 @@ _SEARCHES = {"scan": _scan_widths, "binary": _search_widths}
 ROW_BLOCK = 16
 
 
-def _aligned_entries(fold_hist: list[int]) -> int:
-    """Bucket rows the folded rows take in the covering layout: each row's folds padded to a
-    power of two."""
-    return sum(n << (f - 1).bit_length() for f, n in enumerate(fold_hist) if f >= 2)
+def _next_fit(per_fold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the widest bucket's rows go in the covering layout, per fold count, on the device.
+
+    Rows are placed most folds first (then by row), each at the next position from which its
+    f bucket rows stay inside one aligned block of ROW_BLOCK (next fit): the bucket rows
+    skipped at a block's end are padding. Within the run of rows of one f this is a formula
+    (`_covering_rows`); where each run starts follows from the runs before it. A run, seen
+    from the residue r of its start in a block, advances by delta(r) to a new residue: a map
+    on ROW_BLOCK residues, and the runs' starts are a scan (Hillis-Steele) over those maps,
+    ROW_BLOCK of them, so it runs without reading anything on the host.
+
+    per_fold: (ROW_BLOCK + 1,) the widest bucket's rows per fold count f (index f).
+    Returns a (4, ROW_BLOCK) table, column f - 1 for f folds: the run's first row among the
+    bucket's (rank), its first bucket row (start), how many of its rows fit before the next
+    block boundary (fit) and that boundary (block); the bucket's rows, and its padding rows.
+    """
+    B = ROW_BLOCK
+    device = per_fold.device
+    f = torch.arange(B, 0, -1, device=device)  # the runs, most folds first
+    n = per_fold.flip(0)[:B]
+    r = torch.arange(B, device=device)
+    fc, nc = f.view(-1, 1), n.view(-1, 1)
+    late = nc - torch.div(B - r, fc, rounding_mode="floor") - 1  # the last row's index past the first block
+    per_block = torch.div(B, fc, rounding_mode="floor")
+    delta = torch.where(
+        late < 0,
+        nc * fc,
+        (B - r) + torch.div(late, per_block, rounding_mode="floor") * B + late % per_block * fc + fc,
+    )
+    after = (r + delta) % B
+    step = 1
+    while step < B:  # run g's map becomes runs g-2*step+1 .. g's: the earlier ones first
+        before, residue = delta[:-step], after[:-step]
+        delta = torch.cat([delta[:step], before + delta[step:].gather(1, residue)])
+        after = torch.cat([after[:step], after[step:].gather(1, residue)])
+        step *= 2
+    end = delta[:, 0]  # after each run, starting from bucket row 0
+    start = torch.cat([end.new_zeros(1), end[:-1]])
+    offset = start % B
+    table = torch.stack([torch.cumsum(n, 0) - n, start, torch.div(B - offset, f, rounding_mode="floor"), start - offset + B])
+    return table.flip(1), end[-1], end[-1] - (n * f).sum()
 
 
 def _covering_rows(
-    width_exp: torch.Tensor, folds: torch.Tensor, cap: int, R: int
+    width_exp: torch.Tensor, folds: torch.Tensor, narrow: int, runs: torch.Tensor, R: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, fold) of every bucket row in the covering layout (one partition).
 
     Every row gets a bucket row: an empty row one of width 1 whose slots are padding, so the
-    buckets' stores write it (zeros) and C needs no zero fill. In the widest bucket a row of
-    f folds takes the next power of two of f bucket rows, the ones past its folds padding
-    (value 0), and rows are ordered by that size, largest first: each then starts at a
-    multiple of its size (a sum of larger powers of two), so a row of at most ROW_BLOCK
-    bucket rows never crosses an aligned block of ROW_BLOCK. Within a width, equal rows stay
-    adjacent (the sorted claim). Returns a fold >= the row's folds for padding bucket rows.
+    buckets' stores write it (zeros) and C needs no zero fill. The `narrow` rows of the
+    narrower buckets hold a bucket row each, in row order. In the widest bucket rows are
+    placed by next fit (`_next_fit`, whose `runs` table this reads), so that no row crosses
+    an aligned block of ROW_BLOCK bucket rows; a padding bucket row repeats the row before
+    it with a fold past that row's end (value 0). Within a width, equal rows stay adjacent
+    (the sorted claim).
     """
     device = folds.device
-    folds = folds.clamp(min=1)  # (an empty row: one bucket row)
-    size = torch.where(width_exp == cap, _next_pow2(folds), 1)
-    # Width first; in the widest bucket the largest sizes first; then by row.
-    order = torch.sort(width_exp * (2 * ROW_BLOCK) + (ROW_BLOCK - size.clamp(max=ROW_BLOCK)), stable=True).indices
-    size = size[order]
-    position = torch.cumsum(size, 0) - size
+    B = ROW_BLOCK
+    f = folds.clamp(min=1)  # (an empty row: one bucket row)
+    # Width first; in the widest bucket the most folds first; then by row.
+    order = torch.sort(width_exp * (B + 1) + (B - f), stable=True).indices
+    f = f[order]
+    rank, start, fit, block = runs[:, f - 1]
     i = torch.arange(order.numel(), device=device)
+    late = i - narrow - rank - fit  # (widest rows) the row's rank in its run, less those that fit first
+    per_block = torch.div(B, f, rounding_mode="floor")
+    aligned = torch.where(
+        late < 0, start + (late + fit) * f, block + torch.div(late, per_block, rounding_mode="floor") * B + late % per_block * f
+    )
+    position = torch.where(i < narrow, i, narrow + aligned)
     starts = torch.full((R,), -1, dtype=torch.int64, device=device)
     starts[position] = i
     # Each bucket row belongs to the last row that starts at or before it.
     at = torch.arange(R, device=device)
     first = torch.cummax(torch.where(starts >= 0, at, 0), 0).values
     return order[starts[first]], at - first
-
-
-def _next_pow2(x: torch.Tensor) -> torch.Tensor:
-    """The next power of two of each integer in 1 .. ROW_BLOCK."""
-    powers = 1 << torch.arange(ROW_BLOCK.bit_length(), device=x.device)
-    return powers[torch.bucketize(x, powers)]
 
 
 def cell_cost(
@@ -237,8 +274,8 @@ class CELL(SparseFormat):
 
     >>> A = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 0.0, 6.0, 0.0, 0.0]])
     >>> F = CELL.from_dense(A, max_width=2)
-    >>> F.widths, F.RI_2.tolist(), F.RI_1.tolist()  # row 0's three folds padded to four
-    ([1, 2], [0, 0, 0, 0], [1])
+    >>> F.widths, F.RI_2.tolist(), F.RI_1.tolist()
+    ([1, 2], [0, 0, 0], [1])
     """
 
     name = "cell"
@@ -291,10 +328,13 @@ class CELL(SparseFormat):
         # per width (empty rows included), and folded rows per fold count.
         layout = ()
         if partitions == 1 and cover:
-            fold_hist = torch.zeros(ROW_BLOCK + 1, dtype=torch.int64, device=device)
-            fold_hist.scatter_add_(0, folds[0].clamp(max=ROW_BLOCK), torch.ones_like(folds[0]))
+            widest = torch.where(width_exp[0] == cap_exp, folds[0].clamp(1, ROW_BLOCK), 0)
+            per_fold = torch.zeros(ROW_BLOCK + 1, dtype=torch.int64, device=device)
+            per_fold.scatter_add_(0, widest, torch.ones_like(widest))
+            runs, widest_rows, padding = _next_fit(per_fold)
             per_width = (width_exp == seg.caps.view(-1, 1)).sum(1)
-            layout = (F.pad(folds[0], (0, 1)).max(), per_width, fold_hist)
+            empty = (seg.neg_count == 0).sum()
+            layout = (F.pad(folds[0], (0, 1)).max(), empty, widest_rows, padding, per_width)
         host = coords.read(cap_exp, neg_rows, *layout)  # the one sync
         if host is None:
             return cls._pack(
@@ -310,19 +350,16 @@ class CELL(SparseFormat):
         host = host[partitions + partitions * E :]
         # Cover C (every row in exactly one bucket, each within one aligned block of its
         # bucket) with one partition, some nonzeros, no row folded more than ROW_BLOCK times,
-        # and at most M padding slots added (empty rows', folds rounded up): a padding slot
-        # reads a row of B that its row reads anyway, where the zero fill it replaces writes
-        # M rows of C.
+        # and at most M padding slots added (empty rows', bucket rows skipped at block ends):
+        # a padding slot reads a row of B that its row reads anyway, where the zero fill it
+        # replaces writes M rows of C.
         covering = bool(layout) and coords.nnz > 0 and host[0] <= ROW_BLOCK
         if covering:
-            per_width, fold_hist = host[1 : 1 + E], host[1 + E :]
-            added = fold_hist[0] + ((_aligned_entries(fold_hist) - sum(f * n for f, n in enumerate(fold_hist) if f >= 2)) << caps[0])
-            covering = added <= M
+            empty, widest_rows, padding, per_width = host[1], host[2], host[3], host[4:]
+            covering = empty + (padding << caps[0]) <= M
         if covering:
-            per_bucket = list(per_width)
-            # The widest bucket: the aligned folded rows, then its unfolded rows (empty ones too
-            # when it is the only width).
-            per_bucket[caps[0]] = _aligned_entries(fold_hist) + fold_hist[0] + fold_hist[1] - sum(per_width[: caps[0]])
+            narrow = sum(per_width[: caps[0]])
+            per_bucket = [*per_width[: caps[0]], widest_rows, *per_width[caps[0] + 1 :]]
         buckets = [
             (p, 1 << e, per_bucket[p * E + e])
             for p in range(partitions)
@@ -346,7 +383,7 @@ class CELL(SparseFormat):
         # Bucket rows ordered by width, then partition, row and fold: each width's
         # statement is one contiguous slice. All by gathers from the cell grid.
         if covering:
-            cell, fold = _covering_rows(width_exp[0], folds[0], caps[0], R)
+            cell, fold = _covering_rows(width_exp[0], folds[0], narrow, runs, R)
         else:
             order = torch.sort(width_exp.view(-1), stable=True).indices
             cell_folds = folds.view(-1)[order]
