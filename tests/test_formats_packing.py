@@ -31,9 +31,9 @@ BUDGET = [
     # CELL: +65 for the covering layout's next fit (a scan over the fold counts' runs) and
     # summary, before the sync (this matrix's hub rows fold too often for the layout;
     # `test_covering_cell_packs_in_one_sync` takes it).
-    (CELL, {}, 140),
+    (CELL, {}, 142),
     (CELL, {"partitions": 3}, 84),
-    (CELL, {"max_width": 8}, 135),
+    (CELL, {"max_width": 8}, 137),
 ]
 
 
@@ -57,7 +57,7 @@ def test_covering_cell_packs_in_one_sync():
         fmt = CELL.from_torch(A)
     assert fmt.covering_block == 16
     assert counted.syncs <= 1, counted
-    assert counted.ops <= 170, counted
+    assert counted.ops <= 175, counted
     assert torch.equal(fmt.to_dense(), A.to_dense())
 
 

@@ -392,18 +392,21 @@ class CELL(SparseFormat):
             cell = order[which]
         row_exp = width_exp.view(-1)[cell]
         row_width = 1 << row_exp
-        first = seg.start.reshape(-1)[cell] + (fold << row_exp)  # pad with its first column
+        start = seg.start.reshape(-1)[cell]
+        first = start + (fold << row_exp)
         end = seg.end.reshape(-1)[cell]
+        # A slot past its row's end pads with the first column of its fold (a position the
+        # row stores: trained, it is the same weight counted twice), a covering layout's
+        # padding bucket row with its row's first column, an empty row's with a column of the
+        # matrix (clamped into range; as ELL's empty rows, a new weight if trained).
+        pad = torch.where(first < end, first, start).clamp(max=coords.nnz - 1) if covering else first
         RI = (cell if partitions == 1 else cell % M).to(itype)
         # Slots: row_width[j] consecutive slots per bucket row, all widths in one array.
         slot_row = torch.repeat_interleave(row_width, output_size=S)
         slot_start = torch.cumsum(row_width, 0) - row_width
-        first = first[slot_row]
-        idx = first + (torch.arange(S, device=device) - slot_start[slot_row])
+        idx = first[slot_row] + (torch.arange(S, device=device) - slot_start[slot_row])
         valid = idx < end[slot_row]
-        # (The covering layout's empty and padding bucket rows hold no entry: their slots pad
-        # with a column of the matrix, clamped into range.)
-        idx = torch.where(valid, idx, first.clamp(max=coords.nnz - 1) if covering else first)
+        idx = torch.where(valid, idx, pad[slot_row])
         CI = coords.cols[idx].to(itype)
         V = torch.where(valid, coords.vals[idx], 0)
 
