@@ -1,6 +1,6 @@
 """CELL's covering layout against its plain layout: device time, host time, checked.
 
-    python -m benchmarks.explore.cell_cover [--files 6] [--cols 128] [--data .data]
+    python -m benchmarks.explore.cell_cover [--files 6] [--cols 128] [--dtypes fp32,fp16] [--data .data]
 
 The covering layout (`CELL.from_torch(A)` where `covering_block` is set) gives every row a
 bucket row and keeps folded rows inside aligned blocks, so that the repeated product is one
@@ -23,7 +23,7 @@ import torch
 from insum.formats import CELL
 from insum.formats.io import load_smtx
 
-from ..common import host_us_per_call, median_ms
+from ..common import DTYPES, host_us_per_call, median_ms
 from ..host_time import skewed_matrix
 
 
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--files", type=int, default=6, help="DLMC matrices (the largest that cover)")
     parser.add_argument("--cols", type=int, default=128)
     parser.add_argument("--data", type=Path, default=Path(".data"), help="a copy of ../shared/data")
+    parser.add_argument("--dtypes", default="fp32,fp16")
     args = parser.parse_args(argv)
     if not args.data.exists():
         args.data = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'matrix':58s} {'dtype':5s} {'slots cover/plain':>18s} {'device cover':>12s} {'plain':>8s} "
           f"{'host cover':>10s} {'plain':>8s}  max rel err")
     for name, A in _matrices(args.data, args.files):
-        for dtype in (torch.float32, torch.float16):
+        for dtype in [DTYPES[name] for name in args.dtypes.split(",")]:
             values = torch.randn(A._nnz(), generator=gen)
             csr = torch.sparse_csr_tensor(A.crow_indices(), A.col_indices(), values, A.shape).to(dtype).cuda()
             B = torch.randn(A.shape[1], args.cols, generator=gen).to(dtype).cuda()
