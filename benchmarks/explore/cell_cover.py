@@ -1,6 +1,7 @@
 """CELL's covering layout against its plain layout: device time, host time, checked.
 
     python -m benchmarks.explore.cell_cover [--files 6] [--cols 128] [--dtypes fp32,fp16] [--data .data]
+    TRITON_INTERPRET=1 python -m benchmarks.explore.cell_cover --ops    # on the CPU: what each product issues
 
 The covering layout (`CELL.from_torch(A)` where `covering_block` is set) gives every row a
 bucket row and keeps folded rows inside aligned blocks, so that the repeated product is one
@@ -10,16 +11,23 @@ host-time benchmark's skewed matrix, then the largest DLMC matrices that cover, 
 ../shared/data), fp32 and fp16: the stored slots of each layout, the device time of one
 product (a CUDA graph of 20 products, so that host time does not count), the host time per
 call, and the error against a float64 product.
+
+`--ops` (CPU, in the interpreter) counts instead what each of the first products of the
+host-time matrix issues, per layout: the ops that fill memory (a kernel launch each on a
+GPU) and the generated-kernel launches, and checks each against a float64 product.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from insum import runtime
 from insum.formats import CELL
 from insum.formats.io import load_smtx
 
@@ -66,13 +74,64 @@ def _graph_ms(fn, products: int = 20, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+class _Counted(TorchDispatchMode):
+    """Counts the aten ops that fill memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fills: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("zeros", "zero_", "fill_", "new_zeros", "full", "zeros_like"):
+            self.fills[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(products: int = 4) -> None:
+    """Fill ops and kernel launches of each of the first `products` products, per layout."""
+    launches: collections.Counter[str] = collections.Counter()
+    originals = {cls: cls.run for cls in (runtime.BatchLaunch, runtime._Launcher)}
+
+    def counting(cls):
+        def run(self, *args, **kwargs):
+            launches[cls.__name__] += 1
+            return originals[cls](self, *args, **kwargs)
+
+        return run
+
+    A = skewed_matrix(torch.device("cpu"))
+    try:
+        for cls in originals:
+            cls.run = counting(cls)
+        for cover in (False, True):
+            fmt = CELL.from_dense(A, cover=cover)
+            print(f"CELL cover={cover}: {fmt}")
+            gen = torch.Generator().manual_seed(0)
+            for product in range(products):
+                B = torch.randn(A.shape[1], 16, generator=gen)
+                launches.clear()
+                with _Counted() as counted:
+                    C = fmt.spmm(B, backend="triton")
+                error = (C.double() - A.double() @ B.double()).abs().max().item()
+                print(f"  product {product + 1}: fill ops {dict(counted.fills) or 0}, launches {dict(launches)}, "
+                      f"max error {error:.1e}")
+    finally:
+        for cls, run in originals.items():
+            cls.run = run
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=6, help="DLMC matrices (the largest that cover)")
     parser.add_argument("--cols", type=int, default=128)
     parser.add_argument("--data", type=Path, default=Path(".data"), help="a copy of ../shared/data")
     parser.add_argument("--dtypes", default="fp32,fp16")
+    parser.add_argument("--ops", action="store_true", help="count fill ops and launches per product (CPU)")
     args = parser.parse_args(argv)
+    if args.ops:
+        count_ops()
+        return
     if not args.data.exists():
         args.data = Path(__file__).resolve().parents[3] / "shared" / "data"
     if not torch.cuda.is_available():
