@@ -14,6 +14,13 @@ distinct width, not one per (partition, bucket). The generated kernel chooses at
 updates itself because RI is an indirect output index (LiteForm needs atomics for folded
 rows and for several partitions, which is when one row appears in several programs).
 
+The product needs no zero fill where the packer can lay the buckets out to cover C
+(`covering_block`, one partition): every row, empty ones too, gets a bucket row, and the
+widest bucket keeps each folded row inside one aligned block of 16 bucket rows, so that
+every row is summed and stored by one program and the repeated product's one launch stores
+into an uninitialised output (`insum_many`'s covering claim). The layout is the default
+where it pads at most M slots; `cover=False` keeps the plain one.
+
 Not reproduced from the paper: the random-forest models that decide whether to use
 CELL and how many partitions to use (pass `partitions`), and the mapping of 2^k-nonzero
 blocks to thread blocks (the kernel's tiling decides that).
@@ -426,8 +433,9 @@ class CELL(SparseFormat):
 
     @property
     def sorted_indices(self) -> frozenset[str]:
-        """RI is sorted within each width when there is one partition (rows in order, folds
-        adjacent); partitions interleave rows, so then it is not."""
+        """RI is sorted within each width when there is one partition (equal rows adjacent: rows
+        in order, or in the covering layout's widest bucket by fold count, folds adjacent);
+        partitions interleave rows, so then it is not."""
         return frozenset({"RI"}) if self.params["partitions"] == 1 else frozenset()
 
     @property
