@@ -270,9 +270,9 @@ import insum.nn.kernel_map as km
 
 kernels = {k.fn.__name__: k for k in (*km._hash_kernels(), km._lookup_kernel(), km._activity_kernel(),
            km._place_kernel(), km._pack_kernel(), km._block_pairs_kernel(), km._pairs_kernel())}
-for name, signature, constexprs in json.load(sys.stdin):
+for name, signature, constexprs, options in json.load(sys.stdin):
     compiled = triton.compile(ASTSource(fn=kernels[name], signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32))
+                              target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], name
 """
 
@@ -292,10 +292,13 @@ def test_the_build_kernels_compile_for_hopper(monkeypatch):
     launch = kernel_map._launch
 
     def record(kernel, grid, *args, **kwargs):
-        names = [name for name in kernel.arg_names if name not in kwargs]
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}  # launch options, not arguments
+        constexprs = {k: v for k, v in kwargs.items() if k not in options}
+        names = [name for name in kernel.arg_names if name not in constexprs]
         types = {torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
         signature = {name: types[a.dtype] if isinstance(a, torch.Tensor) else "i32" for name, a in zip(names, args)}
-        seen[kernel.fn.__name__, json.dumps(kwargs, sort_keys=True)] = (signature | dict.fromkeys(kwargs, "constexpr"), kwargs)
+        seen[kernel.fn.__name__, json.dumps(kwargs, sort_keys=True)] = (
+            signature | dict.fromkeys(constexprs, "constexpr"), constexprs, options)
         launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(kernel_map, "_launch", record)
@@ -304,8 +307,8 @@ def test_the_build_kernels_compile_for_hopper(monkeypatch):
     km.tiles_whole(16), km.pair_groups()
     kernel_build(monkeypatch, "hash", kernel_map.output_coords(coords, 3, 2, 1), 3, 2, 1, "transposed", coords)
     kernel_build(monkeypatch, "sorted", coords)
-    jobs = [(name, signature, constexprs) for (name, _), (signature, constexprs) in seen.items()]
-    assert len({name for name, _, _ in jobs}) == 8
+    jobs = [(name, *compiled) for (name, _), compiled in seen.items()]
+    assert len({job[0] for job in jobs}) == 8
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], input=json.dumps(jobs), capture_output=True,

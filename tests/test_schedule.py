@@ -473,6 +473,62 @@ def test_small_grid_variable_walks_before_a_large_tile():
     assert first < next(i for i, line in enumerate(lines) if "pid_u = pid" in line)
 
 
+def _uvu_spec(b: int, lengths: bool):
+    """The channel-wise product's spec at b edges, its rows' entry counts declared or not."""
+    from insum.execute import length_facts
+    from insum.runtime import spec_for
+
+    bound = bind(parse(UVU), _uvu_meta(b))
+    declared = ()
+    if lengths:
+        bound, declared = length_facts(bound, {"q[p]": torch.empty(71, dtype=torch.int32, device="meta")})
+    return spec_for(bound, lengths=declared)
+
+
+def test_declared_lengths_put_the_rows_on_the_grid():
+    """With each component's entry count declared (MACE: 215 real entries in 71 x 8 slots),
+    a program that holds one component p stops at its own count, while a tile of p rows
+    runs to its longest row: the edges go on M and p on the grid (walked first). Without the
+    declaration the two plans cost the same and the conventional one (M = p) stays."""
+    from insum.codegen import schedule
+
+    plan = schedule(_uvu_spec(16384, lengths=True))
+    assert plan.tiles == (("M", "b"), ("K", "q"), ("N", "u")) and plan.grid == ("p",) and plan.grid_first
+    assert plan.lengths == (("q", "LEN_q", ("p",)),)
+    assert schedule(_uvu_spec(16384, lengths=False)).grid == ("b",)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_rows_on_the_grid_plan_skips_padding_at_small_sizes(index_dtype):
+    """The plan chosen for 16384 edges with declared lengths, run on 11 edges (no multiple
+    of a tile) into a poisoned output, the padded entries NaN (an empty row, a full row):
+    only a kernel that stops at each row's length matches the lowering of zero padding."""
+    import dataclasses
+
+    from insum.codegen import schedule
+    from insum.execute import length_facts
+    from insum.runtime import Kernel, spec_for
+
+    big = schedule(_uvu_spec(16384, lengths=True))
+    g = torch.Generator().manual_seed(13)
+    b, p, q, u = 11, 5, 4, 6
+    counts = torch.tensor([0, 4, 1, 3, 2])
+    pad = torch.arange(q)[None, :] >= counts[:, None]
+    tensors = {
+        "Z": torch.full((b, p, u), float("nan")), "CGV": torch.randn(p, q, generator=g).masked_fill(pad, 0.0),
+        "Y": torch.randn(b, 4, generator=g), "X": torch.randn(b, 3, u, generator=g), "W": torch.randn(b, 2, u, generator=g),
+        "CGJ": torch.randint(0, 4, (p, q), generator=g).to(index_dtype),
+        "CGI": torch.randint(0, 3, (p, q), generator=g).to(index_dtype), "PR": torch.randint(0, 2, (p,), generator=g).to(index_dtype),
+    }
+    tensors = {k: v.to(DEVICE) for k, v in tensors.items()}
+    expected = insum.insum(UVU, backend="torch", **{k: v.clone() for k, v in tensors.items()})
+    tensors["CGV"] = tensors["CGV"].masked_fill(pad.to(DEVICE), float("nan"))
+    bound, declared = length_facts(bind(parse(UVU), tensors), {"q[p]": counts.to(index_dtype).to(DEVICE)})
+    spec = spec_for(bound, "ieee", lengths=declared)
+    actual = Kernel(spec, dataclasses.replace(big, spec=spec)).launch(bound, bound.output())
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
 def test_grid_first_plan_runs_correctly_at_small_sizes(index_dtype):
     """The grid-first plan chosen for 16384 edges, run on 11 edges (not a multiple of any

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from insum import InsumError
+from insum import InsumError, insum
 from insum.nn import FullyConnectedTensorProduct, Irreps, TensorProduct, wigner_3j
 from insum.nn.irreps import Irrep
 from insum.nn.tensor_product import mace_instructions
@@ -247,8 +247,48 @@ def test_channel_wise_generated_kernel_in_the_interpreter():
         layer = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", output="gather", row_buckets=row_buckets).float()
         assert "PR[p]" in layer.statement and len(layer._buckets) == (0 if row_buckets == 1 else 2)
         _close(layer(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
+    # output="indexed": the output stored in e3nn's layout through ZO (plain stores, no fill)
+    indexed = TensorProduct.from_e3nn(ref, backend="triton", precision="ieee", output="indexed").float()
+    _close(indexed(x1.float(), x2.float(), w.float()).double(), ref(x1, x2, w), 1e-5)
+    tensors = indexed.statement_tensors(x1.float(), x2.float(), w.float())
+    tensors["Z"].fill_(float("nan"))  # every output element is stored (ZO: a permutation, no zero fill)
+    out = insum(indexed.statement, backend="triton", precision="ieee", **indexed.statement_facts(), **tensors)
+    _close(out.double(), ref(x1, x2, w), 1e-5)
+    from insum.bind import bind
+    from insum.execute import length_facts
+    from insum.parser import parse
+    from insum.runtime import kernel_for
+
+    facts = indexed.statement_facts()
+    bound, declared = length_facts(bind(parse(indexed.statement), tensors), facts["lengths"])
+    launcher = kernel_for(bound, "ieee", unique_indices=facts["unique_indices"], lengths=declared).prepared(bound)
+    assert not launcher.zero_fill  # ZO covers the output: plain stores only
     # The channel-wise gradient statements (declared lengths) through the generated kernels.
     _close_gradients(layer, ref, x1, x2, w)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_indexed_output_equals_e3nn_to_second_derivatives(shared):
+    """output="indexed" (x1 gathered, the output stored in e3nn's layout through ZO): the
+    output, every input's gradient and their second-order gradients against e3nn's."""
+    torch.manual_seed(12)
+    irreps_out, ins = _mace(o3.Irreps("2x0e+2x1o"), o3.Irreps("0e+1o+2e"), 2)
+    ref = o3.TensorProduct("2x0e+2x1o", "0e+1o+2e", irreps_out, ins, shared_weights=shared, internal_weights=shared).double()
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output="indexed").double()
+    assert layer.statement.startswith("Z[b,ZO[p,u]] =") and layer.statement_facts()["unique_indices"] == {"ZO"}
+    x1 = torch.randn(3, ref.irreps_in1.dim, requires_grad=True)
+    x2 = torch.randn(3, ref.irreps_in2.dim, requires_grad=True)
+    w = None if shared else torch.randn(3, ref.weight_numel, requires_grad=True)
+    probe = torch.randn(3, ref.irreps_in1.dim)
+
+    def run(module):
+        weight = module.weight if shared else w
+        out = module(x1, x2) if shared else module(x1, x2, w)
+        first = torch.autograd.grad((out * out).sum(), [x1, x2, weight], create_graph=True)
+        return [out, *first, *torch.autograd.grad((first[0] * probe).sum(), [x1, x2, weight])]
+
+    for got, want in zip(run(layer), run(ref)):
+        _close(got, want, 1e-9)
 
 
 def test_empty_batch_and_no_internal_weights():
@@ -274,6 +314,7 @@ def test_empty_batch_and_no_internal_weights():
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="views", row_buckets=2), "row_buckets"),
         (lambda: FullyConnectedTensorProduct("2x0e+1x1o", "0e", "2x0e+1x1o", output="direct"), "one multiplicity"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="flat"), "'uvu'"),
+        (lambda: FullyConnectedTensorProduct("2x0e+1x1o", "0e", "2x0e+1x1o", output="indexed"), "one multiplicity"),
     ],
 )
 def test_bad_irreps_raise(make, match):

@@ -2,7 +2,8 @@
 # A/B of the hash probe kernel's memory hints and block size at 1.2M voxels (GPU, ~2 min):
 # each variant is a copy of the tree with one edit of insum/nn/kernel_map.py, timed in its
 # own process by profile_kmap --time-only; then ncu's memory sections of the base probe.
-#   bash benchmarks/explore/kmap_variants.sh [SIZES]     # output under $OUT/kmap_variants/
+#   VARIANTS="base warp1_sites4" NCU="base warp1_sites4" bash benchmarks/explore/kmap_variants.sh [SIZES]
+# (output under $OUT/kmap_variants/; default: the first five variants, ncu of base)
 set -uo pipefail
 SIZES=${1:-1200000}
 DIR="${OUT:-/tmp/out}/kmap_variants"
@@ -14,8 +15,21 @@ declare -A EDITS=(
   [stream_nbr_keep_table]='s/tl.store(nbr_ptrs, row, mask=/tl.store(nbr_ptrs, row, cache_modifier=".cs", mask=/; s/entry = tl.load(table_ptr + slot, mask=seeking, other=-1)/entry = tl.load(table_ptr + slot, mask=seeking, other=-1, eviction_policy="evict_last")/; s/tl.load(row_keys_ptr + (held \& ((1 << row_bits) - 1)), mask=alike, other=-1)/tl.load(row_keys_ptr + (held \& ((1 << row_bits) - 1)), mask=alike, other=-1, eviction_policy="evict_last")/'
   [sites8]='s|block_m = max(1, 512 // block_w)|block_m = max(1, 256 // block_w)|'
   [sites32]='s|block_m = max(1, 512 // block_w)|block_m = max(1, 1024 // block_w)|'
+  # one or two warps a program: the probe loop's exit test is a warp's reduction, no barrier
+  [warp1_sites4]='s|block_m = max(1, 512 // block_w)|block_m = max(1, 128 // block_w)|; s|^                BLOCK_M=block_m, BLOCK_W=block_w)$|                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)|'
+  [warp1_sites8]='s|block_m = max(1, 512 // block_w)|block_m = max(1, 256 // block_w)|; s|^                BLOCK_M=block_m, BLOCK_W=block_w)$|                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)|'
+  [warp2_sites8]='s|block_m = max(1, 512 // block_w)|block_m = max(1, 256 // block_w)|; s|^                BLOCK_M=block_m, BLOCK_W=block_w)$|                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=2)|'
+  # round 2 (after the probe's one-warp programs landed): the insert kernel, the pair groups
+  [insert_warp1]='s|coords.stride(0), coords.stride(1), BLOCK=block)|coords.stride(0), coords.stride(1), BLOCK=block, num_warps=1)|'
+  [insert_warp1_64]='s|coords.stride(0), coords.stride(1), BLOCK=block)|coords.stride(0), coords.stride(1), BLOCK=block, num_warps=1)|; s|        block = 128$|        block = 64|'
+  [pairs_rows32]='s|block_m = max(1, 2048 // block_w)|block_m = max(1, 1024 // block_w)|'
+  [pairs_warp8]='s|                BLOCK_P=1024)|                BLOCK_P=1024, num_warps=8)|'
+  # round 3: a sparser table (4 or 8 slots a key, not 2): shorter longest probes in a warp
+  [table4]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (4 * n_in - 1).bit_length())|'
+  [table8]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (8 * n_in - 1).bit_length())|'
 )
-for name in base stream_nbr stream_nbr_keep_table sites8 sites32; do
+VARIANTS=${VARIANTS:-base stream_nbr stream_nbr_keep_table sites8 sites32}
+for name in $VARIANTS; do
   tree=/tmp/kmap-$name
   rm -rf "$tree" && mkdir -p "$tree" && cp -r insum benchmarks "$tree"/
   [ -n "${EDITS[$name]}" ] && sed -i "${EDITS[$name]}" "$tree/$F"
@@ -24,13 +38,19 @@ for name in base stream_nbr stream_nbr_keep_table sites8 sites32; do
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree INSUM_CACHE_DIR=/tmp/kmap-cache-$name timeout 120 \
     python -m benchmarks.explore.profile_kmap --sizes "$SIZES" --time-only 2>&1 | grep -v "^W1\|Warning\|warn" | tee -a "$DIR/times.log")
 done
+NCU=${NCU:-base}
 if command -v ncu >/dev/null; then
-  timeout 150 ncu --kernel-name regex:hash_probe --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section Occupancy --section WarpStateStats python -c "
+  for name in $NCU; do
+  (cd /tmp/kmap-$name && PYTHONPATH=/tmp/site:/tmp/kmap-$name timeout 100 ncu --kernel-name regex:hash_probe --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats \
+    --section Occupancy --section WarpStateStats --section LaunchStats python -c "
 import torch
 from benchmarks.study_conv import room_scene
 from insum.nn.kernel_map import build_kernel_map
 c = room_scene(${SIZES%%,*}, seed=0, device='cuda')
-build_kernel_map(c); torch.cuda.synchronize()" > "$DIR/ncu_probe.log" 2>&1
-  tail -90 "$DIR/ncu_probe.log"
+build_kernel_map(c); torch.cuda.synchronize()" > "$DIR/ncu_probe_$name.log" 2>&1)
+  grep -v "^ *-\+ \|^$" "$DIR/ncu_probe_$name.log" | grep -i "duration\|throughput\|executed ipc\|issue slots\|instructions\|registers\|occupancy\|warp cycles\|pipe\|stall" | head -40
+  done
 fi
+cubin=$(find ~/.triton/cache /tmp -name 'insum_kernel_map_hash_probe.cubin' 2>/dev/null | head -1)
+[ -n "$cubin" ] && cuobjdump -sass "$cubin" > "$DIR/hash_probe.sass" && echo "SASS: $(grep -c '^        /\*[0-9a-f]*\*/' "$DIR/hash_probe.sass") instructions in $cubin"

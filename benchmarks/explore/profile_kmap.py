@@ -57,6 +57,8 @@ def _scene(coords: torch.Tensor, spconv, time_only: bool) -> None:
     if time_only:
         for name, fn in (("map + tiles", inference), ("training", training), ("build", lambda: build_kernel_map(coords))):
             print(f"{name}: wall {min(_wall_ms(fn) for _ in range(3)):.3f} ms per call (least of 3 medians)")
+        if spconv is not None:
+            print(_spconv_map_times(spconv, coords))
         return
     _profile("insum map + tiles", inference)
     _profile("insum map + tiles + transposed tiles + pair groups", training)

@@ -12,19 +12,28 @@ try (at E = 10k; at 40k the three fastest of 10k) by the mean of 10 back-to-back
 (CUDA events), and the fastest is timed by `do_bench` (median, L2 flushed) and printed with
 its configuration and plan:
 
-  stmt_gather      today's statement `Z[b,p,u]` (component-major Z, X gathered), its plan
-  stmt_gather_bp   the same statement, M=b (edges) K=q N=u, grid p walked first
+  stmt_gather      the layer's statement `Z[b,p,u]` (component-major Z, X gathered), its
+                   plan (with the rows' entry counts declared: M=b (edges) K=q N=u, grid p
+                   walked first)
+  stmt_gather_pb   the same statement under the conventional plan, M=p K=q N=u, grid b (the
+                   schedule's choice before declared lengths entered its cost model)
+  stmt_indexed     output="indexed"'s statement `Z[b, ZO[p,u]] = ...`: X gathered, the output
+                   stored in e3nn's layout (stride-d stores along u), its plan
   stmt_zi          `Z[b, ZI[p,u]] = ... X[b, XI[CGI[p,q],u]] ...`: e3nn layouts through nested
                    tables (stride-d loads and stores along u), its plan (grid p first)
-  stmt_zi_plast    the same plan with the grid p walked last (the order before grid_first)
   stmt_flat        output="flat"'s statement `Z[b,t] = FV[q,t] * Y[b,FJ[q,t]] * X[b,FX[q,t]]
                    * W[b,FR[t]]`: one column per e3nn output position, contiguous tiles
   stmt_flat_tb     the same statement, M=t N=b (the cost model's cheapest, not chosen)
 
+and the gather layer's output gather alone, component-major Z into e3nn's layout: `gather_torch`
+(its `index_select`, as the layer runs it) and `gather_insum` (`O[b, t] = Z[b, OI[t]]`, the
+configurations GATHER_CONFIGS), each against the HBM time of its bytes (`note`).
+
 Layer variants (`TensorProduct` as a user calls it; its kernels take the best configuration
 of the sweep above, so no autotuning runs inside the timed calls): `layer_gather`
-(output="gather", the default before this branch: X gather, statement, output gather) and
-`layer_flat` (output="flat", the default for "uvu" paths now: one launch), forward and
+(output="gather", the default: X gather, statement, output gather), `layer_indexed`
+(output="indexed", opt-in: X gather, the statement storing e3nn's layout; its backward is
+the gather layer's) and `layer_flat` (output="flat", opt-in: one launch), forward and
 forward+backward (`torch.autograd.grad` of all three inputs). Their backward statements are
 swept the same way: `grad_X/W/Y` (the gather layer's, component-major, after gathering the
 output gradient) and `flat_grad_X/W/Y` (the flat layer's, in e3nn's layouts).
@@ -79,6 +88,8 @@ SMOKE_IRREPS1 = "4x0e+4x1o+4x2e"
 EDGES, SMOKE_EDGES = (10_000, 40_000), (7,)
 TOLERANCE = 1e-5
 ZI_STATEMENT = "Z[b, ZI[p, u]] = CGV[p, q] * Y[b, CGJ[p, q]] * X[b, XI[CGI[p, q], u]] * W[b, PR[p], u]"
+GATHER_STATEMENT = "O[b, t] = Z[b, OI[t]]"
+GATHER_CONFIGS = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": 2} for m, n in ((4, 512), (8, 256), (16, 128))]
 
 
 @dataclasses.dataclass
@@ -97,6 +108,7 @@ def _layers(device, smoke: bool) -> dict:
     make = dict(shared_weights=False, internal_weights=False)
     return {
         "gather": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="gather", **make).to(device),
+        "indexed": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="indexed", **make).to(device),
         "flat": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="flat", **make).to(device),
         "reference": TensorProduct(irreps1, IRREPS2, irreps_out, ins, backend="torch", output="gather", **make).to(device).double(),
         "instructions": ins,
@@ -159,11 +171,13 @@ def _cases(layers: dict, x: dict) -> list[Case]:
     zi = {"Z": torch.empty(E, gather.irreps_out.dim, device=x["x1"].device), "ZI": gather.OUT_INVERSE.view(P, U).int(),
           "XI": gather.X_INDEX.int(), "X": x["x1"], **{k: v for k, v in t.items() if k != "X"}}
     ft = flat.statement_tensors(x["x1"], x["x2"], x["w"])
+    indexed = layers["indexed"]
     cases = [
         _case("stmt_gather", gather.statement, t, lengths, from_z),
-        _case("stmt_gather_bp", gather.statement, t, lengths, from_z, pick=_tiles("b", "q", "u"), grid_first=True),
+        _case("stmt_gather_pb", gather.statement, t, lengths, from_z, pick=_tiles("p", "q", "u"), grid_first=False),
+        _case("stmt_indexed", indexed.statement, indexed.statement_tensors(x["x1"], x["x2"], x["w"]), lengths,
+              lambda z: z, unique={"ZO"}),
         _case("stmt_zi", ZI_STATEMENT, zi, lengths, lambda z: z, unique={"ZI"}),
-        _case("stmt_zi_plast", ZI_STATEMENT, zi, lengths, lambda z: z, unique={"ZI"}, grid_first=False),
         _case("stmt_flat", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z),
         _case("stmt_flat_tb", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z, pick=_tiles("t", "q", "b")),
     ]
@@ -328,6 +342,21 @@ def _anchors(layers: dict, x: dict, expected, smoke: bool) -> list[dict]:
     return rows
 
 
+def _output_gathers(layer: TensorProduct, expected: torch.Tensor, smoke: bool) -> list[dict]:
+    """The gather layer's output permutation alone (component-major Z -> e3nn's layout), by
+    torch's index_select and by an insum gather statement, on Z made from the expected output."""
+    z = expected.float().index_select(1, layer.OUT_INVERSE).contiguous()
+    per_edge = 2 * z.shape[1] * z.element_size()
+    note = f"{per_edge} B per edge read and written: {z.shape[0] * per_edge / 4.8e9:.3f} ms at 4.8 TB/s"
+    row = {"case": "gather_torch", "note": note}
+    out = z.index_select(1, layer.OUT_INDEX)
+    row["err"] = relative_error(out, expected)
+    row["ms"] = float("nan") if smoke else median_ms(lambda: z.index_select(1, layer.OUT_INDEX), warmup=5, rep=25)
+    case = _case("gather_insum", GATHER_STATEMENT, {"Z": z, "OI": layer.OUT_INDEX.int()}, {}, lambda o: o)
+    swept = _sweep(case, expected, smoke, configs=GATHER_CONFIGS[:1] if smoke else GATHER_CONFIGS)
+    return [row, {**{k: v for k, v in swept.items() if k != "configs"}, "note": f"{note} | {swept.get('config')}"}]
+
+
 def warm(shard: int, shards: int, smoke: bool) -> None:
     """Compile this shard's (kernel, configuration) pairs (round robin over all of them)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -357,7 +386,7 @@ def _print_table(rows: list[dict]) -> None:
     for edges in sorted({r["edges"] for r in rows if "edges" in r}):
         by = {r["case"]: r for r in rows if r.get("edges") == edges}
         for anchor in ("cue", "oeq"):
-            for name in ("layer_gather", "layer_flat", "stmt_flat"):
+            for name in ("layer_gather", "layer_indexed", "stmt_gather", "layer_flat"):
                 a, b = by.get(anchor, {}), by.get(name, {})
                 for key in ("ms", "fb_ms"):
                     if isinstance(a.get(key), float) and isinstance(b.get(key), float) and b[key] > 0:
@@ -395,11 +424,13 @@ def main() -> None:
     fastest: dict[str, list[dict]] = {}  # per case, its fastest configurations at the first size
     sizes = SMOKE_EDGES if args.smoke else EDGES
     data = {}  # per size: inputs, float64 output and gradients, the cases (built on first use)
-    # What the layers run first (their best configurations are what the layers then use), the
-    # layers and the anchors next, at every size; the exploratory plans last (first skipped).
-    first = ["stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "stmt_gather", "grad_X", "grad_W", "grad_Y"]
-    later = ["stmt_gather_bp", "stmt_zi", "stmt_zi_plast", "stmt_flat_tb"]
-    steps = [(e, n) for e in sizes for n in [*first, "layers", "anchors"]] + [(e, n) for e in sizes for n in later]
+    # What the default and indexed layers run first (their best configurations are what the
+    # layers then use), the layers and the anchors next, at every size; the conventional plan,
+    # the flat layer (its statements first) and the exploratory plans last (first skipped).
+    first = ["stmt_gather", "stmt_indexed", "grad_X", "grad_W", "grad_Y", "layers", "anchors"]
+    later = ["stmt_gather_pb", "output_gathers", "stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "layer_flat", "stmt_zi",
+             "stmt_flat_tb"]
+    steps = [(e, n) for e in sizes for n in first] + [(e, n) for e in sizes for n in later]
     for edges, name in steps:
         if time.time() - start > args.budget:
             print(f"budget spent: skipping {name} at E={edges}")
@@ -408,10 +439,14 @@ def main() -> None:
             x = _inputs(layers["gather"], edges, device)
             data[edges] = (x, *_reference(layers["reference"], x), {case.name: case for case in _cases(layers, x)})
         x, expected, expected_grads, cases = data[edges]
-        if name == "layers":
-            for kind in ("gather", "flat"):
+        if name in ("layers", "layer_flat"):
+            for kind in ("gather", "indexed") if name == "layers" else ("flat",):
                 rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
                 print(json.dumps(rows[-1]), flush=True)
+            continue
+        if name == "output_gathers":
+            rows.extend({"edges": edges, **r} for r in _output_gathers(layers["gather"], expected, args.smoke))
+            print(json.dumps(rows[-2:]), flush=True)
             continue
         if name == "anchors":
             anchors = [{"edges": edges, **r} for r in _anchors(layers, x, expected, args.smoke)]

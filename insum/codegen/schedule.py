@@ -10,7 +10,8 @@ to the grid (one value per program); other reduced variables become scalar outer
 Which variable goes on M, N and K (and which become grid or loop variables) is ranked, not
 read off the index order: `rank` enumerates every valid tiling of the plan's kind and
 scores it with a cost model of tile fill, loop steps, operand contiguity, programs against
-SMs and output writes (atomics cost more than owned stores); `schedule` takes the cheapest,
+SMs, output writes (atomics cost more than owned stores) and declared lengths (a program
+holding one padded row stops at its length); `schedule` takes the cheapest,
 but keeps the conventional tiling (innermost output variable on N, ...) unless another
 costs less than KEEP times as much, so that GPU-tuned defaults move only for a clear reason.
 `insum.explain` prints the ranked candidates.
@@ -32,6 +33,7 @@ they measured faster; with pointer gathers or per-step index loads they measured
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -411,7 +413,14 @@ def _reduce_tilings(outside: list[str], reduced: list[str]):
 #                  cost nearly the same and the conventional plan stays;
 #   write          each program writes its output tile once: ATOMIC times as much for
 #                  atomics, SEGMENT for segment-reduced scatters, x STRIDED when the output's
-#                  last dimension is not tiled.
+#                  last dimension is not tiled;
+#   declared       a declared length (`lengths={"q[p]": L}`) says q's rows are padded to the
+#   lengths        longest. A program that holds one row (p on the grid) stops at that row's
+#                  own length, and its K tile can be as short as the rows are; a tile of
+#                  several rows (p on M or N) runs to its longest row, taken as the padded
+#                  extent (its masked lanes still compute). The schedule reads no data, so a
+#                  row is taken LENGTH_FILL full: q's extent counts LENGTH_FILL times in the
+#                  first case (K width, steps, loop trips), whole in the second.
 # tl.dot's multiply-adds run DOT_RATE times faster than broadcast ones. Dot plans are always
 # preferred to reduce plans where a split exists (as before); the model ranks within a kind.
 LARGE = 4096
@@ -424,6 +433,8 @@ ATOMIC, SEGMENT = 4.0, 2.0
 DOT_RATE = 16
 _DOT_TILE = {"M": 128, "N": 128, "K": 64}
 _REDUCE_LANES = 8192  # as tune._REDUCE: N up to 128, K up to 8, M the rest
+# The mean fill of a row under a declared length (unknown to the schedule: no data is read).
+LENGTH_FILL = 0.5
 # The conventional plan is kept unless another costs less than KEEP times as much: tuned
 # defaults (dense GEMM, GroupCOO, BlockGroupCOO, N:M) change only for a clear reason.
 KEEP = 0.8
@@ -458,11 +469,32 @@ def _extent(spec: KernelSpec, var: str) -> int:
     return spec.size(var) or LARGE
 
 
+def _run_extents(spec: KernelSpec, tiles: dict[str, str], stacked: tuple[str, ...]) -> dict[str, int]:
+    """Per variable, the extent a program runs over: its bucket, or LENGTH_FILL of it for a
+    reduced variable whose declared length the plan applies per program (every index
+    variable of the length on the grid: see the cost model's declared lengths).
+
+    >>> spec = KernelSpec(None, (("p", "output"), ("q", "reduced")), (), sizes=(("p", 64), ("q", 8)),
+    ...                   lengths=(("q", "LEN_q", ("p",)),))
+    >>> _run_extents(spec, {"K": "q"}, ())["q"], _run_extents(spec, {"M": "p", "K": "q"}, ())["q"]
+    (4, 8)
+    """
+    extents = {v: _extent(spec, v) for v, _ in spec.roles}
+    on_tiles = set(tiles.values()) | set(stacked)
+    grid = {v for v, role in spec.roles if role != "reduced" and v not in on_tiles}
+    loops = tuple(v for v, role in spec.roles if role == "reduced" and v not in on_tiles)
+    for var, _, index in () if stacked else _applied_lengths(spec, tiles, tuple(grid), loops):
+        if all(v in grid for v in index):
+            extents[var] = max(1, math.ceil(extents[var] * LENGTH_FILL))
+    return extents
+
+
 def _tile_widths(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, stacked=()) -> dict[str, int]:
     """The lanes each tile axis computes (see the cost model)."""
-    extents = {a: _extent(spec, v) for a, v in tiles.items()}
+    run = _run_extents(spec, tiles, stacked)
+    extents = {a: run[v] for a, v in tiles.items()}
     for v in stacked:
-        extents["M"] *= _extent(spec, v)
+        extents["M"] *= run[v]
     widths = {}
     if kind == "dot":
         for axis in tiles:
@@ -483,10 +515,11 @@ def _cost(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, ou
     stmt = spec.stmt
     roles = dict(spec.roles)
     widths = _tile_widths(spec, kind, tiles, dot_dtype, stacked)
+    run = _run_extents(spec, tiles, stacked)
     axis_of = {v: a for a, v in tiles.items()} | {v: "M" for v in stacked}
-    extent_on = {a: _extent(spec, v) for a, v in tiles.items()}
+    extent_on = {a: run[v] for a, v in tiles.items()}
     for v in stacked:
-        extent_on["M"] *= _extent(spec, v)
+        extent_on["M"] *= run[v]
     outside = [v for v in stmt.variables() if roles[v] != "reduced"]
     reduced = [v for v in stmt.variables() if roles[v] == "reduced"]
     programs = 1
@@ -495,11 +528,10 @@ def _cost(spec: KernelSpec, kind: PlanKind, tiles: dict[str, str], dot_dtype, ou
             programs *= -(-extent_on[axis] // widths[axis])
     for v in outside:
         if v not in axis_of:
-            programs *= _extent(spec, v)
+            programs *= run[v]
     steps = 1
     for v in reduced:
-        e = _extent(spec, v)
-        steps *= -(-e // widths["K"]) if axis_of.get(v) == "K" else e
+        steps *= -(-run[v] // widths["K"]) if axis_of.get(v) == "K" else run[v]
     lanes = 1
     for w in widths.values():
         lanes *= w

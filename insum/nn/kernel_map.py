@@ -546,6 +546,13 @@ def _row_bits(n_in: int) -> int:
     return max(1, (n_in - 1).bit_length())
 
 
+def _slot_bits(n_in: int) -> int:
+    """log2 of the hash table's slots: 8 to 16 a key (`_lookup_hashed` says why), at most
+    2**30 slots (4 GB) unless 2 a key need more, and at least 16."""
+    sparse = (8 * n_in - 1).bit_length()
+    return max(4, min(sparse, max(30, (2 * n_in - 1).bit_length())))
+
+
 @functools.cache
 def _stats_template(volume: int, device: torch.device) -> torch.Tensor:
     """The starting value of `_lookup_hashed`'s result buffer: for the input and the output
@@ -569,17 +576,26 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     on the 1.2M-voxel room scene (table at 2**22 slots, load 0.28): 1.33 probes per found
     key, 1.66 per absent one; 7.3 probe rounds per block of 64 sites (the block's longest;
     4 slots per group: 13.6 rounds, one: 7.6), 5.9 per block of 16. A block's lanes loop
-    until its longest probe ends, so the blocks are small: 16 sites in the probe kernel
-    (also fewer registers a thread: 48 for sm_90), 128 keys in the insert kernel
-    (4.4 compare-and-swaps issued per key, 1.33 needed; 6.6 in blocks of 1024).
+    until its longest probe ends, so the blocks are small: 8 sites in the probe kernel, one
+    warp a program, 128 keys in the insert kernel (4.4 compare-and-swaps issued per key,
+    1.33 needed; 6.6 in blocks of 1024). The probe is bound by integer instructions (ncu,
+    1.45M sites on an H200: the ALU pipe 82% busy, DRAM 4%, L2 hits 90%), and with one warp
+    a program each round's exit test is a warp's shuffles rather than a block reduction
+    through shared memory and a barrier: 445M instructions instead of 651M, the build
+    0.92 ms instead of 1.22 (16 sites and 4 warps a program; benchmarks/results/h200/
+    session5/kmap_variants*). For the same reason the table is sparse, 8 to 16 slots a key
+    (`_slot_bits`): a warp's 256 probes run as many rounds as the longest of them, and a
+    sparser table shortens the longest more than it costs in L2 hits. Measured at 1.45M
+    sites (A/B in one call, each build with spconv-triton's beside it): the build 0.96 ms
+    at 2 to 4 slots a key (2**22 slots), 0.78 at 4 to 8, 0.70 at 8 to 16 (67 MB, transient);
+    map + tiles 1.35 / 1.20 / 1.11 ms, with the training packings 1.64 / 1.48 / 1.41 ms,
+    against spconv-triton's 1.53-1.55 and 1.57-1.59 ms.
 
     The table is one int32 per slot: the input row under a fingerprint (`_row_bits`: the
     hash's bits below the slot's), and the keys sit in input order (`row_keys`, written by
     the insert kernel): a probe reads a key only at an entry with its fingerprint (its hit,
-    or 1 in 2**(31 - row_bits) of the other keys' entries, 1 in 1024 at 1.2M sites). At 1.2M
-    sites (2**22 slots) that is 16.8 MB of table and 9.4 MB of keys where an int64 key and an
-    int32 row per slot took 50.3 MB: the H200's L2 holds 50 MB, and the probe kernel also
-    streams out the 130 MB map. Counted on the 1.17M-voxel room scene (benchmarks'
+    or 1 in 2**(31 - row_bits) of the other keys' entries, 1 in 1024 at 1.2M sites): a slot
+    of 4 bytes where an int64 key and an int32 row took 12. Counted on the 1.17M-voxel room scene (benchmarks'
     `room_scene(1_000_000)`), the distinct 32-byte sectors each block of 16 sites reads: 140
     (of the table and the hits' keys), against 182 (of the int64 keys and the hits' rows);
     144 against 188 at 142k sites. The chain of dependent reads is as long: the probe
@@ -590,7 +606,7 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     volume = kernel_size**3
     n_out, n_in = out.shape[0], coords.shape[0]
     device = out.device
-    slot_bits = max(4, (2 * n_in - 1).bit_length())  # at least two slots per key
+    slot_bits = _slot_bits(n_in)
     row_bits = _row_bits(n_in)
     table = torch.full((1 << slot_bits,), _EMPTY, dtype=torch.int32, device=device)
     row_keys = torch.empty(n_in, dtype=torch.int64, device=device)
@@ -605,11 +621,11 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
                 coords.stride(0), coords.stride(1), BLOCK=block)
     if n_out:
         block_w = next_power_of_2(volume)
-        block_m = max(1, 512 // block_w)
+        block_m = max(1, 256 // block_w)
         _launch(probe, (cdiv(n_out, block_m),), out, table, row_keys, nbr, mask, stats, n_out, slot_bits,
                 row_bits, out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
                 TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits, COPIES=_COUNT_COPIES,
-                BLOCK_M=block_m, BLOCK_W=block_w)
+                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)
     return nbr, mask, torch.cat([stats[:6], stats[6:].view(_COUNT_COPIES, volume).sum(0)])
 
 
@@ -740,9 +756,7 @@ def _hash_kernels():
             match = alike & (tl.load(row_keys_ptr + (held & ((1 << row_bits) - 1)), mask=alike, other=-1) == query)
             pending = alike & ~match  # another key with the fingerprint: on past it
             slot = tl.where(pending, (slot + 1) & slot_mask, slot)
-        # Every probe ended at a free slot (held < 0) or at its key's entry. (sm_90, ptxas 13.4:
-        # 48 registers a thread, with an int32 slot and no separate row; 55 with them, 40 for
-        # the probe of int64 keys.)
+        # Every probe ended at a free slot (held < 0) or at its key's entry.
         hit = held >= 0  # [BLOCK_M, BLOCK_W]
         row = tl.where(hit, held & ((1 << row_bits) - 1), -1)  # [BLOCK_M, BLOCK_W] the query's input row
         nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]

@@ -38,7 +38,8 @@ component-major `[batch, component, channel]` and Z back into e3nn's `[mul, 2l+1
 (two gathers, inside the autograd function: its backward returns each input's gradient by
 one inverse gather); channel-wise ("uvu") layers read and write e3nn's layouts through
 `FLAT_STATEMENTS` with `output="flat"` (opt-in: on the H200 its one launch took 3.1x the
-three of "gather" at 10k MACE edges, 2.227 against 0.717 ms). Gradients are regrouped statements
+three of "gather" at 10k MACE edges, 2.227 against 0.717 ms), and `output="indexed"` (opt-in)
+stores Z in e3nn's layout through ZO[p, u] in the gather layer's launch. Gradients are regrouped statements
 (`GRADIENT_STATEMENTS`); the layer runs under `torch.compile`. Outside it, for
 `output="direct"`, each statement is pinned to its tables after its
 first run (`insum.execute.Pinned`), and a repeated forward on inputs of one signature goes
@@ -88,7 +89,7 @@ __all__ = [
     "mace_instructions",
 ]
 
-_OUTPUTS = ("direct", "flat", "gather", "views")
+_OUTPUTS = ("direct", "flat", "gather", "indexed", "views")
 
 
 class TensorProduct(nn.Module):
@@ -104,7 +105,10 @@ class TensorProduct(nn.Module):
     through index tables, `LAYOUT_STATEMENTS`: no gather, no zero fill; its backward too;
     "uvw" paths whose input-1 entries share one multiplicity, and so do the output's),
     "gather" (one launch into component-major Z, then one gather into e3nn's
-    layout), "views" (one launch per run of equal output entries, each writing its
+    layout), "indexed" (as "gather", but the launch writes the output in e3nn's layout
+    itself through ZO[p, u], each output element stored once: no output gather; the
+    stores along the channels are strided by each irrep's dimension; opt-in, unmeasured;
+    output entries of one multiplicity, row_buckets=1), "views" (one launch per run of equal output entries, each writing its
     strided view of the e3nn-layout output: no gather pass, more launches) or, for "uvu"
     paths, "flat": one launch of FLAT_STATEMENTS, one table column per e3nn output position,
     reading x1 and the weight and writing the output in e3nn's layouts, and a backward of
@@ -199,11 +203,14 @@ class TensorProduct(nn.Module):
                               f"({self.irreps_in1}) and one across irreps_out ({self.irreps_out})")
         if automatic and direct:
             self.output = output = "direct"
-        if output == "direct":
-            # x1's flat position of (component, channel) and the output's of (component p,
-            # channel w): both permutations of their layouts (no padding)
-            tables["XI"] = tables["X_INDEX"]
+        if output == "indexed" and (row_buckets != 1 or self._pad_dz):
+            raise IrrepsError(f"output='indexed' needs row_buckets=1 and one multiplicity across irreps_out ({self.irreps_out})")
+        if output in ("direct", "indexed"):
+            # the output's flat position of (component p, channel): a permutation of its
+            # columns (no padding); for "direct" also x1's of (component, channel)
             tables["ZO"] = tables["OUT_INVERSE"].reshape(tables["CGV"].shape[0], -1)
+        if output == "direct":
+            tables["XI"] = tables["X_INDEX"]
         # The inverse layout gathers of the backward: the gradients of x1 and of the flat
         # weight, read from the component-major / slab-major gradients (no zero-fill, no scatter).
         tables["X_INVERSE"] = _inverse(tables["X_INDEX"], self.irreps_in1.dim)
@@ -222,6 +229,8 @@ class TensorProduct(nn.Module):
             self.statement = ROW_SLAB_STATEMENTS[(self.mode, shared_weights)]
             self.register_buffer("PR", torch.from_numpy(row_slab).to(torch.int32), persistent=False)
         self.gradient_statements = GRADIENT_STATEMENTS[(self.mode, shared_weights)]
+        if output == "indexed":
+            self.statement = _indexed(self.statement)
         if output == "direct":
             self.statement = LAYOUT_STATEMENTS[shared_weights]["Z"]
             self.gradient_statements = {k: v for k, v in LAYOUT_STATEMENTS[shared_weights].items() if k != "Z"}
@@ -349,6 +358,11 @@ class TensorProduct(nn.Module):
         if self.output == "flat":
             return self._run(self.statement, **self._flat_tensors(Y, X, W))
         tables = self._buffers
+        if self.output == "indexed":
+            out = Y.new_empty(Y.shape[0], self.irreps_out.dim)
+            return self._run(self.statement, Z=out, Y=Y, X=X, W=W, CGV=self._table("CGV", Y.dtype), CGJ=tables["CGJ"],
+                             CGI=tables["CGI"], ZO=tables["ZO"], lengths={"q[p]": tables["CGL"]},
+                             unique_indices=frozenset({"ZO"}), **self._weight_tables())
         if self._buckets:
             Z = self._forward_buckets(Y, X, W)
         else:
@@ -504,11 +518,14 @@ class TensorProduct(nn.Module):
                       CGI=self.CGI[rows, :Q].view(n, dim, Q), PW=self.PW[rows, :Q].view(n, dim, Q))
         return out
 
-    def _run(self, statement: str, lengths: dict | None = None, **tensors: torch.Tensor) -> torch.Tensor:
+    def _run(self, statement: str, lengths: dict | None = None, unique_indices: frozenset[str] = frozenset(),
+             **tensors: torch.Tensor) -> torch.Tensor:
         """insum with the layer's options. lengths: each row's CG entry count, declared so
         that the generated kernel skips the padding entries (a hint the torch backend and
-        torch.compile ignore: the padding is zero-valued either way)."""
-        return insum(statement, backend=self.backend, precision=self.precision, lengths=lengths, **tensors)
+        torch.compile ignore: the padding is zero-valued either way); unique_indices: the
+        output index of output="indexed"."""
+        return insum(statement, backend=self.backend, precision=self.precision, lengths=lengths,
+                     unique_indices=unique_indices, **tensors)
 
     def _flat_inputs(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, lead: tuple[int, ...]):
         """x1 [batch, dim1], x2 [batch, dim2] and the weight (flat, or [batch, numel]) in the
@@ -555,14 +572,17 @@ class TensorProduct(nn.Module):
             tensors = self._flat_tensors(Y, X, W)
             del tensors["lengths"]
             return tensors
+        indexed = {"Z": Y.new_empty(Y.shape[0], self.irreps_out.dim), "ZO": self.ZO} if self.output == "indexed" else {}
         return {"CGV": self._table("CGV", Y.dtype), "Y": Y, "X": X, "W": W, "CGJ": self.CGJ, "CGI": self.CGI,
-                **self._weight_tables()}
+                **self._weight_tables(), **indexed}
 
     def statement_facts(self) -> dict[str, Any]:
         """What `insum()` is told besides the tensors when it runs `self.statement` (each
         row's entry count; the output's index declared unique for output="direct"):
         `insum(layer.statement, **layer.statement_facts(), **layer.statement_tensors(x1, x2))`."""
         facts: dict[str, Any] = {"lengths": {"q[p]": self.CGL}}
+        if self.output == "indexed":
+            facts["unique_indices"] = frozenset({"ZO"})
         if self.output == "direct":
             facts["unique_indices"] = frozenset({"ZO"})
         return facts
@@ -816,6 +836,18 @@ def _promoted(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch
     return torch.promote_types(torch.promote_types(x1.dtype, x2.dtype), weight.dtype)
 
 
+def _indexed(statement: str) -> str:
+    """The statement with its component-major output `Z[b,p,c]` written through the output
+    index instead, `Z[b,ZO[p,c]]` (output="indexed").
+
+    >>> _indexed("Z[b,p,u] = CGV[p,q] * X[b,CGI[p,q],u]")
+    'Z[b,ZO[p,u]] = CGV[p,q] * X[b,CGI[p,q],u]'
+    """
+    lhs, rhs = statement.split(" = ", 1)
+    channel = lhs.removeprefix("Z[b,p,").removesuffix("]")
+    return f"Z[b,ZO[p,{channel}]] = {rhs}"
+
+
 def _row_slab(cgv, pw):
     """PR[p], the one weight slab every CG entry of output component p reads, or None when
     some component reads two (rows without entries read slab 0)."""
@@ -855,7 +887,7 @@ class FullyConnectedTensorProduct(TensorProduct):
         >>> import torch
         >>> tp = FullyConnectedTensorProduct("2x0e+2x1o", "1x0e+1x1o", "3x1o")
         >>> tp.weight_numel, tp(torch.randn(5, 8), torch.randn(5, 4)).shape
-        (18, torch.Size([5, 9]))
+        (12, torch.Size([5, 9]))
     """
 
     def __init__(self, irreps_in1: Any, irreps_in2: Any, irreps_out: Any, **options: Any) -> None:
