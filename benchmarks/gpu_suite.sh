@@ -95,14 +95,15 @@ case "$PART" in
     timeout 560 python -m benchmarks.packing "$@" 2>&1 | quiet | tee "$DIR/packing.log"
     ;;
   cellfill)
-    # CELL's covering layout (< 90 s): its CUDA tests (the covering product, the direct and pinned launches,
-    # the segment kernels' exact ownership), host time of every row (CELL and CELL cover=False side by
-    # side, with the launch paths), then both layouts' device and host time on the largest covering DLMC matrices.
-    timeout 30 python -m pytest -q -p no:cacheprovider -m gpu tests/test_cell_covering.py tests/test_direct_launch.py \
-      tests/test_segment.py -k "covering or cuda_pinned or cuda_cell or matches_reference" 2>&1 \
-      | tee "$DIR/pytest_cellfill.log" | tail -5
-    timeout 30 python -m benchmarks.host_time --calls 1000 --repeats 5 2>&1 | tee "$DIR/host_time_cellfill.log"
-    INSUM_AUTOTUNE=0 timeout 28 python -m benchmarks.explore.cell_cover --files 1 --dtypes fp32 --data .data 2>&1 \
+    # CELL's covering layout (< 90 s): its CUDA tests (the covering product; pinned and direct products of every
+    # format, whose GroupCOO/COO `=` segment kernels take the exact ownership), host time of every row (CELL and
+    # CELL cover=False side by side, with the launch paths; first tiles, not tuned: host time does not depend on
+    # them), then both layouts' device and host time on the host-time matrix and the largest covering DLMC matrix.
+    timeout 40 python -m pytest -q -p no:cacheprovider -m gpu tests/test_cell_covering.py tests/test_direct_launch.py \
+      -k "covering or cuda_pinned or cuda_cell" 2>&1 | tee "$DIR/pytest_cellfill.log" | tail -5
+    INSUM_AUTOTUNE=0 timeout 25 python -m benchmarks.host_time --calls 1000 --repeats 5 --label "INSUM_AUTOTUNE=0" 2>&1 \
+      | tee "$DIR/host_time_cellfill.log"
+    INSUM_AUTOTUNE=0 timeout 22 python -m benchmarks.explore.cell_cover --files 1 --dtypes fp32 --data .data 2>&1 \
       | tee "$DIR/cell_cover.log"
     ;;
   *)
