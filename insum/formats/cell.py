@@ -404,9 +404,10 @@ class CELL(SparseFormat):
         end = seg.end.reshape(-1)[cell]
         # A slot past its row's end pads with the first column of its fold (a position the
         # row stores: trained, it is the same weight counted twice), a covering layout's
-        # padding bucket row with its row's first column, an empty row's with a column of the
-        # matrix (clamped into range; as ELL's empty rows, a new weight if trained).
-        pad = torch.where(first < end, first, start).clamp(max=coords.nnz - 1) if covering else first
+        # padding bucket row with its row's first column, and every empty row with the first
+        # entry's column (one row of B for all of them; as ELL's empty rows, a new weight if
+        # trained).
+        pad = torch.where(first < end, first, torch.where(start < end, start, 0)) if covering else first
         RI = (cell if partitions == 1 else cell % M).to(itype)
         # Slots: row_width[j] consecutive slots per bucket row, all widths in one array.
         slot_row = torch.repeat_interleave(row_width, output_size=S)
