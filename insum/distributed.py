@@ -30,9 +30,9 @@ calls), the `all_to_all_single` (async), the local pass, the wait (on NCCL a str
 dependency), the halo pass. The backward mirrors it: the halo pass's transposed product
 first (its received rows go back to their owners), the exchange back (async), the local
 pass's transposed product while it travels, the received rows' gradients added into
-B_local's. The
-transposed products run on the formats' transposed patterns (kept by the part after the
-first backward), as SparseLinear's input gradient does, instead of a scatter per slot.
+B_local's. The transposed products run on the formats' transposed patterns (kept by the
+part after the first backward), as SparseLinear's input gradient does, instead of a
+scatter per slot.
 
 One module of about 500 lines: the partition, the exchange and the differentiable product
 all read the same halo bookkeeping (`RowPart`), and split apart each would need it.
