@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_suite.sh tests                  # the CUDA test suite, then codegen and the demo
 #   bash benchmarks/gpu_suite.sh torch                  # torch_checks: opcheck, autograd, graphs, MLP
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
+#   bash benchmarks/gpu_suite.sh cellfill               # CELL without a zero fill (< 90 s): CUDA tests, host time, device A/B
 #   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop, kernel-map builds
 #   bash benchmarks/gpu_suite.sh conv-spconv2           # the same against spconv 2.x (its CUDA wheels, carried as trees)
 #   bash benchmarks/gpu_suite.sh kmap                   # kernel maps (< 90 s): the CUDA kernel-map tests, then the builds (hash table,
@@ -92,6 +93,18 @@ case "$PART" in
     ;;
   packing)
     timeout 560 python -m benchmarks.packing "$@" 2>&1 | quiet | tee "$DIR/packing.log"
+    ;;
+  cellfill)
+    # CELL's covering layout (< 90 s): its CUDA tests (the covering product; pinned and direct products of every
+    # format, whose GroupCOO/COO `=` segment kernels take the exact ownership), host time of every row (CELL and
+    # CELL cover=False side by side, with the launch paths; first tiles, not tuned: host time does not depend on
+    # them), then both layouts' device and host time on the host-time matrix and the largest covering DLMC matrix.
+    timeout 40 python -m pytest -q -p no:cacheprovider -m gpu tests/test_cell_covering.py tests/test_direct_launch.py \
+      -k "covering or cuda_pinned or cuda_cell" 2>&1 | tee "$DIR/pytest_cellfill.log" | tail -5
+    INSUM_AUTOTUNE=0 timeout 25 python -m benchmarks.host_time --calls 1000 --repeats 5 --label "INSUM_AUTOTUNE=0" 2>&1 \
+      | tee "$DIR/host_time_cellfill.log"
+    INSUM_AUTOTUNE=0 timeout 22 python -m benchmarks.explore.cell_cover --files 1 --dtypes fp32 --data .data 2>&1 \
+      | tee "$DIR/cell_cover.log"
     ;;
   *)
     timeout 520 python -m benchmarks --studies "$PART" --data .data --out "benchmarks/results/$DEVICE" --copy-to "$DIR" \

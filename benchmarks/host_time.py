@@ -8,7 +8,9 @@ direct launch calls), so what is measured is insum's own work per call, the part
 GPU host pays on top of Triton's launch. "stub launch" is the stubbed launch alone, as
 insum prepared it. "SparseLinear forward" is a GroupCOO layer's forward (grad enabled, its
 parameters require grad) on a batch of N, "forward+backward" adds its backward (the transposed
-pattern's input gradient and the values' derived gradient, accumulated into .grad). The formats run through `fmt.spmm(B, backend="triton")` there, since
+pattern's input gradient and the values' derived gradient, accumulated into .grad). "CELL" packs
+its covering layout (one launch of stores into `torch.empty`), "CELL cover=False" the plain
+one (the same launch adding into a zero-filled C). The formats run through `fmt.spmm(B, backend="triton")` there, since
 `fmt @ B` takes the torch lowering on the CPU.
 
 On CUDA nothing is stubbed: beside the same rows it times the bare JIT launch of the
@@ -29,6 +31,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import os
 import statistics
 import time
@@ -75,6 +78,8 @@ def cases(device: torch.device, formats_out: dict | None = None) -> dict[str, Ca
     tensors = dict(group.tensors, B=B, C=torch.zeros(M, N, device=device))
     dense_A = torch.randn(M, K, generator=gen).to(device)
     formats = {"GroupCOO": group, "ELL": ELL.from_dense(A), "CELL": CELL.from_dense(A), "COO": COO.from_dense(A)}
+    if "cover" in inspect.signature(CELL._pack).parameters:  # (an older tree, for an A/B, has no plain layout to ask for)
+        formats["CELL cover=False"] = CELL.from_dense(A, cover=False)
     if formats_out is not None:
         formats_out.update(formats, B=B)
     rows: dict[str, Callable[[], object]] = {
@@ -114,14 +119,17 @@ def launch_paths(formats: dict) -> list[str]:
         for plan in (fmt.__dict__.get("_spmm_plans") or {}).values():
             pinned = plan.pinned
             state = "not pinned" if pinned is None else (
-                f"pinned, {'by address' if pinned.arguments is not None else 'by name'}, ready={pinned.ready(B)}")
+                f"pinned, {'by address' if pinned.arguments is not None else 'by name'}, ready={pinned.ready(B)}, "
+                f"C {'torch.empty (the launch covers it)' if getattr(pinned, 'covers', False) else 'zero-filled' if plan.zeros else 'torch.empty'}")
             lines.append(f"  {name} @ B: {state}, tries={plan.tries}")
     launches = [launcher for kernel in _kernels() for launcher in getattr(kernel, "_launchers", {}).values()]
     for launch in launches + list(getattr(runtime, "_BATCHES", {}).values()):
         direct = getattr(launch, "direct", None)
         if direct is not None:
             state = "direct" if direct.enabled else f"JIT: {direct.why_not}"
-            lines.append(f"  {type(launch).__name__} grid {direct.grid}: {state}, compiled keys {len(direct.compiled)}")
+            fill = ", zero fill" if getattr(launch, "zero_fill", False) else ""
+            covers = f", covers={launch.covers}" if hasattr(launch, "covers") else ""
+            lines.append(f"  {type(launch).__name__} grid {direct.grid}: {state}, compiled keys {len(direct.compiled)}{fill}{covers}")
     return lines
 
 
@@ -296,9 +304,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     for name, (median, least) in results.items():
         over = "" if name == anchor else f"  {median - results[anchor][0]:+.1f} {least - results[anchor][1]:+.1f}"
         lines.append(f"  {name:32s} {median:8.2f} {least:8.2f}{over}")
-    if cuda:
-        lines.append("launch paths after the runs:")
-        lines.extend(launch_paths(formats))
+    lines.append("launch paths after the runs:")
+    lines.extend(launch_paths(formats))
     text = "\n".join(lines)
     print(text, flush=True)
     if args.log:

@@ -120,6 +120,7 @@ def insum_many(
     autotune: bool | None = None,
     check_indices: bool | None = None,
     disjoint: bool = False,
+    covering: int | None = None,
 ) -> list[torch.Tensor]:
     """Run several statements in order, each as `insum(expr, **facts, **options, **tensors)`
     would, and return their outputs. A call is `(expr, tensors)` or `(expr, tensors, facts)`,
@@ -132,20 +133,28 @@ def insum_many(
     the device, and no statement reads memory another one writes. The first call runs them
     one by one (each finds its tile sizes); so do calls under torch.compile or with gradients.
 
+    covering (with `disjoint`): the caller's claim that the statements' scattered indices
+    write every element of the shared output, each output row from one statement and,
+    within it, from one aligned block of `covering` entries of its sorted (or unique)
+    index. The one launch then stores each row's sum where every statement owns its rows
+    (`runtime.BatchLaunch`): the output's earlier contents do not matter, so the caller that
+    pins the calls (`execute.pin`, whose `Pinned.covers` says so) may allocate it with
+    `torch.empty`. Unchecked, as `sorted_indices` is; the calls run one by one add as usual.
+
     >>> C = torch.zeros(4, 2)  # doctest: +SKIP
     >>> insum_many([("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I1, A=A1, B=B1)),
     ...             ("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I2, A=A2, B=B2))])  # doctest: +SKIP
     """
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     if not torch.compiler.is_compiling():
-        batch = prepared_batch(calls, (backend, precision, autotune, check_indices, disjoint))
+        batch = prepared_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
         if batch is not None:
             return batch(calls)
     outs = [insum(call[0], **(call[2] if len(call) > 2 else {}), **options, **call[1]) for call in calls]
     if not torch.compiler.is_compiling() and not (
         torch.is_grad_enabled() and any(_any_requires_grad(call[1]) for call in calls)
     ):
-        prepare_batch(calls, (backend, precision, autotune, check_indices, disjoint))
+        prepare_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
     return outs
 
 

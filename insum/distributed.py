@@ -26,13 +26,13 @@ row's groups are summed in registers (segment reduction) and written once per ti
 
 A call enqueues, with no host sync in steady state: one gather of the rows to send (an
 insum statement, `S[r, n] = B[R[r], n]`, into a buffer the part keeps, reused by later
-calls) and the `all_to_all_single` (async), on CUDA both on a high-priority side stream
-beside the local pass, then the wait (on NCCL a stream dependency), the halo pass. The backward mirrors it: the halo pass's transposed product
+calls), the `all_to_all_single` (async), the local pass, the wait (on NCCL a stream
+dependency), the halo pass. The backward mirrors it: the halo pass's transposed product
 first (its received rows go back to their owners), the exchange back (async), the local
 pass's transposed product while it travels, the received rows' gradients added into
-B_local's. The
-transposed products run on the formats' transposed patterns (kept by the part after the
-first backward), as SparseLinear's input gradient does, instead of a scatter per slot.
+B_local's. The transposed products run on the formats' transposed patterns (kept by the
+part after the first backward), as SparseLinear's input gradient does, instead of a
+scatter per slot.
 
 One module of about 500 lines: the partition, the exchange and the differentiable product
 all read the same halo bookkeeping (`RowPart`), and split apart each would need it.
@@ -451,27 +451,6 @@ def _gather_send(part: RowPart, B_local: torch.Tensor, send: torch.Tensor, backe
         insum(GATHER_ROWS, backend=backend, check_indices=False, S=send, B=B_local, R=part.send_rows)
 
 
-def _send_halo(part: RowPart, B_local: torch.Tensor, send, recv, group, backend: str) -> Any:
-    """Gather the rows to send and start the exchange. On CUDA both go on a high-priority
-    side stream, so that the gather runs beside the local pass rather than before it (its
-    blocks are scheduled first as the local pass's retire); the side stream waits for
-    the current one first, so B_local is ready and the previous call's halo pass is done
-    with `recv` (and its exchange with `send`, which the current stream has waited for)."""
-    if B_local.device.type != "cuda":
-        _gather_send(part, B_local, send, backend)
-        return _start_exchange(recv, send, part.recv_counts, part.send_counts, group)
-    key = ("side stream", B_local.device)
-    if key not in part.workspace:
-        part.workspace[key] = torch.cuda.Stream(B_local.device, priority=-1)
-    side = part.workspace[key]
-    side.wait_stream(torch.cuda.current_stream(B_local.device))
-    with torch.cuda.stream(side):
-        _gather_send(part, B_local, send, backend)
-        work = _start_exchange(recv, send, part.recv_counts, part.send_counts, group)
-    B_local.record_stream(side)  # the caller may free it before the side stream reads it
-    return work
-
-
 def _output(part: RowPart, B_local: torch.Tensor) -> torch.Tensor:
     dtype = accumulation_dtype(B_local.dtype, part.fan_in)
     return B_local.new_empty(len(part.rows), B_local.shape[1], dtype=dtype)
@@ -482,7 +461,8 @@ class _HaloSpMM(torch.autograd.Function):
     def forward(ctx, B_local, part: RowPart, group, backend: str, precision: str):
         ctx.part, ctx.group, ctx.backend, ctx.precision = part, group, backend, precision
         send, recv = _forward_buffers(part, B_local)
-        work = _send_halo(part, B_local, send, recv, group, backend)
+        _gather_send(part, B_local, send, backend)
+        work = _start_exchange(recv, send, part.recv_counts, part.send_counts, group)
         C = _output(part, B_local)
         _accumulate(part.local, C, B_local, backend, precision, first=True)  # while the halo travels
         work.wait()

@@ -372,6 +372,11 @@ class PreparedBatch:
         # tensor descriptors: they need the value tensors' alignment it was compiled for.
         self.aligned = aligned
 
+    @property
+    def covers(self) -> bool:
+        """Whether the launch writes every element of its outputs (`runtime.BatchLaunch`)."""
+        return self.launch.covers
+
     def __call__(self, calls) -> list[torch.Tensor]:
         outs = [call[1][name] for call, name in zip(calls, self.out_names)]
         self.launch.run([(call[1], out) for call, out in zip(calls, outs)])
@@ -436,15 +441,15 @@ def prepared_batch(calls, options: tuple) -> PreparedBatch | None:
 def prepare_batch(calls, options: tuple) -> None:
     """After `calls` ran one by one through `insum()`, keep their one-launch form where every
     call ran the generated kernel, adding into its given output atomically, with no index
-    check on the device."""
+    check on the device (one call too under a covering claim: its `=` launch needs no fill)."""
     from .runtime import batch_launch  # loaded already: the calls ran the generated kernel
 
     found = _batch_key(calls, options)
-    if found is None or len(calls) < 2:
+    if found is None or (len(calls) < 2 and not options[-1]):
         return
     key, distinct = found
     parts, outputs, out_names, aligned = [], set(), [], []
-    backend, precision, autotune, check_indices, disjoint = options
+    backend, precision, autotune, check_indices, disjoint, covering = options
     for expr, tensors, *facts in calls:
         facts = facts[0] if facts else {}
         one = (backend, precision, autotune, check_indices, facts.get("sorted_indices", frozenset()),
@@ -458,7 +463,7 @@ def prepare_batch(calls, options: tuple) -> None:
             aligned.append((len(parts) - 1, call))
         outputs.add(next(i for i, t in enumerate(distinct) if t is tensors[call.out_name]))
     try:
-        launch = batch_launch(parts, disjoint)
+        launch = batch_launch(parts, disjoint, covering)
     except UnsupportedStatement:
         return
     requires_grad = any(t.requires_grad for t in distinct)
@@ -525,6 +530,12 @@ class Pinned:
         else:
             self.arguments = None
 
+    @property
+    def covers(self) -> bool:
+        """Whether the pinned launch writes every element of its outputs, so that they may be
+        allocated uninitialised (a batch under a covering claim: `runtime.BatchLaunch`)."""
+        return type(self.launch) is PreparedBatch and self.launch.covers
+
     def ready(self, *inputs: torch.Tensor) -> bool:
         """Whether the pinned calls may run now, with varying `inputs` (for gradients)."""
         if snapshot() != self.env:
@@ -562,17 +573,18 @@ def pin(
     autotune: bool | None = None,
     check_indices: bool | None = None,
     disjoint: bool = False,
+    covering: int | None = None,
 ) -> Pinned | None:
     """The calls that just ran through `insum()` (one) or `insum_many()` (several) with these
     options, pinned to their tensors but the `varying` ones, which must name the outputs
     (given, allocated anew for each call); None where they would not repeat (nothing
     prepared, gradients, torch.compile). Checks everything the repeat checks, once. A call's
     facts are its `sorted_indices` / `unique_indices` and, for one call, `lengths` (its
-    declared lengths' tensors are then pinned too)."""
+    declared lengths' tensors are then pinned too). disjoint, covering: as for `insum_many`."""
     if torch.compiler.is_compiling():
         return None
     head = (backend, precision, autotune, check_indices)
-    if len(calls) == 1:
+    if len(calls) == 1 and not covering:
         expr, tensors, *facts = calls[0]
         facts = facts[0] if facts else {}
         key = (*head, facts.get("sorted_indices", frozenset()), facts.get("unique_indices", frozenset()))
@@ -587,7 +599,7 @@ def pin(
             calls = [(expr, {**tensors, **{name: lengths[k] for k, name in launch.lengths}})]
         aligned = ((0, launch),) if launch.aligned is not None else ()
         return Pinned(launch, calls, varying, aligned)
-    batch = prepared_batch(calls, (*head, disjoint))
+    batch = prepared_batch(calls, (*head, disjoint, covering))
     if batch is None or not varying.issuperset(batch.out_names):
         return None
     return Pinned(batch, calls, varying, batch.aligned)

@@ -42,7 +42,7 @@ from .codegen import (
     prune_configs,
     schedule,
 )
-from .codegen.schedule import NARROW, SIZE_CAP, box_layout, permuted_output
+from .codegen.schedule import NARROW, SIZE_CAP, box_layout, permuted_output, segment_index
 from .direct import LAUNCH_OPTIONS, DirectLaunch
 from .dtypes import DTYPE_NAMES, HALF_DTYPES, INT32_MAX
 from .errors import InsumTypeError, UnsupportedStatement
@@ -440,15 +440,24 @@ class BatchLaunch:
     fill, no copy back): run concurrently, they sum as the separate launches would. With
     `disjoint` also overwriting (`=`) parts that store every element of their own outputs
     once (no zero fill): layout copies, one run of blocks each.
+
+    covering: the caller's claim that the parts' scattered indices write every element of
+    their output, each row from one part and, within it, from one aligned block of that many
+    entries of its sorted index. Where every part then has one writer per row (plain stores,
+    or segment tiles that are multiples of the block or span the whole index), the batch runs
+    the parts' `=` kernels, which store each row's sum without reading the output: `covers`
+    is then True, and the output may come uninitialised (`torch.empty`), needing no zero fill.
     """
 
-    def __init__(self, parts: list[_Launcher], disjoint: bool = False):
+    def __init__(self, parts: list[_Launcher], disjoint: bool = False, covering: int | None = None):
         for part in parts:
             if part.config is None or part.half_scratch or part.zero_fill or not (part.accumulate or disjoint):
                 raise UnsupportedStatement("a batch takes prepared `+=` statements, or disjoint ones that store each element once")
             if part.kernel.plan.output not in ("atomic", "segment") and not disjoint:
                 raise UnsupportedStatement("a batch takes statements whose outputs add atomically, or write disjoint elements")
-        batch = emit_batch([part.kernel.emitted for part in parts])
+        sources = _covering_sources(parts, covering) if covering and disjoint else None
+        self.covers = sources is not None
+        batch = emit_batch(sources or [part.kernel.emitted for part in parts])
         self.source = batch.text
         self.path = cache_dir() / "kernels" / f"insum_batch_{batch.digest}.py"
         self.fn = _load(self.path, batch.text, batch.digest)
@@ -601,17 +610,38 @@ class PinnedCall:
         return key if key is not None else pinned.key(alignments)
 
 
+def _covering_sources(parts: Sequence[_Launcher], block: int) -> list | None:
+    """The parts' kernels with `=` for `+=` (same arguments, same tiles), where each part
+    owns its output rows under the caller's covering claim (`BatchLaunch`); else None."""
+    sources = []
+    for part in parts:
+        plan = part.kernel.plan
+        if plan.output == "segment":
+            var = segment_index(plan).indices[0].variable
+            tile = part.config[f"BLOCK_{plan.var_axis(var)}"]
+            if tile % block and tile < part.extents[var]:
+                return None  # a row's block may straddle two programs
+        elif plan.output != "store":
+            return None
+        stmt = dataclasses.replace(plan.stmt, op="=")
+        source = emit(dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, stmt=stmt)))
+        if source.args != part.kernel.args or source.blocks != part.kernel.emitted.blocks:
+            return None
+        sources.append(source)
+    return sources
+
+
 _BATCHES: BoundedCache[tuple, BatchLaunch] = BoundedCache()  # (id of each part's launch, ...) -> batch
 
 
-def batch_launch(parts: list[_Launcher], disjoint: bool = False) -> BatchLaunch:
+def batch_launch(parts: list[_Launcher], disjoint: bool = False, covering: int | None = None) -> BatchLaunch:
     """The batch launch of prepared parts (made once per tuple of parts). disjoint: the
     caller guarantees that no two parts write one output element (then parts may store
-    without atomics)."""
-    key = (disjoint, *(id(part) for part in parts))
+    without atomics); covering: see `BatchLaunch`."""
+    key = (disjoint, covering, *(id(part) for part in parts))
     batch = _BATCHES.get(key)
     if batch is None or batch.parts != parts:
-        batch = _BATCHES[key] = BatchLaunch(parts, disjoint)
+        batch = _BATCHES[key] = BatchLaunch(parts, disjoint, covering)
     return batch
 
 

@@ -386,9 +386,13 @@ def test_cell_buckets_are_powers_of_two_and_fold_long_rows():
     fmt = CELL.from_dense(A, max_width=8)
     assert fmt.widths == [1, 4, 8]
     assert fmt.RI_8.tolist() == [0, 0, 0, 0, 0, 3]  # row 0 folded into ceil(37/8) rows
-    assert fmt.buckets == [(0, 1, 1), (0, 4, 1), (0, 8, 6)]
+    # (the covering layout: the empty rows 4 and 5 are zero rows of width 1)
+    assert fmt.buckets == [(0, 1, 3), (0, 4, 1), (0, 8, 6)] and fmt.RI_1.tolist() == [2, 4, 5]
+    assert fmt.covering_block == 16
     assert torch.equal(fmt.to_dense(), A)
     torch.testing.assert_close(fmt @ torch.eye(40), A)
+    plain = CELL.from_dense(A, max_width=8, cover=False)
+    assert plain.buckets == [(0, 1, 1), (0, 4, 1), (0, 8, 6)] and plain.covering_block is None
 
 
 def test_cell_one_statement_per_width_across_partitions():

@@ -28,9 +28,12 @@ BUDGET = [
     (BlockGroupCOO, {}, 44),
     (BlockGroupCOO, {"group_size": 2}, 41),
     (BlockGroupCOO, {"group_size": "row"}, 34),
-    (CELL, {}, 75),
+    # CELL: +65 for the covering layout's next fit (a scan over the fold counts' runs) and
+    # summary, before the sync (this matrix's hub rows fold too often for the layout;
+    # `test_covering_cell_packs_in_one_sync` takes it).
+    (CELL, {}, 142),
     (CELL, {"partitions": 3}, 84),
-    (CELL, {"max_width": 8}, 70),
+    (CELL, {"max_width": 8}, 137),
 ]
 
 
@@ -43,6 +46,18 @@ def test_packing_from_csr_syncs_once(cls, params, most_ops):
         fmt = cls.from_torch(A, **params)
     assert counted.syncs <= 1, counted
     assert counted.ops <= most_ops, counted
+    assert torch.equal(fmt.to_dense(), A.to_dense())
+
+
+def test_covering_cell_packs_in_one_sync():
+    """CELL's covering layout (no row folded more than 16 times): ~30 more ops than the plain
+    layout's after the sync (the bucket rows' positions), still one sync."""
+    A = power_law_matrix(600, 500, 12.0, alpha=0.3, seed=0, dtype=torch.float32)
+    with count_ops() as counted:
+        fmt = CELL.from_torch(A)
+    assert fmt.covering_block == 16
+    assert counted.syncs <= 1, counted
+    assert counted.ops <= 175, counted
     assert torch.equal(fmt.to_dense(), A.to_dense())
 
 

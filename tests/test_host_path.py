@@ -311,7 +311,7 @@ def test_batch_of_descriptor_kernels_repeats_only_at_their_alignment(monkeypatch
         insum.insum(stmt, backend="triton", **tensors)  # prepares each call
     for call in execute._PREPARED.values():
         call.aligned = (True,) * len(call.bound.value_names)
-    options = ("triton", "tf32", None, None, False)
+    options = ("triton", "tf32", None, None, False, None)
     insum.insum_many(calls(torch.zeros(4, 3), A2), backend="triton")  # one by one, prepares the batch
     assert execute.prepared_batch(calls(torch.zeros(4, 3), A2), options) is not None
     assert execute.prepared_batch(calls(torch.zeros(4, 3), shifted), options) is None

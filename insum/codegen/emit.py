@@ -27,7 +27,7 @@ __all__ = ["Source", "emit", "KERNEL_NAME"]
 KERNEL_NAME = "insum_kernel"
 _RESERVED = (
     "tl", "triton", "pid", "acc", "partial", "prod", "lhs", "rhs", "out_ptrs", "range", "step", "rest", "task",
-    "seg_key", "next_key", "seg_tail", "seg_first", "seg_owned", "_segment_add",
+    "seg_key", "next_key", "seg_tail", "seg_before", "seg_owned", "_segment_add",
 )
 
 
@@ -410,6 +410,10 @@ def _segment_lines(em: _Emitter, acc_axes: tuple[str, ...], mask: str | None) ->
     Returns the mask argument of the write (only a segment's last lane in the tile writes)
     and, for `=` statements, the block-shaped condition of the segments that start and end
     inside the tile: their rows have no other writer, so a plain store replaces the atomic.
+    Exactly those: a segment is its row's only one unless it continues from the previous
+    tile (its row is the one before the tile's first lane) or into the next (its row is the
+    one after the tile's last lane). A packer that keeps every row inside one tile (CELL's
+    aligned folds) thus leaves no atomic, and nothing that needs a zero-filled output.
     """
     access = segment_index(em.plan)
     var = access.indices[0].variable
@@ -436,8 +440,9 @@ def _segment_lines(em: _Emitter, acc_axes: tuple[str, ...], mask: str | None) ->
     first = f"{em.tile_pid[var]} * BLOCK_{axis}"
     if access.name in em.plan.spec.wide:
         first = f"({first}).to(tl.int64)"
-    em.put(0, f"seg_first = tl.load({em.ptr[access.name]} + {first} * {em.stride(access.name, 0)})  # []")
-    em.put(0, f"seg_owned = (seg_key != seg_first) & (tl.arange(0, BLOCK_{axis}) != BLOCK_{axis} - 1)" + shape)
+    before = f"{em.ptr[access.name]} + ({first} - 1) * {em.stride(access.name, 0)}"
+    em.put(0, f"seg_before = tl.load({before}, mask={first} > 0, other=-1)  # []")
+    em.put(0, "seg_owned = (next_key != seg_key) & (seg_key != seg_before)" + shape)
     return mask_arg, broadcast(Value("seg_owned", (axis,), 0), acc_axes)
 
 

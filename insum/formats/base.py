@@ -359,6 +359,14 @@ class SparseFormat:
     #: the one statement runs with `=` into an uninitialised output.
     accumulates: ClassVar[bool] = False
 
+    @property
+    def covering_block(self) -> int | None:
+        """For disjoint statements: that their scattered row indices write every output row,
+        each row from one statement and, within it, from one aligned block of this many
+        entries (None: not so). The repeated product's one launch then stores every row
+        (`insum_many`'s covering claim) into an output allocated without a zero fill."""
+        return None
+
     @classmethod
     def statement_forms(cls) -> tuple[str, ...]:
         """Every statement text that an instance's `statements()` may run."""
@@ -455,7 +463,8 @@ class _SpmmPlan:
     """
 
     __slots__ = (
-        "vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "disjoint", "single", "options", "M", "N",
+        "vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "disjoint", "covering", "single", "options",
+        "M", "N",
         "pinned", "tries",
     )
 
@@ -483,7 +492,9 @@ class _SpmmPlan:
             }
             self.statements.append((statement, dict(tensors), cast, facts))
         self.disjoint = fmt.disjoint_statements
-        self.single = len(self.statements) == 1
+        self.covering = fmt.covering_block if self.disjoint else None
+        # (Covering buckets run as a batch even when there is one: its launch needs no zero fill.)
+        self.single = len(self.statements) == 1 and self.covering is None
         self.pinned: Pinned | None = None  # the calls pinned to the format's tensors (on a repeat)
         # Repeats that tried to pin them; none where values are cast per call (a copy per
         # value tensor: not a call that the host's time limits).
@@ -508,7 +519,7 @@ class _SpmmPlan:
             statement, tensors, facts = calls[0]
             insum(statement, check_indices=False, **facts, **self.options, **tensors)
         else:  # several statements into one C (buckets): one launch once they have run
-            insum_many(calls, check_indices=False, disjoint=self.disjoint, **self.options)
+            insum_many(calls, check_indices=False, disjoint=self.disjoint, covering=self.covering, **self.options)
 
     def __call__(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
         if self.vector:
@@ -539,7 +550,9 @@ class _SpmmPlan:
                 B = B.unsqueeze(1)
             C, calls = self._calls(fmt, B)
             self._run(calls)
-            self.pinned = pin(calls, varying=_VARYING, check_indices=False, disjoint=self.disjoint, **self.options)
+            self.pinned = pin(
+                calls, varying=_VARYING, check_indices=False, disjoint=self.disjoint, covering=self.covering, **self.options
+            )
             return self._finish(fmt, C)
         if not pinned.ready(B):
             if pinned.moved():  # memory moved under a packed tensor: pinned anew (within the tries)
@@ -550,7 +563,8 @@ class _SpmmPlan:
             B = B.unsqueeze(1)
         if self.cast:
             B = B.to(self.dtype)
-        C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
+        # A launch that writes every element of C (covering buckets) needs no zero fill.
+        C = (torch.zeros if self.zeros and not pinned.covers else torch.empty)(self.shape, dtype=self.acc, device=B.device)
         if not pinned.run({"C": C, "B": fmt.operand(B)}):
             return self(fmt, original)
         return self._finish(fmt, C)

@@ -14,6 +14,13 @@ distinct width, not one per (partition, bucket). The generated kernel chooses at
 updates itself because RI is an indirect output index (LiteForm needs atomics for folded
 rows and for several partitions, which is when one row appears in several programs).
 
+The product needs no zero fill where the packer can lay the buckets out to cover C
+(`covering_block`, one partition): every row, empty ones too, gets a bucket row, and the
+widest bucket keeps each folded row inside one aligned block of 16 bucket rows, so that
+every row is summed and stored by one program and the repeated product's one launch stores
+into an uninitialised output (`insum_many`'s covering claim). The layout is the default
+where it pads at most M slots; `cover=False` keeps the plain one.
+
 Not reproduced from the paper: the random-forest models that decide whether to use
 CELL and how many partitions to use (pass `partitions`), and the mapping of 2^k-nonzero
 blocks to thread blocks (the kernel's tiling decides that).
@@ -25,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..arith import cdiv
 from ..errors import InsumError
@@ -154,6 +162,89 @@ def _scan_widths(seg: _Segments, dense_cols: int) -> torch.Tensor:
 
 _SEARCHES = {"scan": _scan_widths, "binary": _search_widths}
 
+#: The covering layout keeps each row's bucket rows inside one aligned block of this many
+#: bucket rows, so that a kernel tiling the bucket by a multiple of it (or by the whole
+#: bucket) owns every row in one program.
+ROW_BLOCK = 16
+
+
+def _next_fit(per_fold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the widest bucket's rows go in the covering layout, per fold count, on the device.
+
+    Rows are placed most folds first (then by row), each at the next position from which its
+    f bucket rows stay inside one aligned block of ROW_BLOCK (next fit): the bucket rows
+    skipped at a block's end are padding. Within the run of rows of one f this is a formula
+    (`_covering_rows`); where each run starts follows from the runs before it. A run, seen
+    from the residue r of its start in a block, advances by delta(r) to a new residue: a map
+    on ROW_BLOCK residues, and the runs' starts are a scan (Hillis-Steele) over those maps,
+    ROW_BLOCK of them, so it runs without reading anything on the host.
+
+    per_fold: (ROW_BLOCK + 1,) the widest bucket's rows per fold count f (index f).
+    Returns a (4, ROW_BLOCK) table, column f - 1 for f folds: the run's first row among the
+    bucket's (rank), its first bucket row (start), how many of its rows fit before the next
+    block boundary (fit) and that boundary (block); the bucket's rows, and its padding rows.
+    """
+    B = ROW_BLOCK
+    device = per_fold.device
+    f = torch.arange(B, 0, -1, device=device)  # the runs, most folds first
+    n = per_fold.flip(0)[:B]
+    r = torch.arange(B, device=device)
+    fc, nc = f.view(-1, 1), n.view(-1, 1)
+    late = nc - torch.div(B - r, fc, rounding_mode="floor") - 1  # the last row's index past the first block
+    per_block = torch.div(B, fc, rounding_mode="floor")
+    delta = torch.where(
+        late < 0,
+        nc * fc,
+        (B - r) + torch.div(late, per_block, rounding_mode="floor") * B + late % per_block * fc + fc,
+    )
+    after = (r + delta) % B
+    step = 1
+    while step < B:  # run g's map becomes runs g-2*step+1 .. g's: the earlier ones first
+        before, residue = delta[:-step], after[:-step]
+        delta = torch.cat([delta[:step], before + delta[step:].gather(1, residue)])
+        after = torch.cat([after[:step], after[step:].gather(1, residue)])
+        step *= 2
+    end = delta[:, 0]  # after each run, starting from bucket row 0
+    start = torch.cat([end.new_zeros(1), end[:-1]])
+    offset = start % B
+    table = torch.stack([torch.cumsum(n, 0) - n, start, torch.div(B - offset, f, rounding_mode="floor"), start - offset + B])
+    return table.flip(1), end[-1], end[-1] - (n * f).sum()
+
+
+def _covering_rows(
+    width_exp: torch.Tensor, folds: torch.Tensor, narrow: int, runs: torch.Tensor, R: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, fold) of every bucket row in the covering layout (one partition).
+
+    Every row gets a bucket row: an empty row one of width 1 whose slots are padding, so the
+    buckets' stores write it (zeros) and C needs no zero fill. The `narrow` rows of the
+    narrower buckets hold a bucket row each, in row order. In the widest bucket rows are
+    placed by next fit (`_next_fit`, whose `runs` table this reads), so that no row crosses
+    an aligned block of ROW_BLOCK bucket rows; a padding bucket row repeats the row before
+    it with a fold past that row's end (value 0). Within a width, equal rows stay adjacent
+    (the sorted claim).
+    """
+    device = folds.device
+    B = ROW_BLOCK
+    f = folds.clamp(min=1)  # (an empty row: one bucket row)
+    # Width first; in the widest bucket the most folds first; then by row.
+    order = torch.sort(width_exp * (B + 1) + (B - f), stable=True).indices
+    f = f[order]
+    rank, start, fit, block = runs[:, f - 1]
+    i = torch.arange(order.numel(), device=device)
+    late = i - narrow - rank - fit  # (widest rows) the row's rank in its run, less those that fit first
+    per_block = torch.div(B, f, rounding_mode="floor")
+    aligned = torch.where(
+        late < 0, start + (late + fit) * f, block + torch.div(late, per_block, rounding_mode="floor") * B + late % per_block * f
+    )
+    position = torch.where(i < narrow, i, narrow + aligned)
+    starts = torch.full((R,), -1, dtype=torch.int64, device=device)
+    starts[position] = i
+    # Each bucket row belongs to the last row that starts at or before it.
+    at = torch.arange(R, device=device)
+    first = torch.cummax(torch.where(starts >= 0, at, 0), 0).values
+    return order[starts[first]], at - first
+
 
 def cell_cost(
     A: torch.Tensor, *, partitions: int = 1, max_width: int, dense_cols: int = 128
@@ -181,6 +272,9 @@ class CELL(SparseFormat):
     search: how the cost model picks the maximum width: "scan" (default) evaluates every
     power of two and takes the minimum; "binary" is the paper's Algorithm 3, which can
     stop at a local minimum.
+    cover: lay the buckets out to cover C where that costs at most M padded slots (see
+    `covering_block`), so that the repeated product needs no zero fill; False keeps the
+    plain layout (every product zero-fills C).
 
     `tensors` holds RI_W / CI_W / V_W for every width W in `widths`; `buckets` lists
     (partition, width, bucket rows). `expression` is the statement each width runs.
@@ -206,6 +300,7 @@ class CELL(SparseFormat):
         max_width: int | None = None,
         dense_cols: int = 128,
         search: str = "scan",
+        cover: bool = True,
         index_dtype: torch.dtype | None = None,
     ) -> CELL:
         M, K = coords.shape
@@ -231,11 +326,23 @@ class CELL(SparseFormat):
         # Cell (p, r) becomes folds[p, r] bucket rows of width 2^width_exp[p, r].
         E = seg.E
         width_exp = torch.minimum(seg.natural, cap_exp.view(-1, 1))
+        folds = -(seg.neg_count >> width_exp)
         # Bucket rows per (width, partition), negated: seg.neg_folds[e] holds -folds for
         # every cell whose width is 2^e.
         chosen = width_exp.unsqueeze(1) == seg.caps.view(1, -1, 1)
         neg_rows = (chosen * seg.neg_folds.transpose(0, 1)).sum(2)  # (P, E)
-        host = coords.read(cap_exp, neg_rows)  # the one sync
+        # What the covering layout (`_covering_rows`) needs: the most folds of a row, rows
+        # per width (empty rows included), and folded rows per fold count.
+        layout = ()
+        if partitions == 1 and cover:
+            widest = torch.where(width_exp[0] == cap_exp, folds[0].clamp(1, ROW_BLOCK), 0)
+            per_fold = torch.zeros(ROW_BLOCK + 1, dtype=torch.int64, device=device)
+            per_fold.scatter_add_(0, widest, torch.ones_like(widest))
+            runs, widest_rows, padding = _next_fit(per_fold)
+            per_width = (width_exp == seg.caps.view(-1, 1)).sum(1)
+            empty = (seg.neg_count == 0).sum()
+            layout = (F.pad(folds[0], (0, 1)).max(), empty, widest_rows, padding, per_width)
+        host = coords.read(cap_exp, neg_rows, *layout)  # the one sync
         if host is None:
             return cls._pack(
                 coords.canonical(),
@@ -243,9 +350,23 @@ class CELL(SparseFormat):
                 max_width=max_width,
                 dense_cols=dense_cols,
                 search=search,
+                cover=cover,
                 index_dtype=index_dtype,
             )
-        caps, per_bucket = host[:partitions], [-n for n in host[partitions:]]
+        caps, per_bucket = host[:partitions], [-n for n in host[partitions : partitions + partitions * E]]
+        host = host[partitions + partitions * E :]
+        # Cover C (every row in exactly one bucket, each within one aligned block of its
+        # bucket) with one partition, some nonzeros, no row folded more than ROW_BLOCK times,
+        # and at most M padding slots added (empty rows', bucket rows skipped at block ends):
+        # a padding slot reads a row of B that its row reads anyway, where the zero fill it
+        # replaces writes M rows of C.
+        covering = bool(layout) and coords.nnz > 0 and host[0] <= ROW_BLOCK
+        if covering:
+            empty, widest_rows, padding, per_width = host[1], host[2], host[3], host[4:]
+            covering = empty + (padding << caps[0]) <= M
+        if covering:
+            narrow = sum(per_width[: caps[0]])
+            per_bucket = [*per_width[: caps[0]], widest_rows, *per_width[caps[0] + 1 :]]
         buckets = [
             (p, 1 << e, per_bucket[p * E + e])
             for p in range(partitions)
@@ -259,6 +380,8 @@ class CELL(SparseFormat):
             "dense_cols": dense_cols,
             "buckets": buckets,
         }
+        if covering:
+            params["covering_block"] = ROW_BLOCK
         R = sum(rows_of)
         if R == 0:
             return cls._packed(coords, {}, itype, params)
@@ -266,24 +389,32 @@ class CELL(SparseFormat):
 
         # Bucket rows ordered by width, then partition, row and fold: each width's
         # statement is one contiguous slice. All by gathers from the cell grid.
-        order = torch.sort(width_exp.view(-1), stable=True).indices
-        folds = -(seg.neg_count >> width_exp)
-        cell_folds = folds.view(-1)[order]
-        which = torch.repeat_interleave(cell_folds, output_size=R)
-        fold = torch.arange(R, device=device) - (torch.cumsum(cell_folds, 0) - cell_folds)[which]
-        cell = order[which]
+        if covering:
+            cell, fold = _covering_rows(width_exp[0], folds[0], narrow, runs, R)
+        else:
+            order = torch.sort(width_exp.view(-1), stable=True).indices
+            cell_folds = folds.view(-1)[order]
+            which = torch.repeat_interleave(cell_folds, output_size=R)
+            fold = torch.arange(R, device=device) - (torch.cumsum(cell_folds, 0) - cell_folds)[which]
+            cell = order[which]
         row_exp = width_exp.view(-1)[cell]
         row_width = 1 << row_exp
-        first = seg.start.reshape(-1)[cell] + (fold << row_exp)  # pad with its first column
+        start = seg.start.reshape(-1)[cell]
+        first = start + (fold << row_exp)
         end = seg.end.reshape(-1)[cell]
+        # A slot past its row's end pads with the first column of its fold (a position the
+        # row stores: trained, it is the same weight counted twice), a covering layout's
+        # padding bucket row with its row's first column, and every empty row with the first
+        # entry's column (one row of B for all of them; as ELL's empty rows, a new weight if
+        # trained).
+        pad = torch.where(first < end, first, torch.where(start < end, start, 0)) if covering else first
         RI = (cell if partitions == 1 else cell % M).to(itype)
         # Slots: row_width[j] consecutive slots per bucket row, all widths in one array.
         slot_row = torch.repeat_interleave(row_width, output_size=S)
         slot_start = torch.cumsum(row_width, 0) - row_width
-        first = first[slot_row]
-        idx = first + (torch.arange(S, device=device) - slot_start[slot_row])
+        idx = first[slot_row] + (torch.arange(S, device=device) - slot_start[slot_row])
         valid = idx < end[slot_row]
-        idx = torch.where(valid, idx, first)
+        idx = torch.where(valid, idx, pad[slot_row])
         CI = coords.cols[idx].to(itype)
         V = torch.where(valid, coords.vals[idx], 0)
 
@@ -303,8 +434,9 @@ class CELL(SparseFormat):
 
     @property
     def sorted_indices(self) -> frozenset[str]:
-        """RI is sorted within each width when there is one partition (rows in order, folds
-        adjacent); partitions interleave rows, so then it is not."""
+        """RI is sorted within each width when there is one partition (equal rows adjacent: rows
+        in order, or in the covering layout's widest bucket by fold count, folds adjacent);
+        partitions interleave rows, so then it is not."""
         return frozenset({"RI"}) if self.params["partitions"] == 1 else frozenset()
 
     @property
@@ -312,6 +444,14 @@ class CELL(SparseFormat):
         """With one partition each row's run goes to one bucket (folds stay in the widest), so
         the widths' statements write disjoint rows of C; partitions repeat rows."""
         return self.params["partitions"] == 1
+
+    @property
+    def covering_block(self) -> int | None:
+        """ROW_BLOCK where the packer laid the buckets out to cover C (`_covering_rows`): every
+        row, empty ones included, in one bucket, and a folded row inside one aligned block of
+        ROW_BLOCK bucket rows of the widest. Not with partitions (they repeat rows), rows
+        folded more than ROW_BLOCK times, or where it would pad more than M slots."""
+        return self.params.get("covering_block")
 
     def unique_in(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
         """RI of a width below the widest holds each row once: with one partition a row
