@@ -194,18 +194,11 @@ def _cases(layers: dict, x: dict) -> list[Case]:
           "XI": gather.X_INDEX.int(), "X": x["x1"], **{k: v for k, v in t.items() if k != "X"}}
     ft = flat.statement_tensors(x["x1"], x["x2"], x["w"])
     indexed = layers["indexed"]
+    # In the order the run needs them (the compile workers take them in this order): the
+    # default layer's layout copies, statement and gradient statements (on a random
+    # component-major output gradient), then the exploratory ones.
     cases = _copy_cases(gather, x)
-    cases += [
-        _case("stmt_gather", gather.statement, t, lengths, from_z),
-        _case("stmt_gather_pb", gather.statement, t, lengths, from_z, pick=_tiles("p", "q", "u"), grid_first=False),
-        _case("stmt_indexed", indexed.statement, indexed.statement_tensors(x["x1"], x["x2"], x["w"]), lengths,
-              lambda z: z, unique={"ZO"}),
-        _case("stmt_zi", ZI_STATEMENT, zi, lengths, lambda z: z, unique={"ZI"}),
-        _case("stmt_flat", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z),
-        _case("stmt_flat_tb", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z, pick=_tiles("t", "q", "b")),
-    ]
-    # The gradient statements of both layers, on a random output gradient (component-major
-    # for the gather layer, e3nn's layout for the flat one).
+    cases.append(_case("stmt_gather", gather.statement, t, lengths, from_z))
     dz = torch.randn(E, P, U, device=x["x1"].device)
     given = {"Y": t["Y"], "X": t["X"], "W": t["W"], "DZ": dz}
     rows = {"X": ("q[c]", "XL"), "W": ("q[s]", "WL"), "Y": ("q[j]", "YL")}
@@ -218,6 +211,15 @@ def _cases(layers: dict, x: dict) -> list[Case]:
     cases.append(_case("grad_Y_jgrid", stmt, _statement_tensors(gather, stmt, given), {"q[j]": gather.YL}, None,
                        pick=lambda ranked: dataclasses.replace(ranked[0], tiles=(("M", "b"), ("K", "u")), grid=("j",),
                                                                stacked=())))
+    cases += [
+        _case("stmt_indexed", indexed.statement, indexed.statement_tensors(x["x1"], x["x2"], x["w"]), lengths,
+              lambda z: z, unique={"ZO"}),
+        _case("stmt_gather_pb", gather.statement, t, lengths, from_z, pick=_tiles("p", "q", "u"), grid_first=False),
+        _case("stmt_zi", ZI_STATEMENT, zi, lengths, lambda z: z, unique={"ZI"}),
+        _case("stmt_flat", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z),
+        _case("stmt_flat_tb", flat.statement, ft, {"q[t]": flat.FL}, lambda z: z, pick=_tiles("t", "q", "b")),
+    ]
+    # The flat layer's gradient statements, in e3nn's layouts.
     given = {"Y": x["x2"], "X": x["x1"], "W": x["w"], "DZ": dz.view(E, -1)}
     rows = {"X": ("q[s]", "GXL"), "W": ("q[r]", "GWL"), "Y": ("q[j]", "GYL")}
     for grad, stmt in flat.gradient_statements.items():
@@ -530,13 +532,13 @@ def main() -> None:
     fastest: dict[str, list[dict]] = {}  # per case, its fastest configurations at the first size
     sizes = SMOKE_EDGES if args.smoke else EDGES
     data = {}  # per size: inputs, float64 output and gradients, the cases (built on first use)
-    # What the default and indexed layers run first (their best configurations are what the
-    # layers then use), the layers and the anchors next, at every size; the conventional plan,
-    # the flat layer (its statements first) and the exploratory plans last (first skipped).
-    first = ["copies", "layouts", "stmt_gather", "stmt_indexed", "grad_X", "grad_W", "grad_Y", "grad_Y_jgrid", "layers",
-             "anchors"]
-    later = ["stmt_gather_pb", "output_gathers", "stmt_flat", "flat_grad_X", "flat_grad_W", "flat_grad_Y", "layer_flat", "stmt_zi",
-             "stmt_flat_tb"]
+    # What the default layer runs first (its layout copies and statements: their best
+    # configurations are what the layer then uses), the layer and the anchors next, at every
+    # size; dY with j on the grid, the indexed layer (its statement first), the conventional
+    # plan, the flat layer and the exploratory plans last (what the budget cuts).
+    first = ["copies", "layouts", "stmt_gather", "grad_X", "grad_W", "grad_Y", "layers", "anchors"]
+    later = ["grad_Y_jgrid", "stmt_indexed", "layer_indexed", "stmt_gather_pb", "output_gathers", "stmt_flat",
+             "flat_grad_X", "flat_grad_W", "flat_grad_Y", "layer_flat", "stmt_zi", "stmt_flat_tb"]
     steps = [(e, n) for e in sizes for n in first] + [(e, n) for e in sizes for n in later]
     for edges, name in steps:
         if time.time() - start > args.budget:
@@ -546,8 +548,8 @@ def main() -> None:
             x = _inputs(layers["gather"], edges, device)
             data[edges] = (x, *_reference(layers["reference"], x), {case.name: case for case in _cases(layers, x)})
         x, expected, expected_grads, cases = data[edges]
-        if name in ("layers", "layer_flat"):
-            for kind in ("gather", "indexed") if name == "layers" else ("flat",):
+        if name in ("layers", "layer_indexed", "layer_flat"):
+            for kind in {"layers": ("gather",), "layer_indexed": ("indexed",), "layer_flat": ("flat",)}[name]:
                 rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
                 print(json.dumps(rows[-1]), flush=True)
             continue
