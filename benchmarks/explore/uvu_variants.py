@@ -45,7 +45,9 @@ configurations GATHER_CONFIGS), each against the HBM time of its bytes (`note`).
 Layer variants (`TensorProduct` as a user calls it; its kernels take the best configuration
 of the sweep above, so no autotuning runs inside the timed calls): `layer_gather`
 (output="gather", the default: x1's layout change, statement, the output's; on the GPU both
-block transposes), `layer_indexed`
+block transposes), `layer_gather_old` (the same layer with its layout changes as the gathers
+through the flat tables, index_select, as before: the A/B of the block transposes in one
+process), `layer_indexed`
 (output="indexed", opt-in: X gather, the statement storing e3nn's layout; its backward is
 the gather layer's) and `layer_flat` (output="flat", opt-in: one launch), forward and
 forward+backward (`torch.autograd.grad` of all three inputs). Their backward statements are
@@ -128,8 +130,11 @@ def _layers(device, smoke: bool) -> dict:
     # (the smoke run: the generated kernels in the interpreter, layout copies included)
     make = dict(shared_weights=False, internal_weights=False)
     kernels = {"backend": "triton"} if smoke else {}
+    gather_old = TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="gather", **make, **kernels).to(device)
+    gather_old._copies = lambda layout, t: False  # the layout changes as gathers (index_select), as before
     return {
         "gather": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="gather", **make, **kernels).to(device),
+        "gather_old": gather_old,
         "indexed": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="indexed", **make, **kernels).to(device),
         "flat": TensorProduct(irreps1, IRREPS2, irreps_out, ins, output="flat", **make, **kernels).to(device),
         "reference": TensorProduct(irreps1, IRREPS2, irreps_out, ins, backend="torch", output="gather", **make).to(device).double(),
@@ -494,7 +499,7 @@ def _print_table(rows: list[dict]) -> None:
                 print(f"E={edges}: layout change {name}: block transposes {new['ms']:.3f} ms, gather {old['ms']:.3f} ms, "
                       f"torch strided copies {tcopy.get('ms', float('nan')):.3f} ms ({new['note']})")
         for anchor in ("cue", "oeq"):
-            for name in ("layer_gather", "layer_indexed", "stmt_gather", "layer_flat"):
+            for name in ("layer_gather", "layer_gather_old", "layer_indexed", "stmt_gather", "layer_flat"):
                 a, b = by.get(anchor, {}), by.get(name, {})
                 for key in ("ms", "fb_ms"):
                     if isinstance(a.get(key), float) and isinstance(b.get(key), float) and b[key] > 0:
@@ -549,7 +554,7 @@ def main() -> None:
             data[edges] = (x, *_reference(layers["reference"], x), {case.name: case for case in _cases(layers, x)})
         x, expected, expected_grads, cases = data[edges]
         if name in ("layers", "layer_indexed", "layer_flat"):
-            for kind in {"layers": ("gather",), "layer_indexed": ("indexed",), "layer_flat": ("flat",)}[name]:
+            for kind in {"layers": ("gather", "gather_old"), "layer_indexed": ("indexed",), "layer_flat": ("flat",)}[name]:
                 rows.append({"edges": edges, **_time_layer(f"layer_{kind}", layers[kind], x, expected, expected_grads, args.smoke)})
                 print(json.dumps(rows[-1]), flush=True)
             continue
