@@ -129,7 +129,9 @@ def insum_many(
     A repeated call runs them as ONE kernel launch where that gives the same sums: every
     statement ran the generated kernel, adds into its given output (`+=`) atomically, or
     with plain stores when `disjoint` (the caller guarantees that no two statements write
-    one output element, as a format whose buckets hold disjoint rows), checks no indices on
+    one output element, as a format whose buckets hold disjoint rows; then also an
+    overwriting `=` statement that stores each element of its output once, as a layout
+    copy, `insum.nn.layout`), checks no indices on
     the device, and no statement reads memory another one writes. The first call runs them
     one by one (each finds its tile sizes); so do calls under torch.compile or with gradients.
 
