@@ -144,3 +144,25 @@ def test_gather_layer_runs_its_layout_changes_as_block_transposes(case, monkeypa
     second = [torch.autograd.grad((run(m, True)[1][0] * probe).sum(), [x1, x2]) for m in (layer, ref)]
     for a, b in zip(*second):
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.interpreter
+@interpreted
+def test_insum_many_runs_disjoint_overwriting_copies_as_one_launch(monkeypatch):
+    """`=` statements that store each element of disjoint outputs once batch into one launch
+    (the second call), and overwrite what the outputs held."""
+    from insum import insum_many
+
+    launches = []
+    real = DirectLaunch.__call__
+    monkeypatch.setattr(DirectLaunch, "__call__", lambda self, *a, **k: launches.append(1) or real(self, *a, **k))
+    Z = torch.randn(5, 3, 7)
+    out = torch.full((5, 7, 3), float("nan"))
+    calls = [("O[b,u,m] = Z[b,m,u]", {"O": out[:, :4], "Z": Z[:, :, :4]}),
+             ("O[b,u,m] = Z[b,m,u]", {"O": out[:, 4:], "Z": Z[:, :, 4:]})]
+    for _ in range(2):
+        out.fill_(float("nan"))
+        launches.clear()
+        insum_many(calls, backend="triton", disjoint=True)
+        assert torch.equal(out, Z.transpose(1, 2))
+    assert len(launches) == 1
