@@ -9,26 +9,18 @@ time and syncs), and spconv-triton's build beside it when installed.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from insum.formats.tuning import median_wall_time
 from insum.nn.kernel_map import build_kernel_map
 
 from ..study_conv import _spconv, _spconv_map_times, room_scene
 
 
-def _wall_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+def _wall_ms(fn) -> float:
+    """Median wall milliseconds of a call, synchronised around each (host time included)."""
+    return median_wall_time(fn, 20, torch.device("cuda")) * 1e3
 
 
 def _profile(name: str, fn) -> None:
