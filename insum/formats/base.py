@@ -479,20 +479,24 @@ class _SpmmPlan:
         # Half precision accumulates in float32 where many groups meet in one row.
         self.acc = accumulation_dtype(dtype, fmt.fan_in)
         self.shape = fmt.output_shape(self.N)
-        self.zeros = fmt.accumulates  # else the one statement runs with `=` into torch.empty
+        self.disjoint = fmt.disjoint_statements
+        self.covering = fmt.covering_block if self.disjoint else None
+        # Buckets, and a covering layout's statements, add into a zero-filled C with `+=` (the
+        # covering batch then runs their `=` kernels into torch.empty); else the one statement
+        # runs with `=` into torch.empty, which its launch zero-fills only where it must.
+        adds = fmt.accumulates or self.covering is not None
+        self.zeros = adds
         self.options = {"backend": backend, "precision": precision}
         self.statements = []
         for expression, tensors in ([] if self.empty else fmt.statements()):
             cast = tuple(k for k, v in tensors.items() if v.is_floating_point() and v.dtype != dtype)
-            statement = expression if fmt.accumulates else overwrite(expression)
+            statement = expression if adds else overwrite(expression)
             # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
             facts = {
                 "sorted_indices": frozenset(name for name in fmt.sorted_indices if name in tensors),  # traceable by dynamo
                 "unique_indices": fmt.unique_in(tensors),
             }
             self.statements.append((statement, dict(tensors), cast, facts))
-        self.disjoint = fmt.disjoint_statements
-        self.covering = fmt.covering_block if self.disjoint else None
         # (Covering buckets run as a batch even when there is one: its launch needs no zero fill.)
         self.single = len(self.statements) == 1 and self.covering is None
         self.pinned: Pinned | None = None  # the calls pinned to the format's tensors (on a repeat)

@@ -16,7 +16,14 @@ from ..arith import cdiv, next_power_of_2
 from ..errors import InsumError
 from .base import SparseFormat
 from .coords import Coords, check_positive_int, index_dtype_for
-from .grouping import GroupCounts, default_group_size, pack_row_groups
+from .grouping import (
+    COVER_BLOCK,
+    GroupCounts,
+    covering_layout,
+    covering_slots,
+    default_group_size,
+    pack_row_groups,
+)
 from .tuning import tune, tuning_operand
 
 __all__ = ["GroupCOO"]
@@ -26,12 +33,17 @@ class GroupCOO(SparseFormat):
     """Grouped COO: AM[G] group rows, AK[G, g] columns, AV[G, g] values.
 
     Groups never span two rows and are ordered by row (AM is non-decreasing). Padded
-    slots hold value 0 and the group's first column.
+    slots hold value 0 and the group's first column. In the covering layout every row, empty
+    ones too, has at least one group and no row's groups cross an aligned block of 16 (the
+    groups skipped at a block's end are all-padding groups of the row before them).
 
     group_size: an integer >= 1; None (default) for the paper's rule, about
     sqrt(nnz / non-empty rows) rounded to a power of two; or "tune" to time that value
     and its power-of-two neighbours with the real SpMM on the matrix's device (B with
     `tune_cols` columns, `backend` as given) and keep the fastest.
+    cover: lay the groups out to cover C where that applies (`covering_block`: rows of at
+    most 16 groups, at most M padding slots), so that the repeated product stores every row
+    into an uninitialised C with no zero fill; False keeps the plain layout.
 
     >>> A = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 4.0]])
     >>> G = GroupCOO.from_dense(A, group_size=2)
@@ -43,6 +55,8 @@ class GroupCOO(SparseFormat):
     expression = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
     _value_names = ("AV",)
     sorted_indices = frozenset({"AM"})
+    #: One statement: no other writes its rows.
+    disjoint_statements = True
 
     @classmethod
     def _pack(
@@ -53,9 +67,10 @@ class GroupCOO(SparseFormat):
         index_dtype: torch.dtype | None = None,
         tune_cols: int = 128,
         backend: str = "auto",
+        cover: bool = True,
     ) -> GroupCOO:
         if group_size == "tune":
-            return cls._tuned(coords, index_dtype, tune_cols, backend)
+            return cls._tuned(coords, index_dtype, tune_cols, backend, cover)
         if isinstance(group_size, str):
             raise InsumError(
                 f"group_size must be an integer >= 1, None or 'tune', got {group_size!r}"
@@ -70,7 +85,7 @@ class GroupCOO(SparseFormat):
             rule = GroupCounts(counts, K)
             host = coords.read(rule.values)
             if host is None:
-                return cls._pack(coords.canonical(), index_dtype=index_dtype)
+                return cls._pack(coords.canonical(), index_dtype=index_dtype, cover=cover)
             g, G = rule.choose(host)
             fan_in = rule.fan_in(host, g)
             per_row = rule.per_row(g)
@@ -79,18 +94,25 @@ class GroupCOO(SparseFormat):
             per_row = cdiv(counts, g)
             host = coords.read(per_row.sum(), F.pad(per_row, (0, 1)).max())
             if host is None:
-                return cls._pack(coords.canonical(), group_size=g, index_dtype=index_dtype)
+                return cls._pack(coords.canonical(), group_size=g, index_dtype=index_dtype, cover=cover)
             G, fan_in = host
-        group_row, idx, valid, _ = pack_row_groups(coords.row_ptr, per_row, g, G)
+        params = {"group_size": g, "fan_in": fan_in}
+        layout = covering_layout(per_row, G, g, fan_in) if cover else None
+        if layout is not None:
+            G = layout.padded
+            group_row, idx, valid = covering_slots(coords.row_ptr, layout, g, G)
+            params["covering_block"] = COVER_BLOCK
+        else:
+            group_row, idx, valid, _ = pack_row_groups(coords.row_ptr, per_row, g, G)
         tensors = {
             "AM": group_row.to(itype),
             "AK": coords.cols[idx].to(itype),
             "AV": torch.where(valid, coords.vals[idx], 0),
         }
-        return cls._packed(coords, tensors, itype, {"group_size": g, "fan_in": fan_in})
+        return cls._packed(coords, tensors, itype, params)
 
     @classmethod
-    def _tuned(cls, coords: Coords, index_dtype, tune_cols: int, backend: str) -> GroupCOO:
+    def _tuned(cls, coords: Coords, index_dtype, tune_cols: int, backend: str, cover: bool) -> GroupCOO:
         coords = coords.checked()
         counts = coords.row_counts()
         g0 = default_group_size(counts)
@@ -99,7 +121,7 @@ class GroupCOO(SparseFormat):
         B = tuning_operand(coords, tune_cols)
 
         def build(g: int) -> GroupCOO:
-            return cls._pack(coords, group_size=g, index_dtype=index_dtype)
+            return cls._pack(coords, group_size=g, index_dtype=index_dtype, cover=cover)
 
         best, times = tune(candidates, build, B, backend)
         best.params["tuned_seconds"] = times
@@ -112,6 +134,15 @@ class GroupCOO(SparseFormat):
     @property
     def groups(self) -> int:
         return int(self.AK.shape[0])
+
+    @property
+    def covering_block(self) -> int | None:
+        """COVER_BLOCK where the packer laid the groups out to cover C (`grouping.CoveringLayout`):
+        every row, empty ones included, holds groups inside one aligned block of that many
+        groups, so a segment tile of a multiple of it stores whole rows into an uninitialised
+        C. Not where a row has more groups than that (a hub row), or where the layout would pad
+        more than M slots (`grouping.covering_layout`); not with cover=False."""
+        return self.params.get("covering_block")
 
     def _slot_rows(self) -> tuple[torch.Tensor, bool]:
         return self.AM.unsqueeze(1).expand_as(self.AK), False

@@ -15,9 +15,13 @@ from ..arith import next_power_of_2
 from ..dtypes import HALF_DTYPES, compute_dtype
 
 __all__ = [
+    "COVER_BLOCK",
     "HALF_FAN_IN",
     "GroupCounts",
+    "CoveringLayout",
     "accumulation_dtype",
+    "covering_layout",
+    "covering_slots",
     "default_group_size",
     "grouped_slots",
     "pack_row_groups",
@@ -124,3 +128,90 @@ def pack_row_groups(
     slots = torch.arange(G * g, device=crow.device).view(G, g)  # j*g + q
     idx, valid = grouped_slots(slots + base[group_row].unsqueeze(1), crow[1:][group_row])
     return group_row, idx, valid, base
+
+
+#: A covering layout keeps each row's groups inside one aligned block of this many groups.
+#: A segment-reduced kernel tiles the groups by powers of two of at least 16
+#: (`codegen.tune.SEGMENT_TILE`, or the whole extent): each tile then holds whole blocks, so
+#: whole rows.
+COVER_BLOCK = 16
+
+
+class CoveringLayout:
+    """Where each row's groups go when every row, empty ones too, keeps its groups inside one
+    aligned block of COVER_BLOCK groups: rows in order, each at the next position from which
+    it fits in the current block (next fit); the groups skipped at a block's end are padding
+    of the row before them (value 0). An empty row holds one all-padding group, so that the
+    kernel stores its zeros and the output needs no zero fill.
+
+    Next fit is sequential, but a row, seen from the residue r of its start in a block,
+    moves the next row's start by delta(r) to a new residue: a map on the block's residues,
+    and the rows' starts are a scan (Hillis-Steele) over those maps, on the device without a
+    sync. Only for rows of at most COVER_BLOCK groups (the caller checks their fan-in).
+
+    per_row: groups per row (M,). `start` (M,) is each row's first group, `total` (a 0-d
+    tensor) the padded group count, read by the caller's sync.
+    """
+
+    def __init__(self, per_row: torch.Tensor):
+        B = COVER_BLOCK
+        groups = per_row.clamp(min=1).unsqueeze(1)  # an empty row: one padding group
+        r = torch.arange(B, device=per_row.device)
+        # From residue r a row of c groups moves c, or first to the next block when it would cross.
+        delta = torch.where(r + groups <= B, groups, B - r + groups)
+        after = (r + delta) % B
+        step, M = 1, per_row.numel()
+        while step < M:  # row i's map becomes rows i-2*step+1 .. i's: the earlier ones first
+            before, residue = delta[:-step], after[:-step]
+            delta = torch.cat([delta[:step], before + delta[step:].gather(1, residue)])
+            after = torch.cat([after[:step], after[step:].gather(1, residue)])
+            step *= 2
+        end = delta[:, 0]  # after each row, from group 0
+        self.start = end - groups.view(-1)  # (where a row skipped to the next block)
+        self.total = end[-1] if M else end.new_zeros(())
+        self.padded = 0  # the total, once read
+
+    def groups(self, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row [G], rank [G]) of every group of the padded layout of G (`total`) groups: its
+        output row and its rank among that row's groups (from the row's own count on: padding)."""
+        at = torch.arange(G, device=self.start.device)
+        row = torch.searchsorted(self.start, at, right=True) - 1
+        return row, at - self.start[row]
+
+
+def covering_slots(
+    crow: torch.Tensor, layout: CoveringLayout, g: int, G: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(group_row [G], idx [G, g], valid [G, g]) of the covering layout of G groups of g slots.
+
+    A slot past its row's end pads with its group's first entry, a padding group's slots with
+    its row's first entry, an empty row's with entry 0 (a column of the matrix): each reads a
+    row of B that the kernel reads anyway.
+    """
+    row, rank = layout.groups(G)
+    start, end = crow[:-1][row], crow[1:][row]
+    first = start + rank * g
+    pad = torch.where(first < end, first, torch.where(start < end, start, 0))
+    slots = first.unsqueeze(1) + torch.arange(g, device=crow.device)
+    idx, valid = grouped_slots(slots, end, pad)
+    return row, idx, valid
+
+
+def covering_layout(per_row: torch.Tensor, G: int, g: int, fan_in: int) -> CoveringLayout | None:
+    """The covering layout of rows of per_row groups of g slots (G in all, at most fan_in in
+    a row), where it applies: some groups, no row over COVER_BLOCK groups, and at most M
+    padding slots added (empty rows' groups and those skipped at block ends). Reads the
+    padded count in one host sync (only where the fan-in allows the layout).
+
+    The bound is the byte balance of what the layout replaces: the zero fill writes M rows
+    of C; a padding slot re-reads a row of B that its row reads anyway (its own first
+    column, so mostly from cache) and adds zero. At most M of them cost no more than the
+    fill's writes and save its launch, which is what a small, launch-bound product pays for.
+    """
+    if G == 0 or fan_in > COVER_BLOCK:
+        return None
+    layout = CoveringLayout(per_row)
+    layout.padded = int(layout.total)
+    if (layout.padded - G) * g > per_row.numel():
+        return None
+    return layout
