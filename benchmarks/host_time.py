@@ -10,7 +10,9 @@ insum prepared it. "SparseLinear forward" is a GroupCOO layer's forward (grad en
 parameters require grad) on a batch of N, "forward+backward" adds its backward (the transposed
 pattern's input gradient and the values' derived gradient, accumulated into .grad). "CELL" packs
 its covering layout (one launch of stores into `torch.empty`), "CELL cover=False" the plain
-one (the same launch adding into a zero-filled C). The formats run through `fmt.spmm(B, backend="triton")` there, since
+one (the same launch adding into a zero-filled C). "GroupCOO covering" and "COO covering" pack
+a matrix of short rows (0 to 6 entries) in their covering layout, "cover=False" the same
+matrix plainly (the skewed matrix's hub row keeps "GroupCOO" and "COO" plain). The formats run through `fmt.spmm(B, backend="triton")` there, since
 `fmt @ B` takes the torch lowering on the CPU.
 
 On CUDA nothing is stubbed: beside the same rows it times the bare JIT launch of the
@@ -66,6 +68,16 @@ def skewed_matrix(device) -> torch.Tensor:
     return A.to(device)
 
 
+def short_rows_matrix(device) -> torch.Tensor:
+    """An M x K matrix of rows of 0 to 6 entries: GroupCOO and COO pack it in their covering
+    layout (every row within one aligned block of 16 groups), the skewed one's hub row cannot."""
+    gen = torch.Generator().manual_seed(5)
+    A = torch.zeros(M, K)
+    for row, n in enumerate(torch.randint(0, 7, (M,), generator=gen).tolist()):
+        A[row, torch.randperm(K, generator=gen)[:n]] = torch.randn(n, generator=gen)
+    return A.to(device)
+
+
 def cases(device: torch.device, formats_out: dict | None = None) -> dict[str, Callable[[], object]]:
     """name -> a no-argument call, for the tensors of one small problem on `device`
     (`formats_out`, if given, receives the format objects and B, for `launch_paths`)."""
@@ -80,6 +92,12 @@ def cases(device: torch.device, formats_out: dict | None = None) -> dict[str, Ca
     formats = {"GroupCOO": group, "ELL": ELL.from_dense(A), "CELL": CELL.from_dense(A), "COO": COO.from_dense(A)}
     if "cover" in inspect.signature(CELL._pack).parameters:  # (an older tree, for an A/B, has no plain layout to ask for)
         formats["CELL cover=False"] = CELL.from_dense(A, cover=False)
+    if "cover" in inspect.signature(GroupCOO._pack).parameters:
+        # GroupCOO and COO covering (short rows) beside the same matrix packed plainly.
+        short = short_rows_matrix(device)
+        for cls in (GroupCOO, COO):
+            formats[f"{cls.__name__} covering"] = cls.from_dense(short)
+            formats[f"{cls.__name__} cover=False"] = cls.from_dense(short, cover=False)
     if formats_out is not None:
         formats_out.update(formats, B=B)
     rows: dict[str, Callable[[], object]] = {
