@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_suite.sh torch                  # torch_checks: opcheck, autograd, graphs, MLP
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
 #   bash benchmarks/gpu_suite.sh cellfill               # CELL without a zero fill (< 90 s): CUDA tests, host time, device A/B
+#   bash benchmarks/gpu_suite.sh gcfill                 # GroupCOO/COO without a zero fill (< 90 s): CUDA tests, host time, device A/B
 #   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop, kernel-map builds
 #   bash benchmarks/gpu_suite.sh conv-spconv2           # the same against spconv 2.x (its CUDA wheels, carried as trees)
 #   bash benchmarks/gpu_suite.sh kmap                   # kernel maps (< 90 s): the CUDA kernel-map tests, then the builds (hash table,
@@ -105,6 +106,18 @@ case "$PART" in
       | tee "$DIR/host_time_cellfill.log"
     INSUM_AUTOTUNE=0 timeout 22 python -m benchmarks.explore.cell_cover --files 1 --dtypes fp32 --data .data 2>&1 \
       | tee "$DIR/cell_cover.log"
+    ;;
+  gcfill)
+    # GroupCOO's and COO's covering layout (< 90 s): the covering tests on CUDA (the interpreter tests run compiled:
+    # poisoned pinned output, fallbacks, SparseLinear), host time of every row (GroupCOO/COO short rows, covering
+    # and cover=False, beside the bare launch; first tiles), then both layouts' device and host time on the
+    # short-rows matrix, the largest covering DLMC matrix and two power-law graphs (hub rows: no cover; mild: cover).
+    timeout 40 python -m pytest -q -p no:cacheprovider tests/test_groupcoo_covering.py 2>&1 \
+      | tee "$DIR/pytest_gcfill.log" | tail -5
+    INSUM_AUTOTUNE=0 timeout 25 python -m benchmarks.host_time --calls 1000 --repeats 5 --label "INSUM_AUTOTUNE=0" 2>&1 \
+      | tee "$DIR/host_time_gcfill.log"
+    INSUM_AUTOTUNE=0 timeout 22 python -m benchmarks.explore.groupcoo_cover --files 1 --dtypes fp32 --data .data 2>&1 \
+      | tee "$DIR/groupcoo_cover.log"
     ;;
   *)
     timeout 520 python -m benchmarks --studies "$PART" --data .data --out "benchmarks/results/$DEVICE" --copy-to "$DIR" \

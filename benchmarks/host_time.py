@@ -10,9 +10,10 @@ insum prepared it. "SparseLinear forward" is a GroupCOO layer's forward (grad en
 parameters require grad) on a batch of N, "forward+backward" adds its backward (the transposed
 pattern's input gradient and the values' derived gradient, accumulated into .grad). "CELL" packs
 its covering layout (one launch of stores into `torch.empty`), "CELL cover=False" the plain
-one (the same launch adding into a zero-filled C). "GroupCOO covering" and "COO covering" pack
-a matrix of short rows (0 to 6 entries) in their covering layout, "cover=False" the same
-matrix plainly (the skewed matrix's hub row keeps "GroupCOO" and "COO" plain). The formats run through `fmt.spmm(B, backend="triton")` there, since
+one (the same launch adding into a zero-filled C). "GroupCOO short rows" and "COO short rows"
+pack a matrix of rows of 0 to 6 entries (their covering layout: one launch of stores into
+`torch.empty`), "... cover=False" the same matrix plainly (a zero fill, then the launch); the
+skewed matrix's hub row keeps "GroupCOO" and "COO" plain. The formats run through `fmt.spmm(B, backend="triton")` there, since
 `fmt @ B` takes the torch lowering on the CPU.
 
 On CUDA nothing is stubbed: beside the same rows it times the bare JIT launch of the
@@ -92,12 +93,13 @@ def cases(device: torch.device, formats_out: dict | None = None) -> dict[str, Ca
     formats = {"GroupCOO": group, "ELL": ELL.from_dense(A), "CELL": CELL.from_dense(A), "COO": COO.from_dense(A)}
     if "cover" in inspect.signature(CELL._pack).parameters:  # (an older tree, for an A/B, has no plain layout to ask for)
         formats["CELL cover=False"] = CELL.from_dense(A, cover=False)
-    if "cover" in inspect.signature(GroupCOO._pack).parameters:
-        # GroupCOO and COO covering (short rows) beside the same matrix packed plainly.
-        short = short_rows_matrix(device)
-        for cls in (GroupCOO, COO):
-            formats[f"{cls.__name__} covering"] = cls.from_dense(short)
-            formats[f"{cls.__name__} cover=False"] = cls.from_dense(short, cover=False)
+    # GroupCOO and COO on short rows (their covering layout by default) beside the same matrix
+    # packed plainly (an older tree, for an A/B, packs it plainly by default and has no cover=).
+    short = short_rows_matrix(device)
+    for cls in (GroupCOO, COO):
+        formats[f"{cls.__name__} short rows"] = cls.from_dense(short)
+        if "cover" in inspect.signature(cls._pack).parameters:
+            formats[f"{cls.__name__} short rows cover=False"] = cls.from_dense(short, cover=False)
     if formats_out is not None:
         formats_out.update(formats, B=B)
     rows: dict[str, Callable[[], object]] = {

@@ -3,18 +3,21 @@ aligned block of 16, so that the repeated product stores every row into an unini
 
 The claim is a fact the format declares (`covering_block`) and nothing checks at run time,
 so these tests poison the output the pinned launch writes and compare with a float64 dense
-product: a row the launch leaves unwritten, or adds into, shows as NaN.
+product: a row the launch leaves unwritten, or adds into, shows as NaN. In the interpreter on
+CPU tensors; on CUDA tensors, compiled, where CUDA is present (`gpu_suite.sh gcfill`).
 """
 
 import pytest
 import torch
+from kernel_env import CUDA  # before insum: the interpreter on CPU-only machines
 
 from insum.codegen import configs_for, prune_configs
 from insum.formats import COO, GroupCOO
 from insum.formats.grouping import COVER_BLOCK, CoveringLayout
 from insum.nn import SparseLinear
 
-pytestmark = pytest.mark.interpreter
+pytestmark = pytest.mark.gpu if CUDA else pytest.mark.interpreter
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
 def _next_fit(per_row: list[int]) -> tuple[list[int], int]:
@@ -52,7 +55,7 @@ def _matrix(M, K, lengths, dtype=torch.float32, seed=0):
     A = torch.zeros(M, K, dtype=dtype)
     for r, n in enumerate(lengths):
         A[r, torch.randperm(K, generator=gen)[:n]] = torch.randn(n, generator=gen, dtype=dtype)
-    return A
+    return A.to(DEVICE)
 
 
 def _check_product(fmt, A, B):
@@ -66,7 +69,7 @@ def _check_product(fmt, A, B):
     assert plan.pinned is not None
     assert plan.pinned.covers == (fmt.covering_block is not None)
     if plan.pinned.covers:
-        C = torch.full(plan.shape, float("nan"), dtype=plan.acc)
+        C = torch.full(plan.shape, float("nan"), dtype=plan.acc, device=DEVICE)
         assert plan.pinned.run({"C": C, "B": B})
         torch.testing.assert_close(C.double(), expected, rtol=1e-4, atol=1e-4)
 
@@ -89,7 +92,7 @@ def test_covering_groupcoo_product(lengths, g, itype):
     assert fmt.covering_block == COVER_BLOCK and fmt.AM.dtype == itype
     assert torch.equal(fmt.to_dense(), A)
     assert torch.all(fmt.AM.diff() >= 0) and set(fmt.AM.tolist()) == set(range(len(lengths)))
-    B = torch.randn(7, 40).t()  # non-contiguous
+    B = torch.randn(7, 40, device=DEVICE).t()  # non-contiguous
     _check_product(fmt, A, B)
 
 
@@ -100,7 +103,7 @@ def test_covering_coo_product(itype):
     fmt = COO.from_dense(A, index_dtype=itype)
     assert fmt.covering_block == COVER_BLOCK and fmt.nnz == sum(lengths)
     assert torch.equal(fmt.to_dense(), A)
-    _check_product(fmt, A, torch.randn(20, 6))
+    _check_product(fmt, A, torch.randn(20, 6, device=DEVICE))
 
 
 def test_row_over_a_block_falls_back():
@@ -109,7 +112,7 @@ def test_row_over_a_block_falls_back():
     A = _matrix(4, 40, [34, 0, 3, 2])
     fmt = GroupCOO.from_dense(A, group_size=2)
     assert fmt.covering_block is None and fmt.groups == 17 + 2 + 1
-    _check_product(fmt, A, torch.randn(40, 5))
+    _check_product(fmt, A, torch.randn(40, 5, device=DEVICE))
     assert COO.from_dense(_matrix(3, 20, [17, 1, 0])).covering_block is None
 
 
@@ -122,13 +125,13 @@ def test_padding_over_m_slots_falls_back():
 
 
 def test_all_empty_and_half_precision():
-    empty = GroupCOO.from_dense(torch.zeros(5, 4))
+    empty = GroupCOO.from_dense(torch.zeros(5, 4, device=DEVICE))
     assert empty.covering_block is None
-    assert torch.equal(empty.spmm(torch.randn(4, 3), backend="triton"), torch.zeros(5, 3))
+    assert torch.equal(empty.spmm(torch.randn(4, 3, device=DEVICE), backend="triton"), torch.zeros(5, 3, device=DEVICE))
     A = _matrix(9, 24, [3, 0, 5, 2, 0, 1, 4, 4, 2]).half()
     fmt = GroupCOO.from_dense(A, group_size=2)
     assert fmt.covering_block == COVER_BLOCK
-    B = torch.randn(24, 5).half()
+    B = torch.randn(24, 5, device=DEVICE).half()
     for _ in range(3):
         C = fmt.spmm(B, backend="triton")
         torch.testing.assert_close(C.double(), A.double() @ B.double(), rtol=1e-2, atol=1e-2)
@@ -140,7 +143,7 @@ def test_segment_tiles_are_multiples_of_the_block():
     A = _matrix(40, 30, [(r * 7) % 12 for r in range(40)])
     fmt = GroupCOO.from_dense(A, group_size=2)
     assert fmt.covering_block == COVER_BLOCK
-    fmt.spmm(torch.randn(30, 4), backend="triton")
+    fmt.spmm(torch.randn(30, 4, device=DEVICE), backend="triton")
     from insum import runtime
 
     plans = [k.plan for k in runtime._KERNELS.values() if k.plan.output == "segment" and "AM" in k.plan.spec.sorted_indices]
@@ -158,10 +161,10 @@ def test_covering_layer_forward_and_backward():
     A = _matrix(12, 16, [3, 0, 5, 2, 0, 1, 4, 4, 2, 7, 0, 1])
     fmt = GroupCOO.from_dense(A, group_size=2)
     assert fmt.covering_block == COVER_BLOCK
-    layer = SparseLinear.from_format(fmt, torch.randn(12), backend="triton")
-    x = torch.randn(5, 16, requires_grad=True)
+    layer = SparseLinear.from_format(fmt, torch.randn(12, device=DEVICE), backend="triton")
+    x = torch.randn(5, 16, device=DEVICE, requires_grad=True)
     dense_x = x.detach().clone().requires_grad_(True)
-    dy = torch.randn(5, 12)
+    dy = torch.randn(5, 12, device=DEVICE)
     layer(x).backward(dy)
     (dense_x @ A.t() + layer.bias.detach()).backward(dy)
     torch.testing.assert_close(x.grad, dense_x.grad, rtol=1e-4, atol=1e-4)
