@@ -214,7 +214,8 @@ class SparseFormat:
         """A packed tensor cannot be replaced (`fmt.AV = ...`): the products' plans are pinned
         to the packed tensors (their signatures checked once, `insum.execute.Pinned`). Values
         may change in place (`fmt.AV.copy_(...)`, a layer's weights). Any other assignment
-        (`expression`, `params`, `to()`'s tensors) drops the plans."""
+        (`expression`, `params`, `to()`'s tensors) drops the plans and what was derived from
+        the tensors (`_derived`)."""
         tensors = self.__dict__.get("_tensors")
         if tensors is not None and name in tensors:
             raise InsumError(
@@ -222,6 +223,7 @@ class SparseFormat:
                 f"values in place ({name}.copy_(...)) or pack a new {type(self).__name__}"
             )
         self.__dict__.pop("_spmm_plans", None)
+        self.__dict__.pop("_derived", None)  # what a format works out from its tensors once
         object.__setattr__(self, name, value)
 
     @property
@@ -367,6 +369,20 @@ class SparseFormat:
         (`insum_many`'s covering claim) into an output allocated without a zero fill."""
         return None
 
+    def declared_lengths(self) -> dict[str, torch.Tensor] | None:
+        """For a single-statement format whose groups end in padding slots (zero values after
+        a group's stored entries): the statement's per-group entry counts as `insum()`'s
+        `lengths` ({"q[p]": counts}), so that its product stops each group at its count
+        instead of multiplying the padding. None: no padding declared. The padding must hold
+        zeros (packing writes them; `SparseLinear` keeps them, `without_padding`)."""
+        return None
+
+    def without_padding(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """`grad`, the gradient of value tensor `name`, with the declared padding slots
+        (`declared_lengths`) zeroed: training then leaves the padding at zero, which the
+        products' skipping it needs (a padding slot is no weight of the matrix)."""
+        return grad
+
     @classmethod
     def statement_forms(cls) -> tuple[str, ...]:
         """Every statement text that an instance's `statements()` may run."""
@@ -490,6 +506,9 @@ class _SpmmPlan:
                 "sorted_indices": frozenset(name for name in fmt.sorted_indices if name in tensors),  # traceable by dynamo
                 "unique_indices": fmt.unique_in(tensors),
             }
+            lengths = fmt.declared_lengths()
+            if lengths is not None:  # (declared by single-statement formats only)
+                facts["lengths"] = lengths
             self.statements.append((statement, dict(tensors), cast, facts))
         self.disjoint = fmt.disjoint_statements
         self.covering = fmt.covering_block if self.disjoint else None

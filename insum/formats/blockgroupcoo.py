@@ -70,7 +70,9 @@ class BlockGroupCOO(SparseFormat):
     "row" for Block-ELL: one group per block row, as wide as the longest block row (zero
     blocks pad the others, empty block rows get an all-padding group), so each output
     block has one owner: there is no AM, the statement indexes C directly
-    (`row_expression`) and the kernel stores without atomics; "tune" times the rule's
+    (`row_expression`) and the kernel stores without atomics; each block row's block count
+    is declared (`declared_lengths`), so the product stops there instead of multiplying
+    the padding (which must stay zero: `SparseLinear` gives it no gradient); "tune" times the rule's
     value, its power-of-two neighbours and "row" (unless it would store over 4x the
     rule's blocks) with real SpMMs (B with `tune_cols` columns, `backend` as given) and
     keeps the fastest.
@@ -272,6 +274,34 @@ class BlockGroupCOO(SparseFormat):
             return 0
         (M, K), (bm, bk) = shape, cls.pruning_block(params)
         return cdiv(M, bm) * min(cdiv(K, bk), bm * longest) * bm * bk
+
+    def _row_counts(self) -> torch.Tensor | None:
+        """Blocks per block row of a Block-ELL packing (group_size="row"), None for groups.
+        The packer stores a block row's blocks in increasing column order and pads it with
+        copies of its first column (zero values), so the stored blocks are slot 0 and every
+        later slot whose column differs from slot 0's. Computed once per format object (the
+        index tensors are never replaced, `SparseFormat.__setattr__`)."""
+        if self.params.get("group_size") != "row" or "AM" in self._tensors:
+            return None
+        derived = self.__dict__.setdefault("_derived", {})
+        counts = derived.get("row_counts")
+        if counts is None:
+            AK = self.AK
+            counts = derived["row_counts"] = (AK[:, 1:] != AK[:, :1]).sum(1).add_(1).to(AK.dtype)
+        return counts
+
+    def declared_lengths(self) -> dict[str, torch.Tensor] | None:
+        """Block-ELL rows stop at their own block count (`insum(..., lengths=)`): at s = 0.9
+        with random blocks the padding to the longest block row is about 45% of the slots."""
+        counts = self._row_counts()
+        return None if counts is None else {"q[p]": counts}
+
+    def without_padding(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        counts = self._row_counts()
+        if counts is None or name != "AV":
+            return grad
+        padding = torch.arange(grad.shape[1], device=grad.device) >= counts[:, None]
+        return grad.masked_fill(padding[:, :, None, None], 0)
 
     def transposed_pattern(self) -> dict[str, torch.Tensor]:
         AM = self._tensors.get("AM")  # absent when each block row is one group ("row")

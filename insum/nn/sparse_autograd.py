@@ -123,7 +123,8 @@ def _value_gradients(
                 grad = insum(stmt, backend=backend, precision=precision, **{n: env[n] for n in reads})
                 grad = grad.to(tensors[local].dtype)
                 grads[name] = grad if name not in grads else grads[name] + grad
-    return grads
+    # Declared padding stays zero: the products skip it (`SparseFormat.declared_lengths`).
+    return {name: fmt.without_padding(name, grad) for name, grad in grads.items()}
 
 
 def format_meta(fmt: SparseFormat) -> dict[str, Any]:
