@@ -310,7 +310,9 @@ class BlockGroupCOO(SparseFormat):
             AM = torch.arange(self.AK.shape[0], device=self.AK.device)
         rows = AM.unsqueeze(1).expand_as(self.AK)
         KB = self.padded_shape[1] // self.block[1]
-        return transpose_slots(rows, self.AK, KB, self.index_dtype, by_column=one_group_per_row)
+        counts = self._row_counts()  # declared padding: no slot of the transpose
+        stored = None if counts is None else torch.arange(self.AK.shape[1], device=self.AK.device) < counts[:, None]
+        return transpose_slots(rows, self.AK, KB, self.index_dtype, by_column=one_group_per_row, stored=stored)
 
     def input_gradient(self, pattern, dC, backend, precision) -> torch.Tensor:
         KB = self.padded_shape[1] // self.block[1]
