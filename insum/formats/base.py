@@ -374,14 +374,17 @@ class SparseFormat:
         a group's stored entries): the statement's per-group entry counts as `insum()`'s
         `lengths` ({"q[p]": counts}), so that its product stops each group at its count
         instead of multiplying the padding. None: no padding declared. The padding must hold
-        zeros (packing writes them; `SparseLinear` keeps them, `without_padding`)."""
+        zeros (packing writes them; `SparseLinear` keeps them: the format's `value_gradient`
+        leaves the padding's gradient zero)."""
         return None
 
-    def without_padding(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """`grad`, the gradient of value tensor `name`, with the declared padding slots
-        (`declared_lengths`) zeroed: training then leaves the padding at zero, which the
-        products' skipping it needs (a padding slot is no weight of the matrix)."""
-        return grad
+    def value_gradient(
+        self, name: str, dC: torch.Tensor, B: torch.Tensor, backend: str, precision: str
+    ) -> torch.Tensor | None:
+        """The gradient of value tensor `name` for the output gradient dC and the operand B
+        (both as the statements index them), where the format has a cheaper statement than
+        the derived one; None: the derived statements run (`insum.nn.sparse_autograd`)."""
+        return None
 
     @classmethod
     def statement_forms(cls) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..api import insum
 from ..arith import cdiv, next_power_of_2
 from ..errors import InsumError
 from .base import SparseFormat, pad_rows
@@ -296,12 +297,36 @@ class BlockGroupCOO(SparseFormat):
         counts = self._row_counts()
         return None if counts is None else {"q[p]": counts}
 
-    def without_padding(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        counts = self._row_counts()
-        if counts is None or name != "AV":
-            return grad
-        padding = torch.arange(grad.shape[1], device=grad.device) >= counts[:, None]
-        return grad.masked_fill(padding[:, :, None, None], 0)
+    #: AV's gradient on the stored blocks only: one program per stored block (F: its slot in
+    #: AV viewed (G * g, bm, bk); SP, SK: its block row and column), padding left zero.
+    STORED_GRADIENT = "dW[F[s], m, k] = dC[SP[s], m, n] * B[SK[s], k, n]"
+
+    def _stored_blocks(self) -> dict[str, torch.Tensor]:
+        """F, SP, SK of `STORED_GRADIENT` for a Block-ELL packing, computed once."""
+        derived = self.__dict__.setdefault("_derived", {})
+        blocks = derived.get("stored_blocks")
+        if blocks is None:
+            AK, counts = self.AK, self._row_counts()
+            stored = torch.arange(AK.shape[1], device=AK.device) < counts[:, None]
+            slots = stored.reshape(-1).nonzero().squeeze(1)
+            rows = torch.div(slots, AK.shape[1], rounding_mode="floor")
+            blocks = derived["stored_blocks"] = {
+                "F": slots.to(AK.dtype), "SP": rows.to(AK.dtype), "SK": AK.reshape(-1)[slots],
+            }
+        return blocks
+
+    def value_gradient(self, name, dC, B, backend, precision):
+        """Block-ELL: AV's gradient runs on the stored blocks only (`STORED_GRADIENT`), not on
+        every slot as the derived statement does: the padding (~45% of the slots at s = 0.9
+        with random blocks) costs neither a program nor a read of dC and B, and stays zero."""
+        if name != "AV" or self._row_counts() is None:
+            return None
+        G, g, bm, bk = self.AV.shape
+        dW = torch.empty(G * g, bm, bk, dtype=torch.promote_types(dC.dtype, B.dtype), device=dC.device)
+        blocks = self._stored_blocks()
+        insum(self.STORED_GRADIENT, dW=dW, dC=dC, B=B, unique_indices={"F"}, backend=backend, precision=precision,
+              **blocks)
+        return dW.view(G, g, bm, bk)
 
     def transposed_pattern(self) -> dict[str, torch.Tensor]:
         AM = self._tensors.get("AM")  # absent when each block row is one group ("row")

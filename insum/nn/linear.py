@@ -12,7 +12,7 @@ index tensors buffers, so `.to()`, `.half()`, optimizers and `state_dict` see th
 pattern itself never changes in training. Padding slots are trained too (a padded slot
 repeats a stored position, so it is the same weight entry counted twice), except where the
 format declares its padding (BlockGroupCOO's group_size="row": `declared_lengths`): there the
-products skip it, so it gets no gradient and stays zero.
+products skip it, and its gradient is zero, so it stays zero.
 `insum.nn.functional.sparse_linear(x, fmt, bias)` is the functional form.
 """
 
