@@ -284,10 +284,12 @@ class BlockGroupCOO(SparseFormat):
         index tensors are never replaced, `SparseFormat.__setattr__`)."""
         if self.params.get("group_size") != "row" or "AM" in self._tensors:
             return None
+        AK = self.AK
+        if torch.compiler.is_compiling():  # a format rebuilt per trace: nothing to keep
+            return (AK[:, 1:] != AK[:, :1]).sum(1).add(1).to(AK.dtype)
         derived = self.__dict__.setdefault("_derived", {})
         counts = derived.get("row_counts")
         if counts is None:
-            AK = self.AK
             counts = derived["row_counts"] = (AK[:, 1:] != AK[:, :1]).sum(1).add_(1).to(AK.dtype)
         return counts
 
@@ -300,6 +302,9 @@ class BlockGroupCOO(SparseFormat):
     #: AV's gradient on the stored blocks only: one program per stored block (F: its slot in
     #: AV viewed (G * g, bm, bk); SP, SK: its block row and column), padding left zero.
     STORED_GRADIENT = "dW[F[s], m, k] = dC[SP[s], m, n] * B[SK[s], k, n]"
+    #: The same on every slot (the derived statement), for traced code, where the stored
+    #: blocks' list (a data-dependent size) is not built: the padding is masked after.
+    SLOT_GRADIENT = "dW[p, q, m, k] = dC[p, m, n] * B[AK[p, q], k, n]"
 
     def _stored_blocks(self) -> dict[str, torch.Tensor]:
         """F, SP, SK of `STORED_GRADIENT` for a Block-ELL packing, computed once."""
@@ -322,7 +327,12 @@ class BlockGroupCOO(SparseFormat):
         if name != "AV" or self._row_counts() is None:
             return None
         G, g, bm, bk = self.AV.shape
-        dW = torch.empty(G * g, bm, bk, dtype=torch.promote_types(dC.dtype, B.dtype), device=dC.device)
+        dtype = torch.promote_types(dC.dtype, B.dtype)
+        if torch.compiler.is_compiling():
+            dW = insum(self.SLOT_GRADIENT, dC=dC, B=B, AK=self.AK, backend=backend, precision=precision)
+            padding = torch.arange(g, device=dW.device) >= self._row_counts()[:, None]
+            return dW.to(dtype).masked_fill(padding[:, :, None, None], 0)
+        dW = torch.empty(G * g, bm, bk, dtype=dtype, device=dC.device)
         blocks = self._stored_blocks()
         insum(self.STORED_GRADIENT, dW=dW, dC=dC, B=B, unique_indices={"F"}, backend=backend, precision=precision,
               **blocks)

@@ -151,7 +151,9 @@ def rebuild_format(fmt_cls, shape, meta, tensors) -> SparseFormat:
         params=meta["params"],
     )
     if meta["expression"] != fmt_cls.expression:  # a variant's statement (Block-ELL rows)
-        fmt.expression = meta["expression"]
+        # (a fresh object has no plans for `SparseFormat.__setattr__` to drop; dynamo before
+        # torch 2.13 cannot trace that method's dict operations)
+        object.__setattr__(fmt, "expression", meta["expression"])
     return fmt
 
 
