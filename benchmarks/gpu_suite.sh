@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_suite.sh tp                     # tensor products vs e3nn, cuEquivariance, OEQ
 #   bash benchmarks/gpu_suite.sh tp-probe --L 1 --C 16,32  # FCTP layer (direct, gather) vs statement vs cuEquivariance
 #   bash benchmarks/gpu_suite.sh distributed            # 2 GPUs (nvidia-h200-x2): NCCL tests, study_distributed
+#   bash benchmarks/gpu_suite.sh lengths                # Block-ELL's declared lengths (< 90 s): CUDA tests, ncu of one product
 # conv installs the spconv-triton wheel from .carry-conv-whl/ when carried; tp unpacks
 # spconv 2.x from .carry-spconv2/*.tar.xz (spconv-cu121 2.3.8 and cumm-cu121 0.7.11 with
 # their pure-Python dependencies, unpacked wheels recompressed to fit one call); tp unpacks
@@ -91,6 +92,16 @@ case "$PART" in
   distributed)
     timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_distributed.py 2>&1 | tail -5 | tee "$DIR/pytest_distributed_cuda.log"
     OUT="$DIR" timeout 400 torchrun --standalone --nproc_per_node=2 -m benchmarks.study_distributed "$@" 2>&1 | quiet | tee "$DIR/study_distributed_x2.log"
+    ;;
+  lengths)
+    timeout 60 python -m pytest -q -p no:cacheprovider tests/test_formats_kernels.py tests/test_nn.py \
+      -k "block_ell or BlockELL or compiled" 2>&1 | tee "$DIR/pytest_lengths.log" | tail -3
+    for b in 32 64; do
+      timeout 40 python -m benchmarks.explore.block_ncu --block $b 2>&1 | tee -a "$DIR/block_ncu.log"
+      command -v ncu >/dev/null && timeout 60 ncu --clock-control none --kernel-name regex:insum --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis python -m benchmarks.explore.block_ncu --block $b 2>&1 \
+        | grep -i "duration\|throughput\|l2 \|hit rate\|dram\|bandwidth\|block_ncu\|b$b" | head -30 | tee -a "$DIR/block_ncu.log"
+    done
     ;;
   packing)
     timeout 560 python -m benchmarks.packing "$@" 2>&1 | quiet | tee "$DIR/packing.log"

@@ -80,3 +80,32 @@ def test_group_size_tune_on_gpu():
     assert fmt.group_size in fmt.params["tuned_seconds"]
     B = torch.randn(4096, 64, device=DEVICE)
     _check(fmt @ B, A.to_dense().double() @ B.double(), torch.float32)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_ell_skips_its_padding(index_dtype, dtype):
+    """Block-ELL rows declare their block counts (`declared_lengths`), so the kernel stops
+    each block row there: padding poisoned with NaN after packing leaves the product exact
+    (empty and single-block rows, a non-power-of-two width, a non-contiguous B)."""
+    gen = torch.Generator().manual_seed(5)
+    bm, bk, MB, KB, N = 16, 16, 6, 7, 24
+    keep = torch.rand(MB, KB, generator=gen) < 0.45
+    keep[1] = False  # an empty block row
+    keep[2] = False
+    keep[2, 3] = True  # one block
+    keep[4] = True  # the longest row: every block column
+    A = torch.randn(MB * bm, KB * bk, generator=gen) * keep.repeat_interleave(bm, 0).repeat_interleave(bk, 1)
+    fmt = BlockGroupCOO.from_dense(A.to(dtype), block=(bm, bk), group_size="row", index_dtype=index_dtype).to(DEVICE)
+    counts = fmt.declared_lengths()["q[p]"]
+    assert counts.dtype == index_dtype
+    assert counts.cpu().tolist() == [max(1, int(k)) for k in keep.sum(1)]
+    padding = torch.arange(fmt.AK.shape[1], device=DEVICE) >= counts[:, None]
+    with torch.no_grad():
+        fmt.AV[padding] = float("nan")
+    B = torch.randn(N, KB * bk, generator=gen).to(dtype).to(DEVICE).t()  # non-contiguous
+    expected = A.double() @ B.double().cpu()
+    for _ in range(3):  # the first call, then the pinned repeats
+        C = fmt.spmm(B, backend="triton", precision="ieee")
+        assert bool(torch.isfinite(C).all())
+        assert (C.double().cpu() - expected).norm() / expected.norm() <= TOLERANCE[dtype]

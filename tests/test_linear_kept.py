@@ -138,3 +138,29 @@ def test_functional_call_runs_on_the_tensors_it_swaps_in():
     torch.testing.assert_close(y.double(), x.double() @ (2 * W).t() + layer.bias.double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x), before)  # the layer's own tensors again
     assert layer.weight.AV is layer.AV
+
+
+def test_block_ell_layer_skips_its_padding_forward_and_backward():
+    """A Block-ELL layer (declared padding) on the triton backend: padding poisoned with NaN
+    is skipped by the forward (declared lengths) and by x's gradient (the transposed pattern
+    leaves it out); the padding's own gradient is zero. Checked against float64."""
+    torch.manual_seed(4)
+    layer = SparseLinear(24, 32, format="BlockGroupCOO", sparsity=0.6, block=(8, 8), group_size="row",
+                         backend="triton", precision="ieee")
+    counts = layer.weight.declared_lengths()["q[p]"]
+    padding = torch.arange(layer.AK.shape[1]) >= counts[:, None]
+    assert bool(padding.any())
+    W = layer.weight.to_dense().detach().double()
+    with torch.no_grad():
+        layer.AV[padding] = float("nan")
+    for seed in range(2):  # the first call, then the kept format's repeat
+        x = _x(seed, rows=6).repeat(1, 2)[:, :24].clone().requires_grad_(True)
+        y = layer(x)
+        xd = x.detach().double().requires_grad_(True)
+        yd = xd @ W.t() + layer.bias.double()
+        torch.testing.assert_close(y.double(), yd, rtol=1e-5, atol=1e-5)
+        layer.zero_grad()
+        y.square().sum().backward()
+        yd.square().sum().backward()
+        torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+        assert bool((layer.AV.grad[padding] == 0).all())

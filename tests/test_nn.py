@@ -60,19 +60,55 @@ def test_gradcheck_layer(fmt, params, transposed, in_features):
     planned = fmt != "CELL" and not (fmt == "NM" and in_features % 4)
     assert bool(layer._pattern_names) == planned
     values = [n for n, _ in layer.named_parameters()]
+    # Declared padding (Block-ELL rows) is no weight: its gradient is zero and it stays zero,
+    # so the function checked holds it at zero (elsewhere padded slots are trained too).
+    kept = {n: _stored_slots(layer, n) for n in values}
 
     def f(x, *vals):
+        vals = [v if kept[n] is None else v * kept[n] for n, v in zip(values, vals)]
         return torch.func.functional_call(layer, dict(zip(values, vals)), (x,))
 
     x = torch.randn(3, in_features, dtype=torch.float64, requires_grad=True)
     inputs = (x, *(p.detach().clone().requires_grad_(True) for _, p in layer.named_parameters()))
     assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
-    # after training steps padded slots hold values too: the gradients stay exact
+    # after training steps padded slots hold values too (but declared padding): the gradients stay exact
     with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(torch.randn_like(p))
+        for n, p in layer.named_parameters():
+            p.add_(torch.randn_like(p) * (1 if kept[n] is None else kept[n]))
     inputs = (x, *(p.detach().clone().requires_grad_(True) for _, p in layer.named_parameters()))
     assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+
+
+def _stored_slots(layer: SparseLinear, name: str) -> torch.Tensor | None:
+    """1 at a value tensor's stored slots and 0 at its declared padding; None without any."""
+    lengths = layer.weight.declared_lengths()
+    if lengths is None or name != "AV":
+        return None
+    (counts,) = lengths.values()
+    stored = torch.arange(layer.AV.shape[1]) < counts[:, None]
+    return stored[:, :, None, None].to(layer.AV.dtype).expand_as(layer.AV)
+
+
+def test_block_ell_padding_gets_no_gradient_and_stays_zero():
+    layer = layer_for("BlockGroupCOO", {"block": (4, 4), "group_size": "row"}, out_features=16, seed=3)
+    counts = layer.weight.declared_lengths()["q[p]"]
+    padding = torch.arange(layer.AK.shape[1]) >= counts[:, None]
+    assert bool(padding.any()) and not bool(padding.all())
+    assert bool((layer.AV[padding] == 0).all())
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.1)
+    for seed in range(3):
+        x = torch.randn(5, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        optimizer.zero_grad()
+        layer(x).square().sum().backward()
+        assert bool((layer.AV.grad[padding] == 0).all())
+        # The stored blocks' gradients are the dense weight's gradient at their positions.
+        W = layer.weight.to_dense().detach().requires_grad_(True)
+        (x @ W.t() + layer.bias.detach()).square().sum().backward()
+        rows = torch.arange(layer.AK.shape[0])[:, None].expand_as(layer.AK)[~padding]
+        blocks = W.grad.view(W.shape[0] // 4, 4, 3, 4).permute(0, 2, 1, 3)[rows, layer.AK[~padding].long()]
+        torch.testing.assert_close(layer.AV.grad[~padding], blocks)
+        optimizer.step()
+    assert bool((layer.AV[padding] == 0).all())
 
 
 @pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
@@ -80,8 +116,10 @@ def test_gradcheck_functional(fmt, params):
     layer = layer_for(fmt, params, in_features=7, out_features=6)
     template = layer.weight
     values = [n for n in layer._tensor_names if isinstance(getattr(layer, n), torch.nn.Parameter)]
+    kept = {n: _stored_slots(layer, n) for n in values}  # declared padding held at zero
 
     def f(x, bias, *vals):
+        vals = [v if kept[n] is None else v * kept[n] for n, v in zip(values, vals)]
         tensors = {**template.tensors, **dict(zip(values, vals))}
         fmt_obj = sparse_autograd.rebuild_format(type(template), template.shape, layer._format_meta, tensors)
         return inn.sparse_linear(x, fmt_obj, bias, backend="torch")
@@ -137,11 +175,13 @@ def test_state_dict_of_another_size_is_refused():
         other.load_state_dict(layer.state_dict())
 
 
-def test_compiled_training_step_matches_eager():
+@pytest.mark.parametrize("group_size", [None, "row"], ids=["groups", "BlockELL"])
+def test_compiled_training_step_matches_eager(group_size):
     def model(seed):
         torch.manual_seed(seed)
         return torch.nn.Sequential(
-            SparseLinear(16, 12, format="BlockGroupCOO", block=(4, 4), sparsity=0.5, backend="torch"),
+            SparseLinear(16, 12, format="BlockGroupCOO", block=(4, 4), sparsity=0.5, group_size=group_size,
+                         backend="torch"),
             torch.nn.ReLU(),
             SparseLinear(12, 6, format="NM", n=2, m=4, vector_len=2, backend="torch"),
         )

@@ -214,7 +214,8 @@ class SparseFormat:
         """A packed tensor cannot be replaced (`fmt.AV = ...`): the products' plans are pinned
         to the packed tensors (their signatures checked once, `insum.execute.Pinned`). Values
         may change in place (`fmt.AV.copy_(...)`, a layer's weights). Any other assignment
-        (`expression`, `params`, `to()`'s tensors) drops the plans."""
+        (`expression`, `params`, `to()`'s tensors) drops the plans and what was derived from
+        the tensors (`_derived`)."""
         tensors = self.__dict__.get("_tensors")
         if tensors is not None and name in tensors:
             raise InsumError(
@@ -222,6 +223,7 @@ class SparseFormat:
                 f"values in place ({name}.copy_(...)) or pack a new {type(self).__name__}"
             )
         self.__dict__.pop("_spmm_plans", None)
+        self.__dict__.pop("_derived", None)  # what a format works out from its tensors once
         object.__setattr__(self, name, value)
 
     @property
@@ -367,6 +369,23 @@ class SparseFormat:
         (`insum_many`'s covering claim) into an output allocated without a zero fill."""
         return None
 
+    def declared_lengths(self) -> dict[str, torch.Tensor] | None:
+        """For a single-statement format whose groups end in padding slots (zero values after
+        a group's stored entries): the statement's per-group entry counts as `insum()`'s
+        `lengths` ({"q[p]": counts}), so that its product stops each group at its count
+        instead of multiplying the padding. None: no padding declared. The padding must hold
+        zeros (packing writes them; `SparseLinear` keeps them: the format's `value_gradient`
+        leaves the padding's gradient zero)."""
+        return None
+
+    def value_gradient(
+        self, name: str, dC: torch.Tensor, B: torch.Tensor, backend: str, precision: str
+    ) -> torch.Tensor | None:
+        """The gradient of value tensor `name` for the output gradient dC and the operand B
+        (both as the statements index them), where the format has a cheaper statement than
+        the derived one; None: the derived statements run (`insum.nn.sparse_autograd`)."""
+        return None
+
     @classmethod
     def statement_forms(cls) -> tuple[str, ...]:
         """Every statement text that an instance's `statements()` may run."""
@@ -496,6 +515,9 @@ class _SpmmPlan:
                 "sorted_indices": frozenset(name for name in fmt.sorted_indices if name in tensors),  # traceable by dynamo
                 "unique_indices": fmt.unique_in(tensors),
             }
+            lengths = fmt.declared_lengths()
+            if lengths is not None:  # (declared by single-statement formats only)
+                facts["lengths"] = lengths
             self.statements.append((statement, dict(tensors), cast, facts))
         # (Covering buckets run as a batch even when there is one: its launch needs no zero fill.)
         self.single = len(self.statements) == 1 and self.covering is None

@@ -37,34 +37,44 @@ BLOCK_ROW = "DX[c, k, n] += WT[TS[c, q], m, k] * DY[TR[c, q], m, n]"
 
 
 def transpose_slots(
-    rows: torch.Tensor, cols: torch.Tensor, n_cols: int, itype: torch.dtype, by_column: bool = False
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    n_cols: int,
+    itype: torch.dtype,
+    by_column: bool = False,
+    stored: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Slots (row, col) grouped by column: TM[G] column, TS[G, g] slot, TR[G, g] row.
 
     The group size is the paper's rule applied to columns. by_column: one group per column
-    (G = n_cols, g = the longest column, no TM). Padded entries point at slot S (one past
-    the last: the zero slot of `with_zero_slot`) and row 0.
+    (G = n_cols, g = the longest column, no TM), its entries first. Padded entries point at
+    slot S (one past the last: the zero slot of `with_zero_slot`) and row 0. stored: a bool
+    mask shaped like rows, False at a format's declared padding, which is left out.
     """
     rows, cols = rows.reshape(-1).long(), cols.reshape(-1).long()
     S = rows.numel()
     device = rows.device
-    order = torch.argsort(cols * (int(rows.max()) + 1 if S else 1) + rows, stable=True)
+    slots = None
+    if stored is not None:
+        slots = stored.reshape(-1).nonzero().squeeze(1)
+        rows, cols = rows[slots], cols[slots]
+    order = torch.argsort(cols * (int(rows.max()) + 1 if rows.numel() else 1) + rows, stable=True)
     sorted_cols = cols[order]
     counts = torch.bincount(sorted_cols, minlength=n_cols)
     if by_column:
-        g = max(int(counts.max()) if S else 1, 1)
+        g = max(int(counts.max()) if rows.numel() else 1, 1)
     else:
-        g = default_group_size(counts) if S else 1
+        g = default_group_size(counts) if rows.numel() else 1
     groups_per_col = cdiv(counts, g) if not by_column else torch.ones_like(counts)
     group_start = torch.cumsum(groups_per_col, 0) - groups_per_col
     col_start = torch.cumsum(counts, 0) - counts
-    within = torch.arange(S, device=device) - col_start[sorted_cols]
+    within = torch.arange(rows.numel(), device=device) - col_start[sorted_cols]
     group = group_start[sorted_cols] + within // g
     slot = within % g
     G = int(groups_per_col.sum())
     TM = torch.repeat_interleave(torch.arange(n_cols, device=device), groups_per_col)
     TS = torch.full((G, g), S, dtype=torch.int64, device=device)
-    TS[group, slot] = order
+    TS[group, slot] = order if slots is None else slots[order]
     TR = torch.zeros((G, g), dtype=torch.int64, device=device)
     TR[group, slot] = rows[order]
     if by_column:
@@ -77,13 +87,22 @@ def with_zero_slot(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, values.new_zeros(1, *values.shape[1:])])
 
 
+def _column_lengths(TS: torch.Tensor, zero_slot: int) -> dict:
+    """One group per column holds its entries first, then padding at the zero slot: its
+    entry counts as `insum()`'s declared lengths, so that the product skips the padding."""
+    if TS.shape[1] <= 1:
+        return {}
+    return {"lengths": {"q[c]": (TS != zero_slot).sum(1)}}
+
+
 def scalar_gradient(
     AV: torch.Tensor, pattern: dict[str, torch.Tensor], DY: torch.Tensor, K: int, backend: str, precision: str
 ) -> torch.Tensor:
     """dB (K, N) from scalar slots AV (any shape, one value per slot) and dC (M, N)."""
     WT = with_zero_slot(AV.reshape(-1))
     if "TM" not in pattern:  # one owner per output row: allocated by insum, no atomics
-        return insum(SCALAR_ROW, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
+        lengths = _column_lengths(pattern["TS"], WT.shape[0] - 1)
+        return insum(SCALAR_ROW, WT=WT, DY=DY, backend=backend, precision=precision, **lengths, **pattern)
     DX = torch.zeros(K, DY.shape[1], dtype=compute_dtype(DY.dtype), device=DY.device)
     return insum(SCALAR, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
 
@@ -95,6 +114,7 @@ def block_gradient(
     bm, bk = AV.shape[-2:]
     WT = with_zero_slot(AV.reshape(-1, bm, bk))
     if "TM" not in pattern:
-        return insum(BLOCK_ROW, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
+        lengths = _column_lengths(pattern["TS"], WT.shape[0] - 1)
+        return insum(BLOCK_ROW, WT=WT, DY=DY, backend=backend, precision=precision, **lengths, **pattern)
     DX = torch.zeros(KB, bk, DY.shape[2], dtype=compute_dtype(DY.dtype), device=DY.device)
     return insum(BLOCK, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)

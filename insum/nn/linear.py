@@ -9,8 +9,10 @@
 `SparseLinear` computes y = x @ W^T + b as the format's SpMM, W @ x^T, one insum
 statement (or one per bucket for CELL). The format's value tensors are parameters, its
 index tensors buffers, so `.to()`, `.half()`, optimizers and `state_dict` see them; the
-pattern itself never changes in training (padding slots are trained too: a padded slot
-repeats a stored position, so it is the same weight entry counted twice).
+pattern itself never changes in training. Padding slots are trained too (a padded slot
+repeats a stored position, so it is the same weight entry counted twice), except where the
+format declares its padding (BlockGroupCOO's group_size="row": `declared_lengths`): there the
+products skip it, and its gradient is zero, so it stays zero.
 `insum.nn.functional.sparse_linear(x, fmt, bias)` is the functional form.
 """
 
