@@ -237,3 +237,16 @@ def test_row_padding_slots_bounds_the_packed_slots():
     block_ell = BlockGroupCOO.from_torch(csr, **params)
     assert block_ell.AV.numel() <= BlockGroupCOO.row_padding_slots(shape, longest, params)
     assert GroupCOO.row_padding_slots(shape, longest, {}) == 0
+
+
+def test_covering_groupcoo_packs_in_two_syncs():
+    """GroupCOO's covering layout: the plain packer's sync (which reads the fan-in), then one
+    more for the padded group count, only where no row has more than 16 groups; the rows'
+    starts are a scan of log2(M) steps (~6 ops each) on the device."""
+    A = power_law_matrix(600, 500, 6.0, alpha=0.3, seed=0, dtype=torch.float32)
+    with count_ops() as counted:
+        fmt = GroupCOO.from_torch(A)
+    assert fmt.covering_block == 16
+    assert counted.syncs <= 2, counted
+    assert counted.ops <= 100, counted
+    assert torch.equal(fmt.to_dense(), A.to_dense())
