@@ -12,6 +12,7 @@ import torch
 from kernel_env import CUDA  # before insum: the interpreter on CPU-only machines
 
 from insum.codegen import configs_for, prune_configs
+from insum.codegen.tune import SEGMENT_TILE
 from insum.formats import COO, GroupCOO
 from insum.formats.grouping import COVER_BLOCK, CoveringLayout
 from insum.nn import SparseLinear
@@ -140,6 +141,7 @@ def test_all_empty_and_half_precision():
 def test_segment_tiles_are_multiples_of_the_block():
     """The tuner's tiles along the scattered variable of the covering product's segment plan
     are multiples of COVER_BLOCK, or span all the groups: each tile stores whole rows."""
+    assert SEGMENT_TILE % COVER_BLOCK == 0  # the tuner's least segment tile holds whole blocks
     A = _matrix(40, 30, [(r * 7) % 12 for r in range(40)])
     fmt = GroupCOO.from_dense(A, group_size=2)
     assert fmt.covering_block == COVER_BLOCK
