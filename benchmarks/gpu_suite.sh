@@ -122,12 +122,12 @@ case "$PART" in
     # GroupCOO's and COO's covering layout (< 90 s): the covering tests on CUDA (the interpreter tests run compiled:
     # poisoned pinned output, fallbacks, SparseLinear), host time of every row (GroupCOO/COO short rows, covering
     # and cover=False, beside the bare launch; first tiles), then both layouts' device and host time on the
-    # short-rows matrix, the largest covering DLMC matrix and two power-law graphs (hub rows: no cover; mild: cover).
-    timeout 40 python -m pytest -q -p no:cacheprovider tests/test_groupcoo_covering.py 2>&1 \
+    # short-rows matrix, the largest covering DLMC matrix, a power-law graph (hub rows: no cover) and a uniform one.
+    INSUM_AUTOTUNE=0 timeout 35 python -m pytest -q -p no:cacheprovider tests/test_groupcoo_covering.py 2>&1 \
       | tee "$DIR/pytest_gcfill.log" | tail -5
-    INSUM_AUTOTUNE=0 timeout 25 python -m benchmarks.host_time --calls 1000 --repeats 5 --label "INSUM_AUTOTUNE=0" 2>&1 \
+    INSUM_AUTOTUNE=0 timeout 20 python -m benchmarks.host_time --calls 1000 --repeats 5 --label "INSUM_AUTOTUNE=0" 2>&1 \
       | tee "$DIR/host_time_gcfill.log"
-    INSUM_AUTOTUNE=0 timeout 22 python -m benchmarks.explore.groupcoo_cover --files 1 --dtypes fp32 --data .data 2>&1 \
+    INSUM_AUTOTUNE=0 timeout 30 python -m benchmarks.explore.groupcoo_cover --files 1 --dtypes fp32 --data .data 2>&1 \
       | tee "$DIR/groupcoo_cover.log"
     ;;
   *)

@@ -10,8 +10,8 @@ set) keeps every row's groups, empty rows' one all-zero group too, inside one al
 16 groups, so that the repeated product is one launch of stores into `torch.empty`;
 `cover=False` is the plain layout (the same segment kernel into a zero-filled C). Side by side
 in one run, per matrix (the host-time benchmark's short-rows matrix, the largest DLMC matrices
-that cover, a power-law graph whose hub rows keep the plain layout, and a mildly skewed one
-that covers): the groups of each layout, the device time of one product (a CUDA graph of 20
+that cover, a power-law graph whose hub rows keep the plain layout, and a graph of equal row
+lengths that covers without padding): the groups of each layout, the device time of one product (a CUDA graph of 20
 products, so that host time does not count), the host time per call, and the error against
 a float64 product.
 
@@ -48,7 +48,7 @@ def _groups(fmt) -> int:
 
 def _matrices(data: Path, count: int) -> list[tuple[str, torch.Tensor]]:
     """The host-time short-rows matrix, the `count` largest DLMC matrices whose GroupCOO covers
-    C, a power-law graph (hub rows: plain) and a mildly skewed one."""
+    C, a power-law graph (hub rows: plain) and a graph of equal row lengths (covers, no padding)."""
     out = [("host_time short rows 128x96", short_rows_matrix(torch.device("cpu")).to_sparse_csr())]
     paths = sorted(glob.glob(str(data / "dlmc" / "**" / "*.smtx*"), recursive=True), key=lambda p: -Path(p).stat().st_size)
     found = 0
@@ -60,7 +60,7 @@ def _matrices(data: Path, count: int) -> list[tuple[str, torch.Tensor]]:
             out.append((f"{Path(path).parent.name}/{Path(path).name.split('.')[0]}", A))
             found += 1
     out.append(("power law 65536 rows deg 12 a=1.0", power_law_matrix(65536, 65536, 12.0, alpha=1.0, seed=0)))
-    out.append(("power law 65536 rows deg 6 a=0.3", power_law_matrix(65536, 65536, 6.0, alpha=0.3, seed=0)))
+    out.append(("uniform 65536 rows deg 8", power_law_matrix(65536, 65536, 8.0, alpha=0.0, seed=0)))
     return out
 
 
