@@ -24,6 +24,8 @@ declare -A EDITS=(
   [insert_warp1_64]='s|coords.stride(0), coords.stride(1), BLOCK=block)|coords.stride(0), coords.stride(1), BLOCK=block, num_warps=1)|; s|        block = 128$|        block = 64|'
   [pairs_rows32]='s|block_m = max(1, 2048 // block_w)|block_m = max(1, 1024 // block_w)|'
   [pairs_warp8]='s|                BLOCK_P=1024)|                BLOCK_P=1024, num_warps=8)|'
+  # round 4: the pairs kernel reads the map row-major (coalesced) and transposes in registers
+  [pairs_coalesced]='s|        inp = tl.load(nbr_ptr + rows \* stride_nv + offs_w\[:, None\] \* stride_nw, mask=live, other=-1)|        inp = tl.trans(tl.load(nbr_ptr + tl.trans(rows) * stride_nv + offs_w[None, :] * stride_nw, mask=tl.trans(live), other=-1))|'
   # round 3: a sparser table (4 or 8 slots a key, not 2): shorter longest probes in a warp
   [table4]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (4 * n_in - 1).bit_length())|'
   [table8]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (8 * n_in - 1).bit_length())|'
