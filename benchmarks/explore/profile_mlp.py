@@ -1,7 +1,11 @@
 """Where a pruned MLP's time goes: torch.profiler tables of one forward and one
 forward+backward of the `torch_checks` MLP (3 x 4096, batch 4096, fp16, 90% 32x32 blocks).
 
-    python -m benchmarks.explore.profile_mlp [--width 4096] [--format BlockGroupCOO]
+    python -m benchmarks.explore.profile_mlp [--width 4096] [--format BlockGroupCOO] [--group-size row]
+
+Before profiling, one step runs under `torch.cuda.set_sync_debug_mode("warn")`, which names
+every host sync of the step (a sync stalls the host's queue: the eager step then pays its
+host time on top of the kernels').
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--format", default="BlockGroupCOO", choices=sorted(PARAMS))
+    parser.add_argument("--group-size", default=None, help='BlockGroupCOO only: "row" for Block-ELL')
     args = parser.parse_args()
     torch.manual_seed(0)
     width = args.width
@@ -27,7 +32,9 @@ def main() -> None:
         torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, width),
     ).cuda().half()
-    params = PARAMS[args.format]
+    params = dict(PARAMS[args.format])
+    if args.group_size is not None:
+        params["group_size"] = int(args.group_size) if args.group_size.isdigit() else args.group_size
     model = torch.nn.Sequential(*[
         SparseLinear.from_linear(m, args.format, **params) if isinstance(m, torch.nn.Linear) else m for m in dense
     ])
@@ -43,6 +50,14 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    step()
+    torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
     for name, fn in (("forward (no grad)", forward), ("forward + backward", step)):
         for _ in range(3):
             fn()
@@ -53,6 +68,7 @@ def main() -> None:
             torch.cuda.synchronize()
         print(f"\n== {args.format}: {name}, 5 iterations ==")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 if __name__ == "__main__":
