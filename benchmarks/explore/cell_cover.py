@@ -88,8 +88,9 @@ class _Counted(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_ops(products: int = 4) -> None:
-    """Fill ops and kernel launches of each of the first `products` products, per layout."""
+def count_products(A: torch.Tensor, layouts: list[tuple[str, object]], products: int = 4) -> None:
+    """Fill ops and kernel launches of each of the first `products` products of every
+    (label, format) in `layouts`, all packing A, each checked against a float64 product."""
     launches: collections.Counter[str] = collections.Counter()
     originals = {cls: cls.run for cls in (runtime.BatchLaunch, runtime._Launcher)}
 
@@ -100,13 +101,11 @@ def count_ops(products: int = 4) -> None:
 
         return run
 
-    A = skewed_matrix(torch.device("cpu"))
     try:
         for cls in originals:
             cls.run = counting(cls)
-        for cover in (False, True):
-            fmt = CELL.from_dense(A, cover=cover)
-            print(f"CELL cover={cover}: {fmt}")
+        for label, fmt in layouts:
+            print(f"{label}: {fmt}")
             gen = torch.Generator().manual_seed(0)
             for product in range(products):
                 B = torch.randn(A.shape[1], 16, generator=gen)
@@ -119,6 +118,12 @@ def count_ops(products: int = 4) -> None:
     finally:
         for cls, run in originals.items():
             cls.run = run
+
+
+def count_ops(products: int = 4) -> None:
+    """Fill ops and kernel launches of each of the first `products` products, per layout."""
+    A = skewed_matrix(torch.device("cpu"))
+    count_products(A, [(f"CELL cover={cover}", CELL.from_dense(A, cover=cover)) for cover in (False, True)], products)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,20 +24,18 @@ one gather of g rows of B each) the layout adds.
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import statistics
 from pathlib import Path
 
 import torch
 
-from insum import runtime
 from insum.formats import COO, GroupCOO, power_law_matrix
 from insum.formats.io import load_smtx
 
 from ..common import DTYPES, host_us_per_call, median_ms
 from ..host_time import short_rows_matrix
-from .cell_cover import _Counted, _graph_ms
+from .cell_cover import _graph_ms, count_products
 
 FORMATS = (GroupCOO, COO)
 
@@ -66,36 +64,13 @@ def _matrices(data: Path, count: int) -> list[tuple[str, torch.Tensor]]:
 
 def count_ops(products: int = 4) -> None:
     """Fill ops and kernel launches of each of the first `products` products, per layout."""
-    launches: collections.Counter[str] = collections.Counter()
-    originals = {cls: cls.run for cls in (runtime.BatchLaunch, runtime._Launcher)}
-
-    def counting(cls):
-        def run(self, *args, **kwargs):
-            launches[cls.__name__] += 1
-            return originals[cls](self, *args, **kwargs)
-
-        return run
-
     A = short_rows_matrix(torch.device("cpu"))
-    try:
-        for cls in originals:
-            cls.run = counting(cls)
-        for fmt_cls in FORMATS:
-            for cover in (False, True):
-                fmt = fmt_cls.from_dense(A, cover=cover)
-                print(f"{fmt_cls.__name__} cover={cover}: {fmt}, covering_block={fmt.covering_block}")
-                gen = torch.Generator().manual_seed(0)
-                for product in range(products):
-                    B = torch.randn(A.shape[1], 16, generator=gen)
-                    launches.clear()
-                    with _Counted() as counted:
-                        C = fmt.spmm(B, backend="triton")
-                    error = (C.double() - A.double() @ B.double()).abs().max().item()
-                    print(f"  product {product + 1}: fill ops {dict(counted.fills) or 0}, launches {dict(launches)}, "
-                          f"max error {error:.1e}")
-    finally:
-        for cls, run in originals.items():
-            cls.run = run
+    layouts = []
+    for fmt_cls in FORMATS:
+        for cover in (False, True):
+            fmt = fmt_cls.from_dense(A, cover=cover)
+            layouts.append((f"{fmt_cls.__name__} cover={cover} (covering_block={fmt.covering_block})", fmt))
+    count_products(A, layouts, products)
 
 
 def count_padding(data: Path) -> None:
