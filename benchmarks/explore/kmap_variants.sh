@@ -26,6 +26,11 @@ declare -A EDITS=(
   [pairs_warp8]='s|                BLOCK_P=1024)|                BLOCK_P=1024, num_warps=8)|'
   # round 4: the pairs kernel reads the map row-major (coalesced) and transposes in registers
   [pairs_coalesced]='s|        inp = tl.load(nbr_ptr + rows \* stride_nv + offs_w\[:, None\] \* stride_nw, mask=live, other=-1)|        inp = tl.trans(tl.load(nbr_ptr + tl.trans(rows) * stride_nv + offs_w[None, :] * stride_nw, mask=tl.trans(live), other=-1))|'
+  # round 5 (after relaxed atomics): what the insert kernel's time is (the stats atomics left
+  # out: timing only, the range check then reads nothing), and one-warp programs of 32 keys
+  [insert_nostats]='/tl.atomic_m[a-z]*(stats_ptr\( + [12]\)\?, tl.m[a-z]*(tl.where(mask, /d'
+  [probe_sites16]='s|        block_m = max(1, 256 // block_w)$|        block_m = max(1, 512 // block_w)|'
+  [insert_w1_32]='s|        block = 128$|        block = 32|; s|coords.stride(0), coords.stride(1), BLOCK=block)|coords.stride(0), coords.stride(1), BLOCK=block, num_warps=1)|'
   # round 3: a sparser table (4 or 8 slots a key, not 2): shorter longest probes in a warp
   [table4]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (4 * n_in - 1).bit_length())|'
   [table8]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (8 * n_in - 1).bit_length())|'
@@ -39,6 +44,11 @@ for name in $VARIANTS; do
   echo "== $name ($changed lines changed)" | tee -a "$DIR/times.log"
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree INSUM_CACHE_DIR=/tmp/kmap-cache-$name timeout 120 \
     python -m benchmarks.explore.profile_kmap --sizes "$SIZES" --time-only 2>&1 | grep -v "^W1\|Warning\|warn" | tee -a "$DIR/times.log")
+  if [ -n "${PROFILE:-}" ]; then  # the build's kernels, profiled (each kernel's mean time)
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree INSUM_CACHE_DIR=/tmp/kmap-cache-$name timeout 120 \
+      python -m benchmarks.explore.profile_kmap --sizes "${SIZES##*,}" 2>&1 > "$DIR/profile_$name.log"
+     grep -m3 "hash_insert\|hash_probe\|^== insum build" "$DIR/profile_$name.log" | cut -c1-75,160-200 | tee -a "$DIR/times.log")
+  fi
 done
 NCU=${NCU:-base}
 if command -v ncu >/dev/null; then

@@ -189,7 +189,7 @@ class TiledMap:
 
     def __init__(self, tile: int, nbr: torch.Tensor | None, n_in: int, rows: torch.Tensor, active: torch.Tensor,
                  counts: torch.Tensor, inverse: torch.Tensor, max_buckets: int, mirror_of: TiledMap | None = None,
-                 output_rows: torch.Tensor | None = None):
+                 output_rows: torch.Tensor | None = None, width: int | None = None):
         self.tile, self.n_tiles, self.inverse = tile, rows.shape[0], inverse
         # rows [T, tile] (-1: padding), active [T, volume], counts [T] ascending: the tiles
         self._nbr, self._n_in, self._rows, self._active, self._counts = nbr, n_in, rows, active, counts
@@ -197,13 +197,14 @@ class TiledMap:
         self._buckets: list | None = None
         self._whole: tuple | None = None
         self._output_rows = output_rows  # (the placing kernel writes them with the rows)
+        self._width = width  # `whole()`'s J when the host knows a bound (no read of the counts)
 
     def mirrored(self) -> TiledMap:
         """The same tiles over the offset-mirrored map `nbr.flip(1)` (the transpose of a
         submanifold map with an odd kernel): each row reads the same inputs at the mirrored
         offsets. The mirrored table is made only for the buckets (`_table`)."""
         return TiledMap(self.tile, None, self._n_in, self._rows, self._active.flip(1), self._counts,
-                        self.inverse, self._max_buckets, mirror_of=self)
+                        self.inverse, self._max_buckets, mirror_of=self, width=self._width)
 
     def _table(self) -> torch.Tensor:
         """The map the tiles pack (a mirrored tiling: its forward tiling's, flipped once)."""
@@ -257,16 +258,17 @@ class TiledMap:
         return buckets
 
     def whole(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every tile in one launch: NB [T, tile, J] and TW [T, J] with J the widest tile's
-        offsets, each tile's active offsets first (then offsets no row of it reads, NB = n_in,
-        the zero row), and TL [T], each tile's active offsets: `insum(..., lengths={"j[t]": TL})`
-        stops each tile's loop there. One host sync (J)."""
+        """Every tile in one launch: NB [T, tile, J] and TW [T, J], each tile's active offsets
+        first (then offsets no row of it reads, NB = n_in, the zero row), and TL [T], each
+        tile's active offsets: `insum(..., lengths={"j[t]": TL})` stops each tile's loop there.
+        J: the offsets that have any pair, when the map's per-offset counts are on the host
+        (a bound on every tile's count; no sync), else the widest tile's (one host sync)."""
         if self._whole is None:
             if self._mirror_of is not None:
                 NB, TW, TL = self._mirror_of.whole()
                 self._whole = NB, (self._active.shape[1] - 1) - TW, TL
             else:
-                width = max(1, int(self._counts[-1]))
+                width = self._width if self._width is not None else max(1, int(self._counts[-1]))
                 self._whole = _pack_tiles(self._nbr, self._n_in, self._rows, self._active, self._counts, width)
         return self._whole
 
@@ -368,6 +370,8 @@ class KernelMap:
     _mirror_tilings: dict | None = field(default=None, repr=False)
     # Each output row's neighbour bitmask (tile_map's sort key), when the lookup kernel made it.
     _row_mask: torch.Tensor | None = field(default=None, repr=False)
+    # The pairs per offset and block of rows (`pair_groups`' counts), when the lookup kernel made them.
+    _block_pairs: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def n_out(self) -> int:
@@ -412,14 +416,19 @@ class KernelMap:
         if tile not in self._tilings:
             if self._mirror_tilings is not None:  # the forward map's tiles, offsets mirrored
                 if tile not in self._mirror_tilings:  # (self: a _MirroredTranspose; its source, the forward map)
-                    self._mirror_tilings[tile] = tile_map(self._source, self.n_out, tile)
+                    self._mirror_tilings[tile] = tile_map(self._source, self.n_out, tile, width=self._tile_width())
                 self._tilings[tile] = self._mirror_tilings[tile].mirrored()
             else:
-                self._tilings[tile] = tile_map(self.nbr, self.n_in, tile, mask=self._row_mask)
+                self._tilings[tile] = tile_map(self.nbr, self.n_in, tile, mask=self._row_mask, width=self._tile_width())
         return self._tilings[tile]
 
+    def _tile_width(self) -> int | None:
+        """The offsets that have any pair (`TiledMap.whole`'s J), when their counts are on the host."""
+        return None if self.offset_pairs is None else max(1, sum(c > 0 for c in self.offset_pairs))
+
     def pair_groups(self, group: int | None = None) -> PairGroups:
-        return self.cached(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group, self._offset_pairs()))
+        return self.cached(("pairs", group), lambda: pair_groups(self.nbr, self.n_in, group, self._offset_pairs(),
+                                                                 self._block_pairs))
 
     def tiles_whole(self, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every tile in one launch (`TiledMap.whole`): NB [T, tile, J], TW [T, J], TL [T]."""
@@ -535,9 +544,13 @@ def _hashing() -> bool:
 _EMPTY = -1  # a free slot of the hash table: every entry (fingerprint and row) is below 2**31
 _INT64_MAX = (1 << 63) - 1
 _MAX_HASHED = 1 << 29  # input sites the hash table takes (its slots: 2**31 at most, int32 masks)
-# Copies of the pairs-per-offset counters that the probe kernel's programs add to (program p
-# to copy p % 64): one set of 27 counters would take every program's atomic adds in turn.
-_COUNT_COPIES = 64
+
+
+def _pair_block_rows(volume: int) -> int:
+    """Output rows per block of the pair groups' counts ([volume, blocks]: the pairs of each
+    offset in each block of rows). The probe kernel adds its sites' pairs to them (a block is
+    a whole number of its programs), and `pair_groups` ranks each block's pairs after them."""
+    return max(1, 2048 // next_power_of_2(volume))
 
 
 def _row_bits(n_in: int) -> int:
@@ -556,20 +569,23 @@ def _slot_bits(n_in: int) -> int:
 @functools.cache
 def _stats_template(volume: int, device: torch.device) -> torch.Tensor:
     """The starting value of `_lookup_hashed`'s result buffer: for the input and the output
-    sites (least axis value, greatest axis value, least batch index), then `_COUNT_COPIES`
-    copies of the pairs per offset. Cloned per build (one copy; a tensor built from a list
-    is an upload, a sync)."""
+    sites (least axis value, greatest axis value, least batch index), then room for the
+    pairs per offset. Cloned per build (one copy; a tensor built from a list is an upload,
+    a sync)."""
     far = [_INT64_MAX, -_INT64_MAX - 1, _INT64_MAX]
-    return torch.tensor(far + far + [0] * (_COUNT_COPIES * volume), dtype=torch.int64, device=device)
+    return torch.tensor(far + far + [0] * volume, dtype=torch.int64, device=device)
 
 
 def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_size: int, stride: int,
-                   dilation: int, check_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dilation: int, check_out: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The map by a hash table on the device, in two launches and no sort: every input key
     is inserted once (open addressing, linear probing), then each (output, offset) query
     probes it. Every mode. Returns nbr [M, k**3] (int32), each row's neighbour bitmask
-    (`tile_map`'s sort key) and an int64 [6 + k**3]: the range check's values (of the output
-    sites only when `check_out`) and the pairs per offset, for the build's one read back.
+    (`tile_map`'s sort key), an int64 [6 + k**3]: the range check's values (of the output
+    sites only when `check_out`) and the pairs per offset, for the build's one read back, and
+    the pairs per offset and block of rows (`_pair_block_rows`), which `pair_groups` reads.
+    Every atomic operation is relaxed: each orders nothing but its own word (Triton's
+    default, acq_rel, fences memory around every compare-and-swap of the insert loop).
 
     Keys are those of `_keys`. Two sites that differ only in z's low bit hash to one pair of
     adjacent slots, so the 3 z taps of an (x, y) tap read 2 places rather than 3. Simulated
@@ -611,6 +627,8 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     table = torch.full((1 << slot_bits,), _EMPTY, dtype=torch.int32, device=device)
     row_keys = torch.empty(n_in, dtype=torch.int64, device=device)
     stats = _stats_template(volume, device).clone()
+    pair_rows = _pair_block_rows(volume)
+    block_pairs = torch.zeros((volume, cdiv(n_out, pair_rows)), dtype=torch.int32, device=device)
     nbr = torch.empty((n_out, volume), dtype=torch.int32, device=device)
     bits = min(volume, _MASK_BITS)
     mask = torch.empty(n_out, dtype=_mask_dtype(bits), device=device)
@@ -622,11 +640,12 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     if n_out:
         block_w = next_power_of_2(volume)
         block_m = max(1, 256 // block_w)
-        _launch(probe, (cdiv(n_out, block_m),), out, table, row_keys, nbr, mask, stats, n_out, slot_bits,
-                row_bits, out.stride(0), out.stride(1), STRIDE=stride, DILATION=dilation, K=kernel_size,
-                TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits, COPIES=_COUNT_COPIES,
-                BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)
-    return nbr, mask, torch.cat([stats[:6], stats[6:].view(_COUNT_COPIES, volume).sum(0)])
+        _launch(probe, (cdiv(n_out, block_m),), out, table, row_keys, nbr, mask, stats, block_pairs, n_out,
+                block_pairs.shape[1], slot_bits, row_bits, out.stride(0), out.stride(1), STRIDE=stride,
+                DILATION=dilation, K=kernel_size, TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits,
+                PAIR_ROWS=pair_rows, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)
+    torch.sum(block_pairs, 1, out=stats[6:])
+    return nbr, mask, stats, block_pairs
 
 
 @functools.cache
@@ -672,7 +691,8 @@ def _hash_kernels():
         # -2 (no entry): its try writes nothing.
         pending = mask  # [BLOCK]
         while tl.max(pending.to(tl.int32), axis=0) > 0:
-            held = tl.atomic_cas(table_ptr + slot, tl.where(pending, -1, -2), tl.where(pending, entry, -2))  # [BLOCK]
+            held = tl.atomic_cas(table_ptr + slot, tl.where(pending, -1, -2), tl.where(pending, entry, -2),
+                                 sem="relaxed")  # [BLOCK]
             taken = pending & (held >= 0)  # [BLOCK]
             alike = taken & ((held >> row_bits) == finger)  # [BLOCK]
             held_ptrs = coords_ptr + (held & ((1 << row_bits) - 1)).to(tl.int64) * stride_cm
@@ -681,27 +701,27 @@ def _hash_kernels():
                         | ((tl.load(held_ptrs + 2 * stride_cc, mask=alike, other=0) + 32768) << 16)
                         | (tl.load(held_ptrs + 3 * stride_cc, mask=alike, other=0) + 32768))  # [BLOCK]
             copy = alike & (held_key == key)  # [BLOCK]
-            tl.atomic_min(table_ptr + slot, entry, mask=copy)  # (a copy's entry: the same fingerprint)
+            tl.atomic_min(table_ptr + slot, entry, mask=copy, sem="relaxed")  # (a copy's entry: the same fingerprint)
             pending = taken & ~copy
             slot = tl.where(pending, (slot + 1) & slot_mask, slot)
         # the range check's values: least and greatest axis value, least batch index
         lo = tl.minimum(tl.minimum(x, y), z)
         hi = tl.maximum(tl.maximum(x, y), z)
-        tl.atomic_min(stats_ptr, tl.min(tl.where(mask, lo, 1 << 62), axis=0))
-        tl.atomic_max(stats_ptr + 1, tl.max(tl.where(mask, hi, -(1 << 62)), axis=0))
-        tl.atomic_min(stats_ptr + 2, tl.min(tl.where(mask, batch, 1 << 62), axis=0))
+        tl.atomic_min(stats_ptr, tl.min(tl.where(mask, lo, 1 << 62), axis=0), sem="relaxed")
+        tl.atomic_max(stats_ptr + 1, tl.max(tl.where(mask, hi, -(1 << 62)), axis=0), sem="relaxed")
+        tl.atomic_min(stats_ptr + 2, tl.min(tl.where(mask, batch, 1 << 62), axis=0), sem="relaxed")
 
     @triton.jit
     def insum_kernel_map_hash_probe(
         # pointers
-        out_ptr, table_ptr, row_keys_ptr, nbr_ptr, mask_ptr, stats_ptr,
+        out_ptr, table_ptr, row_keys_ptr, nbr_ptr, mask_ptr, stats_ptr, block_pairs_ptr,
         # sizes
-        n_out, slot_bits, row_bits,
+        n_out, n_pair_blocks, slot_bits, row_bits,
         # strides
         stride_om, stride_oc,
         # meta-parameters
         STRIDE: tl.constexpr, DILATION: tl.constexpr, K: tl.constexpr, TRANSPOSED: tl.constexpr,
-        OUT_STATS: tl.constexpr, BITS: tl.constexpr, COPIES: tl.constexpr, BLOCK_M: tl.constexpr,
+        OUT_STATS: tl.constexpr, BITS: tl.constexpr, PAIR_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_W: tl.constexpr,
     ):
         VOLUME: tl.constexpr = K * K * K
@@ -743,10 +763,13 @@ def _hash_kernels():
         # The inner loop reads entries only, up to one with the query's fingerprint (or a free
         # slot); then that entry's key is read, once per probe but for the 1 in
         # 2**print_bits of the other keys' entries with the fingerprint, whose probe goes on.
+        # The loops' exit tests reduce the sites first: a lane holds a column's sites (one warp,
+        # lanes along the offsets), so that is in registers, and one warp reduction follows
+        # (the offsets first: a warp reduction per site, BLOCK_M of them each probe round).
         pending = live  # [BLOCK_M, BLOCK_W]
-        while tl.max(tl.max(pending.to(tl.int32), axis=1), axis=0) > 0:
+        while tl.max(tl.max(pending.to(tl.int32), axis=0), axis=0) > 0:
             seeking = pending  # [BLOCK_M, BLOCK_W]
-            while tl.max(tl.max(seeking.to(tl.int32), axis=1), axis=0) > 0:
+            while tl.max(tl.max(seeking.to(tl.int32), axis=0), axis=0) > 0:
                 entry = tl.load(table_ptr + slot, mask=seeking, other=-1)  # [BLOCK_M, BLOCK_W]
                 stop = seeking & ((entry < 0) | ((entry >> row_bits) == finger))  # [BLOCK_M, BLOCK_W]
                 held = tl.where(stop, entry, held)
@@ -761,17 +784,18 @@ def _hash_kernels():
         row = tl.where(hit, held & ((1 << row_bits) - 1), -1)  # [BLOCK_M, BLOCK_W] the query's input row
         nbr_ptrs = nbr_ptr + offs_m.to(tl.int64)[:, None] * VOLUME + offs_w[None, :]
         tl.store(nbr_ptrs, row, mask=mask_m[:, None] & mask_w[None, :])
-        counts_ptrs = stats_ptr + 6 + (pid_m % COPIES) * VOLUME + offs_w
-        tl.atomic_add(counts_ptrs, tl.sum(hit.to(tl.int64), axis=0), mask=mask_w)
+        # this program's pairs per offset, to its block of PAIR_ROWS rows (a multiple of BLOCK_M)
+        counts_ptrs = block_pairs_ptr + offs_w.to(tl.int64) * n_pair_blocks + (pid_m * BLOCK_M) // PAIR_ROWS
+        tl.atomic_add(counts_ptrs, tl.sum(hit.to(tl.int32), axis=0), mask=mask_w, sem="relaxed")
         bit = tl.where(offs_w < BITS, tl.full((BLOCK_W,), 1, tl.int64) << offs_w.to(tl.int64), 0)  # [BLOCK_W]
         tl.store(mask_ptr + offs_m, tl.sum(tl.where(hit, bit[None, :], 0), axis=1).to(mask_ptr.dtype.element_ty),
                  mask=mask_m)
         if OUT_STATS:  # the range check's values of the output sites
             lo = tl.minimum(tl.minimum(x, y), z)
             hi = tl.maximum(tl.maximum(x, y), z)
-            tl.atomic_min(stats_ptr + 3, tl.min(tl.where(mask_m, lo, 1 << 62), axis=0))
-            tl.atomic_max(stats_ptr + 4, tl.max(tl.where(mask_m, hi, -(1 << 62)), axis=0))
-            tl.atomic_min(stats_ptr + 5, tl.min(tl.where(mask_m, batch, 1 << 62), axis=0))
+            tl.atomic_min(stats_ptr + 3, tl.min(tl.where(mask_m, lo, 1 << 62), axis=0), sem="relaxed")
+            tl.atomic_max(stats_ptr + 4, tl.max(tl.where(mask_m, hi, -(1 << 62)), axis=0), sem="relaxed")
+            tl.atomic_min(stats_ptr + 5, tl.min(tl.where(mask_m, batch, 1 << 62), axis=0), sem="relaxed")
 
     return insum_kernel_map_hash_insert, insum_kernel_map_hash_probe
 
@@ -901,9 +925,10 @@ def build_kernel_map(
     checks = [(coords, 1, "coords")] if coords.shape[0] else []
     if mode != "subm" and out_coords is not None and out.shape[0]:
         checks.append((out, stride if mode == "strided" else 1, "out_coords"))
-    row_mask = None
+    row_mask = block_pairs = None
     if _use_kernels(coords.device) and _hashing() and coords.shape[0] < _MAX_HASHED:
-        nbr, row_mask, stats = _lookup_hashed(coords, out, mode, kernel_size, stride, dilation, len(checks) == 2)
+        nbr, row_mask, stats, block_pairs = _lookup_hashed(coords, out, mode, kernel_size, stride, dilation,
+                                                           len(checks) == 2)
         host = stats.tolist()
         ranges, offset_pairs = [host[0:3], host[3:6]][: len(checks)], host[6:]
     else:
@@ -919,7 +944,7 @@ def build_kernel_map(
         _check_stats(values, scale, reach, name)
     symmetric = mode == "subm" and kernel_size % 2 == 1
     return KernelMap(nbr, coords.shape[0], out, kernel_size, offset_pairs=offset_pairs, symmetric=symmetric,
-                     _row_mask=row_mask)
+                     _row_mask=row_mask, _block_pairs=block_pairs)
 
 
 def bucket_bounds(counts: list[int], max_buckets: int) -> list[int]:
@@ -952,6 +977,12 @@ def _mask_dtype(bits: int) -> torch.dtype:
     return torch.int32 if bits <= 31 else torch.int64
 
 
+def _count_dtype(volume: int) -> torch.dtype:
+    """The tiles' offset counts (0 to volume): the narrowest type, since the radix sort of the
+    tiles by count runs one pass per byte of its key (int64: 8 passes of ~6 us at 11k tiles)."""
+    return torch.uint8 if volume <= 255 else torch.int16 if volume <= 32767 else torch.int32
+
+
 @functools.cache
 def _bit_weights(bits: int, device: torch.device) -> torch.Tensor:
     """2**w for the first `bits` offsets, in the narrowest integer type that holds them."""
@@ -960,10 +991,11 @@ def _bit_weights(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6,
-             mask: torch.Tensor | None = None) -> TiledMap:
+             mask: torch.Tensor | None = None, width: int | None = None) -> TiledMap:
     """Pack a kernel map into the output-stationary tiled form (see `TiledMap`). No host
     sync: the buckets and the one-launch tensors are made when first read. mask: each row's
-    neighbour bitmask (offsets below 62), when the lookup kernel already made it."""
+    neighbour bitmask (offsets below 62), when the lookup kernel already made it. width: a
+    bound on every tile's active offsets (`TiledMap.whole`), when the host knows one."""
     n_out, volume = nbr.shape
     device = nbr.device
     if mask is None:
@@ -972,21 +1004,21 @@ def tile_map(nbr: torch.Tensor, n_in: int, tile: int = 128, max_buckets: int = 6
     order = torch.argsort(mask, stable=True)
     n_tiles = max(1, cdiv(n_out, tile))
     if _use_kernels(device):
-        return _tile_map_kernels(nbr, n_in, tile, max_buckets, mask, order, n_tiles)
+        return _tile_map_kernels(nbr, n_in, tile, max_buckets, mask, order, n_tiles, width)
     rows = F.pad(order, (0, n_tiles * tile - n_out), value=-1).view(n_tiles, tile)
     found = F.pad(nbr >= 0, (0, 0, 0, 1))  # row -1 (padding) reads no neighbour
     active = found[rows].any(1)
-    counts, tile_order = torch.sort(active.sum(1), stable=True)
+    counts, tile_order = torch.sort(active.sum(1).to(_count_dtype(volume)), stable=True)
     rows, active = rows[tile_order], active[tile_order]
     # Padding rows (-1) all land in one spare slot past the end.
     flat = rows.flatten()
     inverse = torch.empty(n_out + 1, dtype=torch.long, device=device)
     inverse.scatter_(0, torch.where(flat >= 0, flat, n_out), torch.arange(flat.numel(), device=device))
-    return TiledMap(tile, nbr, n_in, rows, active, counts, inverse[:n_out], max_buckets)
+    return TiledMap(tile, nbr, n_in, rows, active, counts, inverse[:n_out], max_buckets, width=width)
 
 
 def _tile_map_kernels(nbr: torch.Tensor, n_in: int, tile: int, max_buckets: int, mask: torch.Tensor,
-                      order: torch.Tensor, n_tiles: int) -> TiledMap:
+                      order: torch.Tensor, n_tiles: int, width: int | None) -> TiledMap:
     """`tile_map`'s torch ops after the row sort as two launches and one small sort: the
     activity kernel (each tile's offsets, from its rows' bitmasks where they hold every
     offset), the sort of the tiles by their offset counts, the placing kernel (rows, inverse,
@@ -994,7 +1026,7 @@ def _tile_map_kernels(nbr: torch.Tensor, n_in: int, tile: int, max_buckets: int,
     n_out, volume = nbr.shape
     device = nbr.device
     active = torch.empty((n_tiles, volume), dtype=torch.int8, device=device)
-    counts = torch.empty(n_tiles, dtype=torch.int64, device=device)
+    counts = torch.empty(n_tiles, dtype=_count_dtype(volume), device=device)
     block_m, block_w = next_power_of_2(tile), next_power_of_2(volume)
     _launch(_activity_kernel(), (n_tiles,), nbr, order, mask, active, counts, n_out, tile, volume, nbr.stride(0),
             nbr.stride(1), FROM_MASK=volume <= _MASK_BITS, BLOCK_M=block_m, BLOCK_W=block_w)
@@ -1006,7 +1038,7 @@ def _tile_map_kernels(nbr: torch.Tensor, n_in: int, tile: int, max_buckets: int,
     _launch(_place_kernel(), (n_tiles,), order, tile_order, active, rows, output_rows, inverse, placed_active, n_out,
             tile, volume, BLOCK_M=block_m, BLOCK_W=block_w)
     return TiledMap(tile, nbr, n_in, rows, placed_active.view(torch.bool), counts, inverse, max_buckets,
-                    output_rows=output_rows)
+                    output_rows=output_rows, width=width)
 
 
 @functools.cache
@@ -1041,7 +1073,7 @@ def _activity_kernel():
             found = v >= 0
         active = tl.max((found & real[:, None] & mask_w[None, :]).to(tl.int8), axis=0)  # [BLOCK_W]
         tl.store(active_ptr + pid_t.to(tl.int64) * volume + offs_w, active, mask=mask_w)
-        tl.store(counts_ptr + pid_t, tl.sum(active.to(tl.int64), axis=0))
+        tl.store(counts_ptr + pid_t, tl.sum(active.to(tl.int32), axis=0).to(counts_ptr.dtype.element_ty))
 
     return insum_kernel_map_tile_activity
 
@@ -1080,10 +1112,12 @@ def _place_kernel():
     return insum_kernel_map_place_tiles
 
 
-def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_pairs: list[int] | None = None) -> PairGroups:
+def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_pairs: list[int] | None = None,
+                block_pairs: torch.Tensor | None = None) -> PairGroups:
     """Pack a kernel map into per-offset groups of `group` pairs (default: about 384 groups).
     offset_pairs: the real pairs per offset, when the host has them (`KernelMap.offset_pairs`);
-    with them no host sync."""
+    with them no host sync. block_pairs: the pairs per offset and block of `_pair_block_rows`
+    rows, when the lookup kernel counted them (one launch less)."""
     volume = nbr.shape[1]
     device = nbr.device
     if offset_pairs is None:
@@ -1102,11 +1136,12 @@ def pair_groups(nbr: torch.Tensor, n_in: int, group: int | None = None, offset_p
         PO = torch.empty((n_groups, group), dtype=torch.int32, device=device)
         n_out = nbr.shape[0]
         block_w = next_power_of_2(volume)
-        block_m = max(1, 2048 // block_w)
+        block_m = _pair_block_rows(volume)
         n_blocks = cdiv(n_out, block_m)
-        block_pairs = torch.empty((volume, n_blocks), dtype=torch.int32, device=device)
-        _launch(_block_pairs_kernel(), (n_blocks,), nbr, block_pairs, n_out, n_blocks, nbr.stride(0), nbr.stride(1),
-                VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w)
+        if block_pairs is None:
+            block_pairs = torch.empty((volume, n_blocks), dtype=torch.int32, device=device)
+            _launch(_block_pairs_kernel(), (n_blocks,), nbr, block_pairs, n_out, n_blocks, nbr.stride(0),
+                    nbr.stride(1), VOLUME=volume, BLOCK_M=block_m, BLOCK_W=block_w)
         scanned = torch.cumsum(block_pairs.view(-1), 0, dtype=torch.int32)
         PW = torch.empty(n_groups, dtype=torch.long, device=device)
         grid = max(n_blocks, cdiv(n_groups, 1024), volume)
