@@ -30,6 +30,9 @@ declare -A EDITS=(
   # out: timing only, the range check then reads nothing), and one-warp programs of 32 keys
   [insert_nostats]='/tl.atomic_m[a-z]*(stats_ptr\( + [12]\)\?, tl.m[a-z]*(tl.where(mask, /d'
   [probe_sites16]='s|        block_m = max(1, 256 // block_w)$|        block_m = max(1, 512 // block_w)|'
+  # the probe's slots unsigned: a slot's address then needs no sign extension (IMAD.HI + IADD3.X
+  # per element and round in the SASS of the signed one)
+  [probe_uslot]='s/        slot = ((((mixed >> (65 - slot_bits)) \& ((1 << (slot_bits - 1)) - 1)) << 1) | (query \& 1)).to(tl.int32)/        slot = ((((mixed >> (65 - slot_bits)) \& ((1 << (slot_bits - 1)) - 1)) << 1) | (query \& 1)).to(tl.uint32)/'
   [insert_w1_32]='s|        block = 128$|        block = 32|; s|coords.stride(0), coords.stride(1), BLOCK=block)|coords.stride(0), coords.stride(1), BLOCK=block, num_warps=1)|'
   # round 3: a sparser table (4 or 8 slots a key, not 2): shorter longest probes in a warp
   [table4]='s|slot_bits = max(4, (2 \* n_in - 1).bit_length())|slot_bits = max(4, (4 * n_in - 1).bit_length())|'
