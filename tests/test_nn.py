@@ -111,6 +111,35 @@ def test_block_ell_padding_gets_no_gradient_and_stays_zero():
     assert bool((layer.AV[padding] == 0).all())
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_block_ell_empty_block_row_stays_empty(backend):
+    """An empty block row's all-padding group is no weight: count 0 (not 1, which reading the
+    counts off AK gives, since its padding repeats a column as any row's padding does), no
+    gradient, nothing added by an optimizer, and its output rows are the bias alone."""
+    gen = torch.Generator().manual_seed(0)
+    keep = torch.rand(5, 6, generator=gen) < 0.4
+    keep[2] = False  # an empty block row
+    keep[3, :] = torch.tensor([True, False, True, True, False, True])  # the widest: 4 blocks
+    W = torch.randn(20, 24, generator=gen, dtype=torch.float64) * keep.repeat_interleave(4, 0).repeat_interleave(4, 1)
+    bias = torch.randn(20, generator=gen, dtype=torch.float64)
+    layer = SparseLinear.from_dense(W, bias, "BlockGroupCOO", block=(4, 4), group_size="row", backend=backend)
+    counts = layer.weight.declared_lengths()["q[p]"]
+    assert counts.tolist() == keep.sum(1).tolist() and counts[2] == 0
+    padding = torch.arange(layer.AK.shape[1]) >= counts[:, None]
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    for seed in range(2):
+        x = torch.randn(3, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        optimizer.zero_grad()
+        y = layer(x)
+        torch.testing.assert_close(y, x @ layer.to_dense().detach().T + layer.bias.detach())
+        torch.testing.assert_close(y[:, 8:12], layer.bias.detach()[8:12].expand(3, -1))
+        y.square().sum().backward()
+        assert bool((layer.AV.grad[padding] == 0).all())
+        optimizer.step()
+    assert bool((layer.to_dense()[8:12] == 0).all())
+    assert bool((layer.AV[padding] == 0).all())
+
+
 @pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
 def test_gradcheck_functional(fmt, params):
     layer = layer_for(fmt, params, in_features=7, out_features=6)
@@ -120,7 +149,7 @@ def test_gradcheck_functional(fmt, params):
 
     def f(x, bias, *vals):
         vals = [v if kept[n] is None else v * kept[n] for n, v in zip(values, vals)]
-        tensors = {**template.tensors, **dict(zip(values, vals))}
+        tensors = {**template.packed_tensors, **dict(zip(values, vals))}
         fmt_obj = sparse_autograd.rebuild_format(type(template), template.shape, layer._format_meta, tensors)
         return inn.sparse_linear(x, fmt_obj, bias, backend="torch")
 
@@ -203,6 +232,30 @@ def test_compiled_training_step_matches_eager(group_size):
     for a, b in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(a, b)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("known_count", [True, False], ids=["stored_blocks", "slots_masked"])
+def test_compiled_block_ell_value_gradient(known_count):
+    """Traced, AV's gradient lists the stored blocks at the packed count (params["blocks"],
+    a static size); a Block-ELL object without it masks the padding of every slot's gradient."""
+    layer = layer_for("BlockGroupCOO", {"block": (4, 4), "group_size": "row"}, out_features=16, seed=3)
+    meta = dict(layer._format_meta, params={k: v for k, v in layer._format_meta["params"].items()
+                                            if known_count or k != "blocks"})
+    template = layer.weight
+    x = torch.randn(5, 12, dtype=torch.float64)
+
+    def loss(AV):
+        fmt = sparse_autograd.rebuild_format(type(template), template.shape, meta, {**template.packed_tensors, "AV": AV})
+        return inn.sparse_linear(x, fmt, None, backend="torch").square().sum()
+
+    grads = []
+    for run in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        AV = layer.AV.detach().clone().requires_grad_(True)
+        run(AV).backward()
+        grads.append(AV.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+    padding = torch.arange(layer.AK.shape[1]) >= layer.AL[:, None]
+    assert bool(padding.any()) and bool((grads[1][padding] == 0).all())
 
 
 def test_from_linear_and_magnitude_prune():

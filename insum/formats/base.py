@@ -109,6 +109,8 @@ class SparseFormat:
     #: Index tensors the packer keeps free of duplicate values (one group per output row):
     #: passed as `unique_indices`, so a scatter through them stores without atomics.
     unique_indices: ClassVar[frozenset[str]] = frozenset()
+    #: Packed tensors that the statement does not read but is told about (`declared_lengths`).
+    _declared_names: ClassVar[frozenset[str]] = frozenset()
     #: Why `formats.auto` chose this format and these parameters (None: not chosen by it).
     chosen_because: str | None = None
 
@@ -201,7 +203,14 @@ class SparseFormat:
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The packed tensors by the names the SpMM statement uses."""
+        """The packed tensors the SpMM statement reads, by its names (`insum(fmt.expression,
+        C=C, B=B, **fmt.tensors)`)."""
+        return {k: v for k, v in self._tensors.items() if k not in self._declared_names}
+
+    @property
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        """Every packed tensor: the statement's and those it is given as facts (Block-ELL's
+        block counts, AL): what rebuilds the format (`SparseLinear` holds them all)."""
         return dict(self._tensors)
 
     def __getattr__(self, name: str) -> torch.Tensor:

@@ -63,7 +63,8 @@ def _block_ranks(
 
 
 class BlockGroupCOO(SparseFormat):
-    """Block-grouped COO: AM[G] block rows, AK[G, g] block columns, AV[G, g, bm, bk] blocks.
+    """Block-grouped COO: AM[G] block rows, AK[G, g] block columns, AV[G, g, bm, bk] blocks
+    (Block-ELL: no AM, AL[G] blocks per block row).
 
     block: (bm, bk) or one integer for square blocks; default (16, 16), the smallest
     tile `tl.dot` accepts. `from_torch` of a BSR tensor defaults to its own blocksize.
@@ -72,7 +73,7 @@ class BlockGroupCOO(SparseFormat):
     blocks pad the others, empty block rows get an all-padding group), so each output
     block has one owner: there is no AM, the statement indexes C directly
     (`row_expression`) and the kernel stores without atomics; each block row's block count
-    is declared (`declared_lengths`), so the product stops there instead of multiplying
+    is packed as AL[G] and declared (`declared_lengths`), so the product stops there instead of multiplying
     the padding (which must stay zero: `SparseLinear` gives it no gradient); "tune" times the rule's
     value, its power-of-two neighbours and "row" (unless it would store over 4x the
     rule's blocks) with real SpMMs (B with `tune_cols` columns, `backend` as given) and
@@ -96,6 +97,7 @@ class BlockGroupCOO(SparseFormat):
     expression = "C[AM[p],m,n] += AV[p,q,m,k]*B[AK[p,q],k,n]"
     row_expression = "C[p,m,n] += AV[p,q,m,k]*B[AK[p,q],k,n]"
     _value_names = ("AV",)
+    _declared_names = frozenset({"AL"})
 
     @classmethod
     def from_torch(cls, t: torch.Tensor, **params: Any) -> BlockGroupCOO:
@@ -186,6 +188,8 @@ class BlockGroupCOO(SparseFormat):
         AV.index_put_((torch.add(inner, slot, alpha=bm * bk),), coords.vals)
         tensors["AK"] = AK.to(itype)
         tensors["AV"] = AV.view(G, g, bm, bk)
+        if group_size == "row":  # each block row's stored blocks: its declared length
+            tensors["AL"] = counts.to(itype)
         chosen = {"block": (bm, bk), "group_size": group_size or g, "blocks": blocks, "fan_in": fan_in}
         fmt = cls._packed(coords, tensors, itype, chosen)
         if group_size == "row":
@@ -277,21 +281,13 @@ class BlockGroupCOO(SparseFormat):
         return cdiv(M, bm) * min(cdiv(K, bk), bm * longest) * bm * bk
 
     def _row_counts(self) -> torch.Tensor | None:
-        """Blocks per block row of a Block-ELL packing (group_size="row"), None for groups.
-        The packer stores a block row's blocks in increasing column order and pads it with
-        copies of its first column (zero values), so the stored blocks are slot 0 and every
-        later slot whose column differs from slot 0's. Computed once per format object (the
-        index tensors are never replaced, `SparseFormat.__setattr__`)."""
+        """Blocks per block row of a Block-ELL packing (AL, group_size="row"), None for groups
+        and for a Block-ELL object built without AL (then every slot counts as stored). The
+        counts are packed, not read off AK: an empty block row's padding repeats a column as
+        a stored block's padding does, and only its count (0) tells them apart."""
         if self.params.get("group_size") != "row" or "AM" in self._tensors:
             return None
-        AK = self.AK
-        if torch.compiler.is_compiling():  # a format rebuilt per trace: nothing to keep
-            return (AK[:, 1:] != AK[:, :1]).sum(1).add(1).to(AK.dtype)
-        derived = self.__dict__.setdefault("_derived", {})
-        counts = derived.get("row_counts")
-        if counts is None:
-            counts = derived["row_counts"] = (AK[:, 1:] != AK[:, :1]).sum(1).add_(1).to(AK.dtype)
-        return counts
+        return self._tensors.get("AL")
 
     def declared_lengths(self) -> dict[str, torch.Tensor] | None:
         """Block-ELL rows stop at their own block count (`insum(..., lengths=)`): at s = 0.9
@@ -302,18 +298,24 @@ class BlockGroupCOO(SparseFormat):
     #: AV's gradient on the stored blocks only: one program per stored block (F: its slot in
     #: AV viewed (G * g, bm, bk); SP, SK: its block row and column), padding left zero.
     STORED_GRADIENT = "dW[F[s], m, k] = dC[SP[s], m, n] * B[SK[s], k, n]"
-    #: The same on every slot (the derived statement), for traced code, where the stored
-    #: blocks' list (a data-dependent size) is not built: the padding is masked after.
+    #: The same on every slot (the derived statement), for traced code over a format whose
+    #: block count is not known (built by hand, without params["blocks"]): padding masked after.
     SLOT_GRADIENT = "dW[p, q, m, k] = dC[p, m, n] * B[AK[p, q], k, n]"
 
-    def _stored_blocks(self) -> dict[str, torch.Tensor]:
-        """F, SP, SK of `STORED_GRADIENT` for a Block-ELL packing, computed once."""
-        derived = self.__dict__.setdefault("_derived", {})
+    def _stored_blocks(self) -> dict[str, torch.Tensor] | None:
+        """F, SP, SK of `STORED_GRADIENT` for a Block-ELL packing, listed at the packed block
+        count (a static size: no host sync, and traceable); kept on the object outside traced
+        code. None in traced code where the count is unknown."""
+        tracing = torch.compiler.is_compiling()
+        derived = {} if tracing else self.__dict__.setdefault("_derived", {})
         blocks = derived.get("stored_blocks")
         if blocks is None:
+            count = self.params.get("blocks")
+            if count is None and tracing:
+                return None
             AK, counts = self.AK, self._row_counts()
-            stored = torch.arange(AK.shape[1], device=AK.device) < counts[:, None]
-            slots = stored.reshape(-1).nonzero().squeeze(1)
+            stored = (torch.arange(AK.shape[1], device=AK.device) < counts[:, None]).reshape(-1)
+            slots = (stored.nonzero() if count is None else torch.nonzero_static(stored, size=count)).squeeze(1)
             rows = torch.div(slots, AK.shape[1], rounding_mode="floor")
             blocks = derived["stored_blocks"] = {
                 "F": slots.to(AK.dtype), "SP": rows.to(AK.dtype), "SK": AK.reshape(-1)[slots],
@@ -328,12 +330,12 @@ class BlockGroupCOO(SparseFormat):
             return None
         G, g, bm, bk = self.AV.shape
         dtype = torch.promote_types(dC.dtype, B.dtype)
-        if torch.compiler.is_compiling():
+        blocks = self._stored_blocks()
+        if blocks is None:
             dW = insum(self.SLOT_GRADIENT, dC=dC, B=B, AK=self.AK, backend=backend, precision=precision)
             padding = torch.arange(g, device=dW.device) >= self._row_counts()[:, None]
             return dW.to(dtype).masked_fill(padding[:, :, None, None], 0)
         dW = torch.empty(G * g, bm, bk, dtype=dtype, device=dC.device)
-        blocks = self._stored_blocks()
         insum(self.STORED_GRADIENT, dW=dW, dC=dC, B=B, unique_indices={"F"}, backend=backend, precision=precision,
               **blocks)
         return dW.view(G, g, bm, bk)

@@ -253,7 +253,7 @@ class SparseLinear(nn.Module):
         self._format_cls = type(fmt)
         self._format_meta = format_meta(fmt)
         names = []
-        for name, tensor in fmt.tensors.items():
+        for name, tensor in fmt.packed_tensors.items():
             if fmt._is_value(name):
                 self.register_parameter(name, nn.Parameter(tensor.detach().clone()))
             else:
