@@ -270,7 +270,7 @@ def _uvu_point(edges: int, libs: dict) -> dict:
         try:
             tensors = layer.statement_tensors(x1, x2, w)
             with torch.no_grad():
-                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, lengths={"q[t]": layer.FL}, **tensors))
+                row["statement_fwd_ms"] = _time(lambda: insum(layer.statement, **layer.statement_facts(), **tensors))
         except Exception as e:  # noqa: BLE001
             row["statement_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if cuet is not None and "cue" in MEASURE:

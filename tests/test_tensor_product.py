@@ -391,6 +391,13 @@ def test_flat_output_equals_e3nn_forward_and_backward(case):
     if ref.internal_weights:  # leading dimensions broadcast as in e3nn (expanded, non-contiguous inputs)
         x1, x2 = torch.randn(5, 1, ref.irreps_in1.dim), torch.randn(3, ref.irreps_in2.dim)
         _close(layer(x1, x2), ref(x1, x2))
+    # the statement as documented: insum(layer.statement, **facts, **tensors), lengths over t
+    x1, x2 = torch.randn(4, ref.irreps_in1.dim), torch.randn(4, ref.irreps_in2.dim)
+    w = None if ref.internal_weights else torch.randn(4, ref.weight_numel)
+    facts = layer.statement_facts()
+    assert set(facts["lengths"]) == {"q[t]"}
+    out = insum(layer.statement, backend="torch", **facts, **layer.statement_tensors(x1, x2, w))
+    _close(out.reshape(4, -1), ref(x1, x2, *(() if w is None else (w,))))
 
 
 def test_flat_statements_plan_edges_by_contiguous_outputs_at_mace_scale():

@@ -599,6 +599,8 @@ class TensorProduct(nn.Module):
         """What `insum()` is told besides the tensors when it runs `self.statement` (each
         row's entry count; the output's index declared unique for output="direct"):
         `insum(layer.statement, **layer.statement_facts(), **layer.statement_tensors(x1, x2))`."""
+        if self.output == "flat":  # one row per output component: its entry count
+            return {"lengths": {"q[t]": self._buffers["FL"]}}
         facts: dict[str, Any] = {"lengths": {"q[p]": self.CGL}}
         if self.output == "indexed":
             facts["unique_indices"] = frozenset({"ZO"})
