@@ -38,7 +38,9 @@ from benchmarks.common import cpu_median_ms, geomean, median_ms, relative_error
 PARITY = "eo"
 DEVICE = "cuda"  # --smoke: "cpu", tiny sizes, the Triton interpreter (a check of this script)
 SMOKE = False
-MEASURE = {"e3nn", "insum", "cue", "oeq"}  # --measure: which implementations to time
+#: --measure: which implementations to time; "layer" is insum's default layer alone (tf32 for
+#: fctp), "insum" that and its other forms (ieee, views, gather, the bare statement).
+MEASURE = {"e3nn", "insum", "cue", "oeq"}
 GRID = {"L": (1, 2, 3), "C": (16, 32, 64)}  # --L, --C: the fctp grid
 
 
@@ -117,6 +119,9 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
 
     if "e3nn" in MEASURE:
         measure("e3nn", ref, [ref.weight])
+    if "layer" in MEASURE and "insum" not in MEASURE:
+        layer = FullyConnectedTensorProduct.from_e3nn(ref, precision="tf32")
+        measure("insum_tf32", layer, [layer.weight])
     if "insum" in MEASURE:
         for precision in ("ieee", "tf32"):  # float32 dots: forward only (the sweep's tuning time)
             layer = FullyConnectedTensorProduct.from_e3nn(ref, precision=precision)
@@ -260,6 +265,8 @@ def _uvu_point(edges: int, libs: dict) -> dict:
 
     if "e3nn" in MEASURE:
         measure("e3nn", ref)
+    if "layer" in MEASURE and "insum" not in MEASURE:
+        measure("insum", TensorProduct.from_e3nn(ref).to(DEVICE))
     if "insum" in MEASURE:
         layer = TensorProduct.from_e3nn(ref).to(DEVICE)  # output="gather", the default for uvu paths
         measure("insum", layer)
