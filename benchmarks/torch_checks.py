@@ -339,6 +339,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--budget", type=float, default=200, help="seconds for the MLP table")
     parser.add_argument("--forward", action="store_true", help="also time a compiled forward")
+    parser.add_argument("--models", default="", help="MLP table: comma-separated parts of model names (dense always)")
     parser.add_argument("--cpu", action="store_true", help="smoke run on the CPU (TRITON_INTERPRET=1)")
     args = parser.parse_args()
     global DEVICE
@@ -360,7 +361,7 @@ def main() -> int:
     if not args.skip_checks:
         checks(args.quick)
     if not args.skip_bench:
-        mlp_benchmark(args.quick, args.budget, args.forward, DEVICE, RESULTS["bench"], FAILURES)
+        mlp_benchmark(args.quick, args.budget, args.forward, DEVICE, RESULTS["bench"], FAILURES, args.models)
     RESULTS["failures"] = FAILURES
     RESULTS["seconds"] = time.perf_counter() - start
     print(f"\n{len(FAILURES)} failure(s){': ' + ', '.join(FAILURES) if FAILURES else ''}; "

@@ -28,9 +28,12 @@ def bench(fn, params, device: torch.device) -> float:
     return triton.testing.do_bench(fn, grad_to_none=params, return_mode="median")
 
 
-def mlp_benchmark(quick: bool, budget: float, forward: bool, device: torch.device, rows: list, failures: list) -> None:
+def mlp_benchmark(
+    quick: bool, budget: float, forward: bool, device: torch.device, rows: list, failures: list, only: str = ""
+) -> None:
     """The MLP table, a row per model appended to `rows` (a failure's name to `failures`);
-    models after `budget` seconds are skipped (listed as skipped)."""
+    models after `budget` seconds are skipped (listed as skipped). `only`: comma-separated
+    parts of model names to run (dense always runs: the ratios' base)."""
     begin = time.perf_counter()
     width, batch, layers = (2048, 2048, 3) if quick else (4096, 4096, 3)
     if device.type != "cuda":
@@ -61,6 +64,9 @@ def mlp_benchmark(quick: bool, budget: float, forward: bool, device: torch.devic
     if not quick:  # the plain derived input gradient (scatters), for comparison
         models["BlockGroupCOO 90%, derived dx"] = lambda: sparse("BlockGroupCOO", False, sparsity=0.9, block=(32, 32))
         models["NM 2:4 L=128, derived dx"] = lambda: sparse("NM", False, n=2, m=4, vector_len=128)
+    if only:
+        parts = [p.strip() for p in only.split(",") if p.strip()]
+        models = {n: b for i, (n, b) in enumerate(models.items()) if i == 0 or any(p in n for p in parts)}
     x = torch.randn(batch, width, device=device, dtype=dtype)
     gy = torch.randn(batch, width, device=device, dtype=dtype)
     print(f"\nMLP {layers} x {width}, batch {batch}, {dtype}: do_bench median, ms", flush=True)
