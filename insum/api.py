@@ -65,20 +65,23 @@ def insum(
     (equal values adjacent), such as a format's row index. A scatter through one
     (`C[AM[p], n]` with AM sorted) then sums adjacent contributions to one row in
     registers and writes once per row and tile. Unchecked: a wrong claim gives wrong
-    sums. Used by the direct call; under autograd or torch.compile it is ignored.
+    sums. Applied by the direct call, under torch.compile and in an autograd forward; the
+    gradient statements run without it.
     unique_indices: names of index tensors whose values the caller guarantees distinct
     (no value twice), such as the row index of a format with one group per row. A scatter
     whose output coordinates then determine every output-side variable (`C[RI[r], n]`
     with RI unique) has one writer per element: plain stores replace the atomics (and
     their float32 scratch buffer for half outputs). Unchecked: a duplicate value makes two
-    programs race on one row and loses a contribution. Ignored as sorted_indices is.
+    programs race on one row and loses a contribution. Applied as sorted_indices is.
     lengths: declared lengths of reduced variables, `{"q[p]": AL}`: for each p, entries
     with q >= AL[p] are padding that contributes zero (value 0 at a valid index, as the
     formats pad), so the generated kernel stops its loop over q there (the longest row of
     a tile when p is tiled) and masks their loads (a K tile loaded through a tensor
     descriptor is still read whole: padding must be zero). Unchecked beyond shapes; a length
-    above q's extent is clamped. A hint: ignored where it does not apply, under autograd
-    and torch.compile, and by the torch backend, which all give the same result.
+    above q's extent is clamped. Under torch.compile (and in an autograd forward) the
+    tensors pass through the custom operator (`insum.library`) and the kernel stops there
+    too; a hint all the same: ignored where it does not apply, by the gradient statements
+    and by the torch backend, which give the same result.
 
     >>> import torch
     >>> AV = torch.ones(2, 3); AK = torch.tensor([[0, 1, 2], [2, 2, 0]]); B = torch.eye(3)
@@ -88,7 +91,8 @@ def insum(
     """
     if torch.compiler.is_compiling():  # torch.compile traces the registered operators
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
-        return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+        return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
+                    sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths)
     key = (backend, precision, autotune, check_indices, sorted_indices, unique_indices)
     repeat = prepared(expr, key, tensors, lengths)  # a call like an earlier one: straight to its launch
     if repeat is not None:
@@ -98,7 +102,8 @@ def insum(
     stmt = parse(expr)
     check_names(stmt)
     if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
-        return call(expr, tensors, stmt=stmt, **options)
+        return call(expr, tensors, stmt=stmt, sorted_indices=sorted_indices, unique_indices=unique_indices,
+                    lengths=lengths, **options)
     bound = bind(stmt, tensors)
     facts = sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
     unique = sorted_facts(bound, unique_indices, "unique_indices") if unique_indices else frozenset()

@@ -1,18 +1,25 @@
 """insum statements as torch.library custom operators: torch.compile, autograd, opcheck.
 
 Two operators take the statement text, its input tensors as a list of names and a list of
-tensors, and `insum()`'s options (backend, precision, and optionally autotune and
-check_indices, None following the environment as in `insum()`):
+tensors, and `insum()`'s options (backend, precision, and optionally autotune,
+check_indices, None following the environment as in `insum()`, sorted_indices and
+unique_indices, lists of names):
 
-    insum::insum_(expr, out, names, tensors, backend, precision, autotune, check_indices) -> ()
+    insum::insum_(expr, out, names, tensors, backend, precision, autotune, check_indices,
+                  sorted_indices, unique_indices) -> ()
         runs the statement into `out` in place; declared as a mutation of `out`.
     insum::insum(expr, init, names, tensors, shape, dtype, backend, precision, autotune,
-                 check_indices) -> Tensor
+                 check_indices, sorted_indices, unique_indices) -> Tensor
         functional: a new output that starts as a copy of `init` (for `+=` into a given
         output), or as zeros of `shape`/`dtype`, or (both None) as the output `insum()`
         would allocate. Differentiable: the backward runs the derived gradient statements
         (`insum.autograd`) through this same operator, so it compiles and differentiates
         again.
+
+`insum()`'s declared `lengths` travel among the tensors, each under its key prefixed
+`lengths:` (`"lengths:q[p]"`: AL), so that a compiled call's kernel stops at them too;
+the key is static, the tensor an input like any other. The fake implementations ignore
+them, and so do the gradient statements (padding holds zeros: the same sums).
 
 `insum()` goes through them only when it must: while torch.compile traces, or when a
 tensor requires grad. An eager call without gradients goes to the executor directly
@@ -35,17 +42,60 @@ import torch
 from .autograd import Derivation, derive
 from .bind import bind
 from .dtypes import HALF_DTYPES, compute_dtype
-from .execute import run
+from .execute import length_facts, run, sorted_facts
 from .ir import Statement
 from .parser import parse
 
 __all__ = ["call", "insum_", "insum_functional"]
 
-_OPTIONS_SCHEMA = "str backend, str precision, bool? autotune=None, bool? check_indices=None"
+_OPTIONS_SCHEMA = (
+    "str backend, str precision, bool? autotune=None, bool? check_indices=None, "
+    "str[]? sorted_indices=None, str[]? unique_indices=None"
+)
+#: The prefix of a declared length's name among an operator's tensors.
+LENGTHS = "lengths:"
 
 
 def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _split(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> tuple[dict, dict]:
+    """The statement's tensors and the declared lengths (`"lengths:q[p]"` -> `"q[p]"`)."""
+    given, lengths = {}, {}
+    for name, tensor in zip(names, tensors):
+        if name.startswith(LENGTHS):
+            lengths[name[len(LENGTHS):]] = tensor
+        else:
+            given[name] = tensor
+    return given, lengths
+
+
+def _run(
+    stmt: Statement,
+    given: dict[str, torch.Tensor],
+    lengths: dict[str, torch.Tensor],
+    out: torch.Tensor | None,
+    backend: str,
+    precision: str,
+    autotune: bool | None,
+    check_indices: bool | None,
+    sorted_indices: Sequence[str] | None,
+    unique_indices: Sequence[str] | None,
+) -> torch.Tensor:
+    """Bind and run as `insum()`'s direct call does, facts and lengths included; `out` None:
+    the output it would allocate."""
+    bound = bind(stmt, given)
+    if out is None:
+        out = bound.output()
+    declared = ()
+    if lengths:
+        bound, declared = length_facts(bound, lengths)
+    return run(
+        bound, out, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
+        sorted_indices=sorted_facts(bound, sorted_indices or ()), lengths=declared,
+        unique_indices=sorted_facts(bound, unique_indices or (), "unique_indices"),
+    )
 
 
 # --------------------------------------------------------------------------- in place
@@ -65,16 +115,21 @@ def insum_(
     precision: str,
     autotune: bool | None = None,
     check_indices: bool | None = None,
+    sorted_indices: Sequence[str] | None = None,
+    unique_indices: Sequence[str] | None = None,
 ) -> None:
     """Run `expr` into `out` in place (`out` is the statement's output)."""
     stmt = parse(expr)
-    given = dict(zip(names, tensors))
+    given, lengths = _split(names, tensors)
     given[stmt.output.name] = out
-    run(bind(stmt, given), out, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+    _run(stmt, given, lengths, out, backend, precision, autotune, check_indices, sorted_indices, unique_indices)
 
 
 @insum_.register_fake
-def _insum_fake(expr, out, names, tensors, backend, precision, autotune=None, check_indices=None) -> None:
+def _insum_fake(
+    expr, out, names, tensors, backend, precision, autotune=None, check_indices=None, sorted_indices=None,
+    unique_indices=None,
+) -> None:
     return None
 
 
@@ -100,10 +155,12 @@ def insum_functional(
     precision: str,
     autotune: bool | None = None,
     check_indices: bool | None = None,
+    sorted_indices: Sequence[str] | None = None,
+    unique_indices: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """The statement's output as a new tensor: a copy of `init`, zeros of `shape`, or allocated."""
     stmt = parse(expr)
-    given = dict(zip(names, tensors))
+    given, lengths = _split(names, tensors)
     out = None
     if init is not None:
         out = init.clone()
@@ -111,26 +168,24 @@ def insum_functional(
         out = torch.zeros(shape, dtype=dtype or torch.float32, device=_device(tensors))
     if out is not None:
         given[stmt.output.name] = out
-    bound = bind(stmt, given)
-    if out is None:
-        out = bound.output()
-    return run(bound, out, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+    return _run(stmt, given, lengths, out, backend, precision, autotune, check_indices, sorted_indices, unique_indices)
 
 
 @insum_functional.register_fake
 def _insum_functional_fake(
-    expr, init, names, tensors, shape, dtype, backend, precision, autotune=None, check_indices=None
+    expr, init, names, tensors, shape, dtype, backend, precision, autotune=None, check_indices=None,
+    sorted_indices=None, unique_indices=None,
 ):
     if init is not None:
         return torch.empty_like(init)
     if shape is not None:
         return torch.empty(shape, dtype=dtype or torch.float32, device=_device(tensors))
-    bound = bind(parse(expr), dict(zip(names, tensors)))
+    bound = bind(parse(expr), _split(names, tensors)[0])
     return torch.empty(bound.out_shape, dtype=bound.out_dtype, device=bound.device)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    expr, init, names, tensors, shape, _dtype, backend, precision, autotune, check_indices = inputs
+    expr, init, names, tensors, shape, _dtype, backend, precision, autotune, check_indices, *_facts = inputs
     ctx.expr, ctx.names = expr, tuple(names)
     ctx.options = (backend, precision, autotune, check_indices)
     # The backward returns one entry per input, and an empty list input as an empty list.
@@ -154,7 +209,7 @@ def _backward(ctx, grad: torch.Tensor):
     grad_init = None
     if ctx.init_dtype is not None and ctx.needs_input_grad[1] and derivation.passthrough:
         grad_init = grad.to(ctx.init_dtype)
-    full = (None, grad_init, ctx.no_names, grads, ctx.no_shape, None, None, None, None, None)
+    full = (None, grad_init, ctx.no_names, grads, ctx.no_shape, None, None, None, None, None, None, None)
     # One entry per input given: the dispatcher drops trailing options left at their defaults.
     return full[: len(ctx.needs_input_grad)]
 
@@ -220,6 +275,9 @@ def call(
     precision: str,
     autotune: bool | None = None,
     check_indices: bool | None = None,
+    sorted_indices: frozenset[str] = frozenset(),
+    unique_indices: frozenset[str] = frozenset(),
+    lengths: Mapping[str, torch.Tensor] | None = None,
     stmt: Statement | None = None,
 ) -> torch.Tensor:
     """insum() through the operators: traceable by torch.compile, differentiable.
@@ -227,10 +285,12 @@ def call(
     `stmt`: the parsed statement, given by eager calls (which are bound here, once); while
     tracing it is None and the text alone is read, as a constant. A given output is updated in
     place and returned: by the mutating operator when no gradient is needed, else by the
-    functional one and a `copy_` that autograd records.
+    functional one and a `copy_` that autograd records. sorted_indices, unique_indices and
+    lengths: as for `insum()`, the lengths' tensors passed among the inputs (`LENGTHS`).
     """
     out_name, accumulate = _output_of(expr) if stmt is None else (stmt.output.name, stmt.accumulate)
-    options = (backend, precision, autotune, check_indices)
+    facts = (_names(sorted_indices), _names(unique_indices))
+    options = (backend, precision, autotune, check_indices, *facts)
     out = tensors.get(out_name)
     names = [n for n in tensors if n != out_name]
     values = [tensors[n] for n in names]
@@ -242,6 +302,9 @@ def call(
         if out is not None:
             given[out_name] = out
         bind(stmt, given)
+    for key, tensor in (lengths or {}).items():
+        names.append(LENGTHS + key)
+        values.append(tensor)
     if out is None:
         return torch.ops.insum.insum(expr, None, names, values, None, None, *options)
     needs_grad = torch.is_grad_enabled() and (out.requires_grad or any(v.requires_grad for v in values))
@@ -253,3 +316,10 @@ def call(
     else:
         result = torch.ops.insum.insum(expr, None, names, values, list(out.shape), out.dtype, *options)
     return out.copy_(result)
+
+
+def _names(facts: frozenset[str] | str) -> list[str] | None:
+    """A fact's names as the operators' `str[]?` argument, in a fixed order (None: none)."""
+    if isinstance(facts, str):
+        return [facts]
+    return sorted(facts) or None

@@ -14,6 +14,7 @@ from kernel_env import (  # before insum: the interpreter on CPU-only machines
     KERNEL_MARK,
 )
 
+from insum import insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, power_law_matrix
 
 pytestmark = KERNEL_MARK
@@ -109,3 +110,48 @@ def test_block_ell_skips_its_padding(index_dtype, dtype):
         C = fmt.spmm(B, backend="triton", precision="ieee")
         assert bool(torch.isfinite(C).all())
         assert (C.double().cpu() - expected).norm() / expected.norm() <= TOLERANCE[dtype]
+
+
+def _poisoned_block_ell():
+    """A Block-ELL matrix (an empty block row, rows of 1 to 7 blocks) whose padding slots hold
+    NaN, a B and A @ B in float64: a product that reads the padding is not finite."""
+    gen = torch.Generator().manual_seed(7)
+    bm, bk, MB, KB, N = 16, 16, 5, 7, 20
+    keep = torch.rand(MB, KB, generator=gen) < 0.4
+    keep[1] = False  # an empty block row
+    keep[2] = False
+    keep[2, 5] = True  # one block
+    keep[3] = True  # the longest row: every block column
+    A = torch.randn(MB * bm, KB * bk, generator=gen) * keep.repeat_interleave(bm, 0).repeat_interleave(bk, 1)
+    fmt = BlockGroupCOO.from_dense(A, block=(bm, bk), group_size="row").to(DEVICE)
+    AL = fmt.declared_lengths()["q[p]"]
+    padding = torch.arange(fmt.AK.shape[1], device=DEVICE) >= AL[:, None]
+    assert bool(padding.any())
+    with torch.no_grad():
+        fmt.AV[padding] = float("nan")
+    B = torch.randn(KB * bk, N, generator=gen).to(DEVICE)
+    return fmt, B, A.double() @ B.double()
+
+
+def _assert_product(C, expected):
+    assert bool(torch.isfinite(C).all())
+    C = C.double().cpu()
+    assert (C - expected).norm() / expected.norm() <= 1e-5
+
+
+def test_block_ell_skips_its_padding_under_torch_compile():
+    """The declared lengths reach the kernel through torch.compile's custom operator: the
+    compiled product (and a compiled `insum()` given `lengths=`) never reads the NaN padding."""
+    torch._dynamo.reset()
+    fmt, B, expected = _poisoned_block_ell()
+    compiled = torch.compile(lambda B: fmt.spmm(B, backend="triton", precision="ieee"), fullgraph=True)
+    _assert_product(compiled(B), expected)
+
+    AL = fmt.declared_lengths()["q[p]"]
+
+    def product(B):
+        C = insum(BlockGroupCOO.row_expression, AV=fmt.AV, AK=fmt.AK, B=fmt.operand(B), lengths={"q[p]": AL},
+                  backend="triton", precision="ieee")
+        return fmt.result(C)
+
+    _assert_product(torch.compile(product, fullgraph=True)(B), expected)

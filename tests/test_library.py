@@ -15,6 +15,7 @@ from torch.library import opcheck
 
 from insum import insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO
+from insum.parser import parse
 
 SPMM = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -160,6 +161,56 @@ def test_compile_backward_matches_eager():
             grads.append((AV.grad, B.grad))
         torch.testing.assert_close(grads[0], grads[1])
     assert counter.frame_count == 1
+
+
+def test_compile_passes_facts_and_lengths_to_the_kernel(monkeypatch):
+    """Under torch.compile (forward and backward) the operators hand sorted_indices,
+    unique_indices and the declared lengths to the executor, as the direct call does; the
+    gradient statements run without them and give the same gradients as eager."""
+    import insum.library as library
+
+    seen, run = [], library.run
+
+    def recording_run(bound, out, **options):
+        seen.append((str(bound.stmt), options["sorted_indices"], options["unique_indices"], options["lengths"]))
+        return run(bound, out, **options)
+
+    monkeypatch.setattr(library, "run", recording_run)
+    tensors = spmm_inputs(5)
+    AL = torch.tensor([3, 0, 1, 2, 3])
+    AM = torch.arange(5)  # distinct and sorted rows
+
+    def f(C, AV, B):
+        insum(SPMM, C=C, AV=AV, B=B, AM=AM, AK=tensors["AK"], sorted_indices={"AM"}, unique_indices={"AM"},
+              lengths={"q[p]": AL}, backend="torch")
+        return C.square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    grads = []
+    for fn in (compiled, f):
+        AV = tensors["AV"].clone().requires_grad_(True)
+        B = tensors["B"].clone().requires_grad_(True)
+        fn(torch.zeros(6, 5), AV, B).backward()
+        grads.append((AV.grad, B.grad))
+    torch.testing.assert_close(grads[0], grads[1])
+    statement = str(parse(SPMM))
+    forward = [entry for entry in seen if entry[0] == statement]
+    assert len(forward) == 2  # compiled and eager
+    for _, sorted_, unique, lengths in forward:
+        assert sorted_ == unique == frozenset({"AM"})
+        assert [(var, index) for var, _, index in lengths] == [("q", ("p",))]
+    gradients = [entry for entry in seen if entry[0] != statement]
+    assert gradients and all(entry[1:] == (frozenset(), frozenset(), ()) for entry in gradients)
+
+
+def test_opcheck_with_declared_lengths():
+    """A declared length travels among the tensors under "lengths:q[p]"."""
+    tensors = spmm_inputs(4)
+    names, values = split(tensors)
+    names.append("lengths:q[p]")
+    values.append(torch.tensor([3, 0, 2, 1]))
+    opcheck(torch.ops.insum.insum.default, (SPMM, None, names, values, [6, 5], None, "torch", "ieee", None, None,
+                                            ["AM"], None))
 
 
 FORMATS = [

@@ -136,8 +136,9 @@ def _statement(stmt: str, absent: str) -> str:
 
 def _one_launch(x: torch.Tensor, opts: dict) -> bool:
     """Whether the tiles run as one launch with declared lengths: only where the generated
-    kernel honours them (a triton launch outside torch.compile); elsewhere the lengths would
-    be ignored and every tile would do the widest tile's work, so the buckets run."""
+    kernel honours them (a triton launch), and outside torch.compile (not measured under it,
+    where the one launch's output would view a buffer the op mutates); elsewhere the lengths
+    would be ignored and every tile would do the widest tile's work, so the buckets run."""
     if not TILES_IN_ONE_LAUNCH or torch.compiler.is_compiling():
         return False
     return opts["backend"] == "triton" or (opts["backend"] == "auto" and x.is_cuda)

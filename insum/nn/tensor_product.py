@@ -538,8 +538,8 @@ class TensorProduct(nn.Module):
     def _run(self, statement: str, lengths: dict | None = None, unique_indices: frozenset[str] = frozenset(),
              **tensors: torch.Tensor) -> torch.Tensor:
         """insum with the layer's options. lengths: each row's CG entry count, declared so
-        that the generated kernel skips the padding entries (a hint the torch backend and
-        torch.compile ignore: the padding is zero-valued either way); unique_indices: the
+        that the generated kernel skips the padding entries (also under torch.compile; a hint
+        the torch backend ignores: the padding is zero-valued either way); unique_indices: the
         output index of output="indexed"."""
         return insum(statement, backend=self.backend, precision=self.precision, lengths=lengths,
                      unique_indices=unique_indices, **tensors)
