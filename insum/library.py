@@ -42,7 +42,7 @@ import torch
 from .autograd import Derivation, derive
 from .bind import bind
 from .dtypes import HALF_DTYPES, compute_dtype
-from .execute import length_facts, run, sorted_facts
+from .execute import length_facts, prepare, prepared, run, sorted_facts
 from .ir import Statement
 from .parser import parse
 
@@ -72,10 +72,9 @@ def _split(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> tuple[dict,
 
 
 def _run(
-    stmt: Statement,
+    expr: str,
     given: dict[str, torch.Tensor],
     lengths: dict[str, torch.Tensor],
-    out: torch.Tensor | None,
     backend: str,
     precision: str,
     autotune: bool | None,
@@ -83,19 +82,28 @@ def _run(
     sorted_indices: Sequence[str] | None,
     unique_indices: Sequence[str] | None,
 ) -> torch.Tensor:
-    """Bind and run as `insum()`'s direct call does, facts and lengths included; `out` None:
-    the output it would allocate."""
-    bound = bind(stmt, given)
-    if out is None:
-        out = bound.output()
+    """Run as `insum()`'s direct call does, facts and lengths included, into the output in
+    `given` (else the one it would allocate). A call like an earlier one (text, options and
+    tensor signatures) goes straight to its prepared launch (`insum.execute.prepared`), as a
+    direct call does: a compiled graph calls the operators once per step."""
+    sorted_names, unique_names = frozenset(sorted_indices or ()), frozenset(unique_indices or ())
+    key = (backend, precision, autotune, check_indices, sorted_names, unique_names)
+    lengths = lengths or None
+    repeat = prepared(expr, key, given, lengths)
+    if repeat is not None:
+        return repeat(given, lengths)
+    bound = bind(parse(expr), given)
+    out = bound.output()
     declared = ()
     if lengths:
         bound, declared = length_facts(bound, lengths)
-    return run(
-        bound, out, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
-        sorted_indices=sorted_facts(bound, sorted_indices or ()), lengths=declared,
-        unique_indices=sorted_facts(bound, unique_indices or (), "unique_indices"),
-    )
+    facts = sorted_facts(bound, sorted_names)
+    unique = sorted_facts(bound, unique_names, "unique_indices")
+    options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
+    result = run(bound, out, sorted_indices=facts, unique_indices=unique, lengths=declared, **options)
+    prepare(expr, key, bound, given, lengths=lengths, declared=declared, sorted_indices=facts, unique_indices=unique,
+            **options)
+    return result
 
 
 # --------------------------------------------------------------------------- in place
@@ -119,10 +127,9 @@ def insum_(
     unique_indices: Sequence[str] | None = None,
 ) -> None:
     """Run `expr` into `out` in place (`out` is the statement's output)."""
-    stmt = parse(expr)
     given, lengths = _split(names, tensors)
-    given[stmt.output.name] = out
-    _run(stmt, given, lengths, out, backend, precision, autotune, check_indices, sorted_indices, unique_indices)
+    given[_output_of(expr)[0]] = out
+    _run(expr, given, lengths, backend, precision, autotune, check_indices, sorted_indices, unique_indices)
 
 
 @insum_.register_fake
@@ -159,7 +166,6 @@ def insum_functional(
     unique_indices: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """The statement's output as a new tensor: a copy of `init`, zeros of `shape`, or allocated."""
-    stmt = parse(expr)
     given, lengths = _split(names, tensors)
     out = None
     if init is not None:
@@ -167,8 +173,8 @@ def insum_functional(
     elif shape is not None:
         out = torch.zeros(shape, dtype=dtype or torch.float32, device=_device(tensors))
     if out is not None:
-        given[stmt.output.name] = out
-    return _run(stmt, given, lengths, out, backend, precision, autotune, check_indices, sorted_indices, unique_indices)
+        given[_output_of(expr)[0]] = out
+    return _run(expr, given, lengths, backend, precision, autotune, check_indices, sorted_indices, unique_indices)
 
 
 @insum_functional.register_fake

@@ -130,7 +130,7 @@ def _poisoned_block_ell():
     with torch.no_grad():
         fmt.AV[padding] = float("nan")
     B = torch.randn(KB * bk, N, generator=gen).to(DEVICE)
-    return fmt, B, A.double() @ B.double()
+    return fmt, B, A.double() @ B.double().cpu()
 
 
 def _assert_product(C, expected):

@@ -13,7 +13,7 @@ from statements import build, case
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.library import opcheck
 
-from insum import insum
+from insum import execute, insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO
 from insum.parser import parse
 
@@ -188,6 +188,7 @@ def test_compile_passes_facts_and_lengths_to_the_kernel(monkeypatch):
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     grads = []
     for fn in (compiled, f):
+        execute._PREPARED.clear()  # each forward through the full path (a repeat skips `run`)
         AV = tensors["AV"].clone().requires_grad_(True)
         B = tensors["B"].clone().requires_grad_(True)
         fn(torch.zeros(6, 5), AV, B).backward()
@@ -201,6 +202,29 @@ def test_compile_passes_facts_and_lengths_to_the_kernel(monkeypatch):
         assert [(var, index) for var, _, index in lengths] == [("q", ("p",))]
     gradients = [entry for entry in seen if entry[0] != statement]
     assert gradients and all(entry[1:] == (frozenset(), frozenset(), ()) for entry in gradients)
+
+
+def test_operators_repeat_a_prepared_call(monkeypatch):
+    """A compiled graph calls the operators every step: a call like an earlier one (text,
+    options, tensor signatures) goes straight to its prepared launch, not through bind and
+    `run` again, and still reads the new tensors."""
+    import insum.library as library
+
+    calls, run = [], library.run
+
+    def counting_run(bound, out, **options):
+        calls.append(str(bound.stmt))
+        return run(bound, out, **options)
+
+    monkeypatch.setattr(library, "run", counting_run)
+    execute._PREPARED.clear()
+    compiled = torch.compile(lambda C, AV, B, AM, AK: insum(SPMM, C=C, AV=AV, B=B, AM=AM, AK=AK, backend="torch"),
+                             backend="aot_eager", fullgraph=True)
+    for seed in range(3):
+        tensors = spmm_inputs(5, seed=seed)
+        expected = insum(SPMM, C=torch.zeros(6, 5), backend="torch", **tensors)
+        torch.testing.assert_close(compiled(torch.zeros(6, 5), **tensors), expected)
+    assert len(calls) == 1
 
 
 def test_opcheck_with_declared_lengths():
