@@ -1,7 +1,10 @@
 """Where a pruned MLP's time goes: torch.profiler tables of one forward and one
 forward+backward of the `torch_checks` MLP (3 x 4096, batch 4096, fp16, 90% 32x32 blocks).
 
-    python -m benchmarks.explore.profile_mlp [--width 4096] [--format BlockGroupCOO] [--group-size row]
+    python -m benchmarks.explore.profile_mlp [--width 4096] [--format BlockGroupCOO] [--group-size row] [--compiled]
+
+--compiled profiles the model under torch.compile(fullgraph=True) instead (the host time of
+its custom operators and of the compiled graph's own kernels).
 
 Before profiling, one step runs under `torch.cuda.set_sync_debug_mode("warn")`, which names
 every host sync of the step (a sync stalls the host's queue: the eager step then pays its
@@ -25,6 +28,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--format", default="BlockGroupCOO", choices=sorted(PARAMS))
     parser.add_argument("--group-size", default=None, help='BlockGroupCOO only: "row" for Block-ELL')
+    parser.add_argument("--compiled", action="store_true", help="profile torch.compile(model, fullgraph=True)")
     args = parser.parse_args()
     torch.manual_seed(0)
     width = args.width
@@ -38,6 +42,8 @@ def main() -> None:
     model = torch.nn.Sequential(*[
         SparseLinear.from_linear(m, args.format, **params) if isinstance(m, torch.nn.Linear) else m for m in dense
     ])
+    if args.compiled:
+        model = torch.compile(model, fullgraph=True)
     x = torch.randn(width, width, device="cuda", dtype=torch.float16)
     gy = torch.randn_like(x)
 
