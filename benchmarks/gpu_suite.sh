@@ -64,7 +64,7 @@ case "$PART" in
     ;;
   kmap)
     [ -d .carry-conv-whl ] && pip install -q --no-index --no-deps --target /tmp/site .carry-conv-whl/*.whl
-    timeout 25 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_map.py -k "edge or duplicate or out_of_range \
+    timeout 150 python -m pytest -q -x -p no:cacheprovider tests/test_kernel_map.py -k "edge or duplicate or out_of_range \
       or budget or pair_groups or (lookups and dtype1 and (3-1-1-subm or 3-2-1-strided or 3-2-1-transposed))" 2>&1 \
       | tee "$DIR/pytest_kmap.log" | tail -5
     CONV_BUDGET_S=50 timeout 55 python -m benchmarks.study_conv --parts maps --sizes 120000,1000000 --out "$DIR" "$@" 2>&1 \
