@@ -30,10 +30,12 @@ __all__ = [
 
 #: Groups of slots per column (TM: the column of each group).
 SCALAR = "DX[TM[p], n] += WT[TS[p, q]] * DY[TR[p, q], n]"
-#: One group per column (ELL, Block-ELL): every output row has one owner, no atomics.
-SCALAR_ROW = "DX[c, n] += WT[TS[c, q]] * DY[TR[c, q], n]"
+#: One group per column (ELL, Block-ELL): every output row has one owner, no atomics, and the
+#: statement overwrites a given torch.empty (under torch.compile: the in-place operator, the
+#: cheaper call to the dispatcher, `insum.library`).
+SCALAR_ROW = "DX[c, n] = WT[TS[c, q]] * DY[TR[c, q], n]"
 BLOCK = "DX[TM[p], k, n] += WT[TS[p, q], m, k] * DY[TR[p, q], m, n]"
-BLOCK_ROW = "DX[c, k, n] += WT[TS[c, q], m, k] * DY[TR[c, q], m, n]"
+BLOCK_ROW = "DX[c, k, n] = WT[TS[c, q], m, k] * DY[TR[c, q], m, n]"
 
 
 def transpose_slots(
@@ -100,9 +102,10 @@ def scalar_gradient(
 ) -> torch.Tensor:
     """dB (K, N) from scalar slots AV (any shape, one value per slot) and dC (M, N)."""
     WT = with_zero_slot(AV.reshape(-1))
-    if "TM" not in pattern:  # one owner per output row: allocated by insum, no atomics
+    if "TM" not in pattern:  # one owner per output row: no atomics
         lengths = _column_lengths(pattern["TS"], WT.shape[0] - 1)
-        return insum(SCALAR_ROW, WT=WT, DY=DY, backend=backend, precision=precision, **lengths, **pattern)
+        DX = DY.new_empty(pattern["TS"].shape[0], DY.shape[1], dtype=torch.promote_types(WT.dtype, DY.dtype))
+        return insum(SCALAR_ROW, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **lengths, **pattern)
     DX = torch.zeros(K, DY.shape[1], dtype=compute_dtype(DY.dtype), device=DY.device)
     return insum(SCALAR, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
 
@@ -115,6 +118,7 @@ def block_gradient(
     WT = with_zero_slot(AV.reshape(-1, bm, bk))
     if "TM" not in pattern:
         lengths = _column_lengths(pattern["TS"], WT.shape[0] - 1)
-        return insum(BLOCK_ROW, WT=WT, DY=DY, backend=backend, precision=precision, **lengths, **pattern)
+        DX = DY.new_empty(pattern["TS"].shape[0], bk, DY.shape[2], dtype=torch.promote_types(WT.dtype, DY.dtype))
+        return insum(BLOCK_ROW, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **lengths, **pattern)
     DX = torch.zeros(KB, bk, DY.shape[2], dtype=compute_dtype(DY.dtype), device=DY.device)
     return insum(BLOCK, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
