@@ -22,11 +22,10 @@ from .execute import (
     check_names,
     check_options,
     length_facts,
-    prepare,
     prepare_batch,
     prepared,
     prepared_batch,
-    run,
+    run_and_prepare,
     sorted_facts,
 )
 from .library import call
@@ -104,16 +103,7 @@ def insum(
     if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
         return call(expr, tensors, stmt=stmt, sorted_indices=sorted_indices, unique_indices=unique_indices,
                     lengths=lengths, **options)
-    bound = bind(stmt, tensors)
-    facts = sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
-    unique = sorted_facts(bound, unique_indices, "unique_indices") if unique_indices else frozenset()
-    declared = ()
-    if lengths:
-        bound, declared = length_facts(bound, lengths)
-    out = run(bound, bound.output(), sorted_indices=facts, unique_indices=unique, lengths=declared, **options)
-    prepare(expr, key, bound, tensors, lengths=lengths, declared=declared, sorted_indices=facts, unique_indices=unique,
-            **options)
-    return out
+    return run_and_prepare(expr, key, bind(stmt, tensors), tensors, lengths, sorted_indices, unique_indices, **options)
 
 
 def insum_many(

@@ -350,6 +350,30 @@ def prepare(
         return
 
 
+def run_and_prepare(
+    expr: str,
+    key: tuple,
+    bound: Bound,
+    tensors: dict,
+    lengths: Mapping | None,
+    sorted_indices: frozenset[str],
+    unique_indices: frozenset[str],
+    **options,
+) -> torch.Tensor:
+    """The full path of a direct call, bound already: check the facts, attach the declared
+    lengths, run into the given (or a new) output, and keep the call for `prepared` under
+    `key`. Shared by `insum()` and the operators' implementations (`insum.library`)."""
+    facts = sorted_facts(bound, sorted_indices) if sorted_indices else frozenset()
+    unique = sorted_facts(bound, unique_indices, "unique_indices") if unique_indices else frozenset()
+    declared = ()
+    if lengths:
+        bound, declared = length_facts(bound, lengths)
+    out = run(bound, bound.output(), sorted_indices=facts, unique_indices=unique, lengths=declared, **options)
+    prepare(expr, key, bound, tensors, lengths=lengths, declared=declared, sorted_indices=facts, unique_indices=unique,
+            **options)
+    return out
+
+
 class PreparedBatch:
     """Several prepared calls that run as one launch (`runtime.BatchLaunch`).
 

@@ -42,7 +42,7 @@ import torch
 from .autograd import Derivation, derive
 from .bind import bind
 from .dtypes import HALF_DTYPES, compute_dtype
-from .execute import length_facts, prepare, prepared, run, sorted_facts
+from .execute import prepared, run_and_prepare
 from .ir import Statement
 from .parser import parse
 
@@ -92,18 +92,8 @@ def _run(
     repeat = prepared(expr, key, given, lengths)
     if repeat is not None:
         return repeat(given, lengths)
-    bound = bind(parse(expr), given)
-    out = bound.output()
-    declared = ()
-    if lengths:
-        bound, declared = length_facts(bound, lengths)
-    facts = sorted_facts(bound, sorted_names)
-    unique = sorted_facts(bound, unique_names, "unique_indices")
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
-    result = run(bound, out, sorted_indices=facts, unique_indices=unique, lengths=declared, **options)
-    prepare(expr, key, bound, given, lengths=lengths, declared=declared, sorted_indices=facts, unique_indices=unique,
-            **options)
-    return result
+    return run_and_prepare(expr, key, bind(parse(expr), given), given, lengths, sorted_names, unique_names, **options)
 
 
 # --------------------------------------------------------------------------- in place
