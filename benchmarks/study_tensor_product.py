@@ -119,13 +119,12 @@ def _fctp_point(L: int, C: int, batch: int, libs: dict) -> dict:
 
     if "e3nn" in MEASURE:
         measure("e3nn", ref, [ref.weight])
-    if "layer" in MEASURE and "insum" not in MEASURE:
-        layer = FullyConnectedTensorProduct.from_e3nn(ref, precision="tf32")
-        measure("insum_tf32", layer, [layer.weight])
-    if "insum" in MEASURE:
-        for precision in ("ieee", "tf32"):  # float32 dots: forward only (the sweep's tuning time)
+    if MEASURE & {"layer", "insum"}:
+        # float32 dots: ieee forward only (the sweep's tuning time), and only with "insum"
+        for precision in ("ieee", "tf32") if "insum" in MEASURE else ("tf32",):
             layer = FullyConnectedTensorProduct.from_e3nn(ref, precision=precision)
             measure(f"insum_{precision}", layer, [layer.weight], backward=precision == "tf32")
+    if "insum" in MEASURE:
         views = FullyConnectedTensorProduct.from_e3nn(ref, output="views")
         measure("insum_views", views, [views.weight], backward=False)
         # The layout before output="direct" (the default here): x1 and Z gathered around the statement.
@@ -265,11 +264,10 @@ def _uvu_point(edges: int, libs: dict) -> dict:
 
     if "e3nn" in MEASURE:
         measure("e3nn", ref)
-    if "layer" in MEASURE and "insum" not in MEASURE:
-        measure("insum", TensorProduct.from_e3nn(ref).to(DEVICE))
-    if "insum" in MEASURE:
+    if MEASURE & {"layer", "insum"}:
         layer = TensorProduct.from_e3nn(ref).to(DEVICE)  # output="gather", the default for uvu paths
         measure("insum", layer)
+    if "insum" in MEASURE:
         measure("insum_flat", TensorProduct.from_e3nn(ref, output="flat").to(DEVICE))
         measure("insum_views", TensorProduct.from_e3nn(ref, output="views").to(DEVICE))
         # rows sorted by CG entry count, one launch per bucket (opt-in; 568 -> 239 entry slots per edge, 215 real)

@@ -83,14 +83,13 @@ def test_group_size_tune_on_gpu():
     _check(fmt @ B, A.to_dense().double() @ B.double(), torch.float32)
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_block_ell_skips_its_padding(index_dtype, dtype):
-    """Block-ELL rows declare their block counts (`declared_lengths`), so the kernel stops
-    each block row there: padding poisoned with NaN after packing leaves the product exact
-    (empty and single-block rows, a non-power-of-two width, a non-contiguous B)."""
+def _poisoned_block_ell(dtype=torch.float32, index_dtype=None):
+    """A Block-ELL matrix A packed from its block pattern `keep` (an empty block row, a
+    one-block row, a row of every block column: a non-power-of-two width), its padding slots
+    poisoned with NaN after packing (a product that reads them is not finite). Returns the
+    format, keep, A and the generator, for B."""
     gen = torch.Generator().manual_seed(5)
-    bm, bk, MB, KB, N = 16, 16, 6, 7, 24
+    bm, bk, MB, KB = 16, 16, 6, 7
     keep = torch.rand(MB, KB, generator=gen) < 0.45
     keep[1] = False  # an empty block row
     keep[2] = False
@@ -98,39 +97,29 @@ def test_block_ell_skips_its_padding(index_dtype, dtype):
     keep[4] = True  # the longest row: every block column
     A = torch.randn(MB * bm, KB * bk, generator=gen) * keep.repeat_interleave(bm, 0).repeat_interleave(bk, 1)
     fmt = BlockGroupCOO.from_dense(A.to(dtype), block=(bm, bk), group_size="row", index_dtype=index_dtype).to(DEVICE)
+    padding = torch.arange(fmt.AK.shape[1], device=DEVICE) >= fmt.declared_lengths()["q[p]"][:, None]
+    assert bool(padding.any())
+    with torch.no_grad():
+        fmt.AV[padding] = float("nan")
+    return fmt, keep, A, gen
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_ell_skips_its_padding(index_dtype, dtype):
+    """Block-ELL rows declare their block counts (`declared_lengths`), so the kernel stops
+    each block row there: padding poisoned with NaN after packing leaves the product exact
+    (empty and single-block rows, a non-power-of-two width, a non-contiguous B)."""
+    fmt, keep, A, gen = _poisoned_block_ell(dtype, index_dtype)
     counts = fmt.declared_lengths()["q[p]"]
     assert counts.dtype == index_dtype
     assert counts.cpu().tolist() == keep.sum(1).tolist()  # 0 for the empty block row
-    padding = torch.arange(fmt.AK.shape[1], device=DEVICE) >= counts[:, None]
-    with torch.no_grad():
-        fmt.AV[padding] = float("nan")
-    B = torch.randn(N, KB * bk, generator=gen).to(dtype).to(DEVICE).t()  # non-contiguous
+    B = torch.randn(24, A.shape[1], generator=gen).to(dtype).to(DEVICE).t()  # non-contiguous
     expected = A.double() @ B.double().cpu()
     for _ in range(3):  # the first call, then the pinned repeats
         C = fmt.spmm(B, backend="triton", precision="ieee")
         assert bool(torch.isfinite(C).all())
         assert (C.double().cpu() - expected).norm() / expected.norm() <= TOLERANCE[dtype]
-
-
-def _poisoned_block_ell():
-    """A Block-ELL matrix (an empty block row, rows of 1 to 7 blocks) whose padding slots hold
-    NaN, a B and A @ B in float64: a product that reads the padding is not finite."""
-    gen = torch.Generator().manual_seed(7)
-    bm, bk, MB, KB, N = 16, 16, 5, 7, 20
-    keep = torch.rand(MB, KB, generator=gen) < 0.4
-    keep[1] = False  # an empty block row
-    keep[2] = False
-    keep[2, 5] = True  # one block
-    keep[3] = True  # the longest row: every block column
-    A = torch.randn(MB * bm, KB * bk, generator=gen) * keep.repeat_interleave(bm, 0).repeat_interleave(bk, 1)
-    fmt = BlockGroupCOO.from_dense(A, block=(bm, bk), group_size="row").to(DEVICE)
-    AL = fmt.declared_lengths()["q[p]"]
-    padding = torch.arange(fmt.AK.shape[1], device=DEVICE) >= AL[:, None]
-    assert bool(padding.any())
-    with torch.no_grad():
-        fmt.AV[padding] = float("nan")
-    B = torch.randn(KB * bk, N, generator=gen).to(DEVICE)
-    return fmt, B, A.double() @ B.double().cpu()
 
 
 def _assert_product(C, expected):
@@ -143,7 +132,9 @@ def test_block_ell_skips_its_padding_under_torch_compile():
     """The declared lengths reach the kernel through torch.compile's custom operator: the
     compiled product (and a compiled `insum()` given `lengths=`) never reads the NaN padding."""
     torch._dynamo.reset()
-    fmt, B, expected = _poisoned_block_ell()
+    fmt, _, A, gen = _poisoned_block_ell()
+    B = torch.randn(A.shape[1], 20, generator=gen).to(DEVICE)
+    expected = A.double() @ B.double().cpu()
     compiled = torch.compile(lambda B: fmt.spmm(B, backend="triton", precision="ieee"), fullgraph=True)
     _assert_product(compiled(B), expected)
 
