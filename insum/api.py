@@ -92,7 +92,7 @@ def insum(
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
                     sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths)
-    key = (backend, precision, autotune, check_indices, sorted_indices, unique_indices)
+    key = (backend, precision, autotune, check_indices, _declared(sorted_indices), _declared(unique_indices))
     repeat = prepared(expr, key, tensors, lengths)  # a call like an earlier one: straight to its launch
     if repeat is not None:
         return repeat(tensors, lengths)
@@ -104,6 +104,21 @@ def insum(
         return call(expr, tensors, stmt=stmt, sorted_indices=sorted_indices, unique_indices=unique_indices,
                     lengths=lengths, **options)
     return run_and_prepare(expr, key, bind(stmt, tensors), tensors, lengths, sorted_indices, unique_indices, **options)
+
+
+def _declared(names) -> object:
+    """A declaration of index tensor names as part of a prepared call's key: a set, list or
+    name given for the documented frozenset finds the same prepared call (an unhashable key
+    would send every call down the full path); anything else is left for the full path to
+    report."""
+    if isinstance(names, str):
+        return frozenset((names,))
+    if isinstance(names, (set, list, tuple)):
+        try:
+            return frozenset(names)
+        except TypeError:
+            return names
+    return names
 
 
 def insum_many(

@@ -63,6 +63,27 @@ def test_repeat_skips_the_full_path_and_computes_on_new_values(backend, monkeypa
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("declared", [{"AK"}, ["AK"], ("AK",), "AK", frozenset({"AK"})])
+def test_declared_names_in_any_collection_repeat(declared, monkeypatch):
+    """sorted_indices / unique_indices given as a set, list, tuple or one name (the documented
+    type is frozenset) still find the prepared call: an unhashable key sent every such call
+    down the full path (~130 us of host time a call on an H200 host)."""
+    expr = "C[p,n] += AV[p,q]*B[AK[p,q],n]"
+
+    def tensors(seed):
+        t = _group_tensors(seed, M=5)
+        del t["AM"]
+        t["AK"] = t["AK"].sort(1).values
+        return t
+
+    insum.insum(expr, backend="triton", sorted_indices=declared, **tensors(0))
+    _no_full_path(monkeypatch)
+    t = tensors(1)
+    expected = t["C"].double() + (t["AV"].double().unsqueeze(2) * t["B"].double()[t["AK"]]).sum(1)
+    out = insum.insum(expr, backend="triton", sorted_indices=declared, **t)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_repeat_allocates_a_fresh_output(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     A, B = torch.randn(5, 4, generator=gen), torch.randn(4, 3, generator=gen)
