@@ -21,12 +21,16 @@ from .execute import (
     Precision,
     check_names,
     check_options,
+    declared_key,
+    facts_in,
     length_facts,
     prepare_batch,
     prepared,
     prepared_batch,
     run_and_prepare,
     sorted_facts,
+    staged_bounds,
+    staging_for,
 )
 from .library import call
 from .parser import parse
@@ -92,7 +96,7 @@ def insum(
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
                     sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths)
-    key = (backend, precision, autotune, check_indices, _declared(sorted_indices), _declared(unique_indices))
+    key = (backend, precision, autotune, check_indices, declared_key(sorted_indices), declared_key(unique_indices))
     repeat = prepared(expr, key, tensors, lengths)  # a call like an earlier one: straight to its launch
     if repeat is not None:
         return repeat(tensors, lengths)
@@ -104,21 +108,6 @@ def insum(
         return call(expr, tensors, stmt=stmt, sorted_indices=sorted_indices, unique_indices=unique_indices,
                     lengths=lengths, **options)
     return run_and_prepare(expr, key, bind(stmt, tensors), tensors, lengths, sorted_indices, unique_indices, **options)
-
-
-def _declared(names) -> object:
-    """A declaration of index tensor names as part of a prepared call's key: a set, list or
-    name given for the documented frozenset finds the same prepared call (an unhashable key
-    would send every call down the full path); anything else is left for the full path to
-    report."""
-    if isinstance(names, str):
-        return frozenset((names,))
-    if isinstance(names, (set, list, tuple)):
-        try:
-            return frozenset(names)
-        except TypeError:
-            return names
-    return names
 
 
 def insum_many(
@@ -194,6 +183,26 @@ def compile(expr: str, /, *, precision: Precision = "tf32", autotune: bool | Non
     return cached_kernel(spec_for(bound, precision), autotune)
 
 
+def _kernel_lines(bound, precision: str, sorted_indices, unique_indices, declared) -> list[str]:
+    """The explanation of one kernel: ranked candidates, plan, source."""
+    from .codegen.schedule import rank
+    from .runtime import kernel_for
+
+    try:
+        kernel = kernel_for(
+            bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=declared
+        )
+    except UnsupportedStatement as e:
+        return [f"generated kernel: none ({e})"]
+    lines = ["candidates (cost model, cheapest first; see insum.codegen.schedule):"]
+    lines.extend(f"  {candidate}" for candidate in rank(kernel.spec))
+    lines.append("plan:")
+    lines.extend("  " + line for line in str(kernel.plan).splitlines())
+    lines.append("source:")
+    lines.append(kernel.source)
+    return lines
+
+
 def explain(
     expr: str,
     /,
@@ -218,25 +227,13 @@ def explain(
     lines.append(f"index tensors: {', '.join(bound.index_names) or '-'}")
     lines.append(f"value tensors: {', '.join(bound.value_names) or '-'}")
     lines.append(f"output: {bound.output_name} {list(bound.out_shape)} {bound.out_dtype}")
-    from .runtime import kernel_for
-
-    try:
-        kernel = kernel_for(
-            bound,
-            precision=precision,
-            sorted_indices=sorted_facts(bound, sorted_indices),
-            unique_indices=sorted_facts(bound, unique_indices, "unique_indices"),
-            lengths=declared,
-        )
-    except UnsupportedStatement as e:
-        lines.append(f"generated kernel: none ({e})")
+    facts = (sorted_facts(bound, sorted_indices), sorted_facts(bound, unique_indices, "unique_indices"))
+    staged = staging_for(bound, declared)
+    if staged is None:
+        lines.extend(_kernel_lines(bound, precision, *facts, declared))
     else:
-        from .codegen.schedule import rank
-
-        lines.append("candidates (cost model, cheapest first; see insum.codegen.schedule):")
-        lines.extend(f"  {candidate}" for candidate in rank(kernel.spec))
-        lines.append("plan:")
-        lines.extend("  " + line for line in str(kernel.plan).splitlines())
-        lines.append("source:")
-        lines.append(kernel.source)
+        lines.append(f"staged (insum.codegen.stage; INSUM_STAGE=0 keeps the gather in the product): {staged}")
+        for title, part in zip(("gather", "product"), staged_bounds(staged, bound)):
+            lines.append(f"{title}: {part.stmt}")
+            lines.extend("  " + line for line in _kernel_lines(part, precision, *facts_in(part, *facts).values(), ()))
     return "\n".join(lines)

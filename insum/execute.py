@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from .bind import PLAIN_TENSORS, Bound, check_aliasing, tensor_signature
+from .bind import PLAIN_TENSORS, Bound, bind, check_aliasing, tensor_signature
 from .bounds import check_indices as _check_indices
 from .cache import BoundedCache, memoize
 from .dtypes import INDEX_DTYPES
@@ -41,6 +41,10 @@ __all__ = [
     "prepared",
     "Prepared",
     "call_signature",
+    "declared_key",
+    "staging_for",
+    "staged_bounds",
+    "facts_in",
     "prepared_batch",
     "PreparedBatch",
     "prepare_batch",
@@ -192,6 +196,12 @@ def run(
         return run_reference(bound, out)
     from .runtime import kernel_for  # the runtime loads the code generator: on first use
 
+    staged = staging_for(bound, lengths)
+    if staged is not None:
+        options = dict(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+        gather, main = staged_bounds(staged, bound)
+        run(gather, gather.output(), **options, **facts_in(gather, sorted_indices, unique_indices))
+        return run(main, out, **options, **facts_in(main, sorted_indices, unique_indices))
     try:
         kernel = kernel_for(
             bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths
@@ -206,6 +216,78 @@ def run(
         return run_reference(bound, out)
     _check_indices(bound, out, device_check=_checking(check_indices))
     return kernel.launch(bound, out, autotune=autotune)
+
+
+def staging_for(bound: Bound, lengths: Lengths):
+    """The staging of a gathered operand for `bound` (`insum.codegen.stage`), or None: none
+    qualifies, lengths are declared (the staged copy would read the padding), or
+    INSUM_STAGE is off."""
+    if lengths or not flag("INSUM_STAGE", default=True):
+        return None
+    from .codegen.stage import staging
+
+    return staging(bound.stmt, bound.extents)
+
+
+def staged_bounds(staged, bound: Bound) -> tuple[Bound, Bound]:
+    """The gather and the product of a staged statement, bound to `bound`'s tensors and a new
+    staged tensor (uninitialised: the gather writes all of it)."""
+    source = bound.tensors[staged.source]
+    S = torch.empty([bound.extents[v] for v in staged.variables], dtype=source.dtype, device=bound.device)
+    tensors = {**bound.tensors, staged.name: S}
+    parts = []
+    for stmt in (staged.gather, staged.main):
+        names = {access.name for access, _ in stmt.walk()}
+        parts.append(bind(stmt, {n: t for n, t in tensors.items() if n in names}))
+    return parts[0], parts[1]
+
+
+def facts_in(bound: Bound, sorted_indices: frozenset[str], unique_indices: frozenset[str]) -> dict:
+    """The declared facts about index tensors that `bound`'s statement still reads."""
+    names = set(bound.index_names)
+    return {"sorted_indices": sorted_indices & names, "unique_indices": unique_indices & names}
+
+
+class _StagedLaunch:
+    """A staged statement's two prepared launches, repeated: the gather into a new staged
+    tensor, then the product. Not pinned and not batched (those take single launches)."""
+
+    staged = True
+
+    def __init__(self, gather, main, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.gather, self.main = gather, main
+        self.name, self.shape, self.dtype, self.device = name, shape, dtype, device
+
+    @property
+    def config(self):
+        return self.main.config
+
+    @property
+    def launched(self) -> bool:
+        return self.main.launched
+
+    def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
+        S = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.gather.run(tensors, S, autotune)
+        return self.main.run({**tensors, self.name: S}, out, autotune)
+
+    def pin(self, fixed) -> None:
+        return None
+
+
+def declared_key(names) -> object:
+    """A declaration of index tensor names (sorted_indices, unique_indices) as part of a
+    prepared call's key: a set, list or one name given for the documented frozenset finds
+    the same prepared call (an unhashable key would send every call down the full path);
+    anything else is left for the full path to report."""
+    if isinstance(names, str):
+        return frozenset((names,))
+    if isinstance(names, (set, list, tuple)):
+        try:
+            return frozenset(names)
+        except TypeError:
+            return names
+    return names
 
 
 def call_signature(tensors: dict) -> tuple | None:
@@ -329,16 +411,13 @@ def prepare(
         signature += extra
     launcher, aligned = None, None
     if not (backend == "torch" or (backend == "auto" and bound.device.type != "cuda")):
-        from .runtime import descriptors_supported, kernel_for
+        from .runtime import descriptors_supported
 
         try:
-            kernel = kernel_for(
-                bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=declared
-            )
+            launcher = _prepared_launch(bound, precision, sorted_indices, unique_indices, declared)
         except UnsupportedStatement:
             pass  # it fell back to the torch lowering (backend "auto"), as it will again
         else:
-            launcher = kernel.prepared(bound)
             if launcher.config is None and launcher.launched:
                 return  # not run yet (nothing to repeat)
             if descriptors_supported(bound.device):
@@ -348,6 +427,26 @@ def prepare(
         _PREPARED[(expr, options, signature)] = Prepared(bound, launcher, _checking(check_indices), autotune, aligned, names)
     except TypeError:
         return
+
+
+def _prepared_launch(bound: Bound, precision, sorted_indices, unique_indices, lengths: Lengths):
+    """The launch a call on `bound` ran (prepared per signature by its kernel), or for a
+    staged statement its two launches as one `_StagedLaunch`."""
+    from .runtime import kernel_for
+
+    staged = staging_for(bound, lengths)
+    if staged is None:
+        kernel = kernel_for(
+            bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths
+        )
+        return kernel.prepared(bound)
+    parts = []
+    for part in staged_bounds(staged, bound):
+        facts = facts_in(part, sorted_indices, unique_indices)
+        parts.append(_prepared_launch(part, precision, facts["sorted_indices"], facts["unique_indices"], ()))
+    source = bound.tensors[staged.source]
+    shape = tuple(bound.extents[v] for v in staged.variables)
+    return _StagedLaunch(parts[0], parts[1], staged.name, shape, source.dtype, bound.device)
 
 
 def run_and_prepare(
@@ -476,10 +575,12 @@ def prepare_batch(calls, options: tuple) -> None:
     backend, precision, autotune, check_indices, disjoint, covering = options
     for expr, tensors, *facts in calls:
         facts = facts[0] if facts else {}
-        one = (backend, precision, autotune, check_indices, facts.get("sorted_indices", frozenset()),
-               facts.get("unique_indices", frozenset()))
+        one = (backend, precision, autotune, check_indices, declared_key(facts.get("sorted_indices", frozenset())),
+               declared_key(facts.get("unique_indices", frozenset())))
         call = _PREPARED.get((expr, one, call_signature(tensors)))
         if call is None or call.launcher is None or call.device_check or call.out_name not in tensors:
+            return
+        if getattr(call.launcher, "staged", False):  # two launches: not one part of a batch
             return
         parts.append(call.launcher)
         out_names.append(call.out_name)
@@ -611,7 +712,8 @@ def pin(
     if len(calls) == 1 and not covering:
         expr, tensors, *facts = calls[0]
         facts = facts[0] if facts else {}
-        key = (*head, facts.get("sorted_indices", frozenset()), facts.get("unique_indices", frozenset()))
+        key = (*head, declared_key(facts.get("sorted_indices", frozenset())),
+               declared_key(facts.get("unique_indices", frozenset())))
         lengths = facts.get("lengths")
         try:
             launch = prepared(expr, key, tensors, lengths)

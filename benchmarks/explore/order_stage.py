@@ -8,9 +8,11 @@
    storing through the permutation (`C[AM[p], m, n] = ...`, AM unique) starts the
    longest first (the LPT rule). Timed against the row order, beside cuBLAS.
 2. *Staging a gathered operand.* `C[m,n] = A[m,k]*B[I[k],n]` loads B's rows through
-   pointers in every program (Hopper has no TMA gather); gathering once (`B[I]`, a copy of
-   K x N) and running the dense statement on tensor descriptors may cost less when every
-   M tile reuses the gathered rows. Timed fused against staged (copy included), beside cuBLAS.
+   pointers in every program (Hopper has no TMA gather); gathering once (a copy of K x N)
+   and running the dense statement on tensor descriptors may cost less when every M tile
+   reuses the gathered rows. First measured as `B.index_select` + the dense statement
+   (session9/call1); now `insum()` itself with INSUM_STAGE=0 (fused) and 1 (staged,
+   `insum.codegen.stage`, copy included), beside cuBLAS and `A @ B[I]` in torch.
 """
 
 from __future__ import annotations
@@ -80,21 +82,21 @@ def stage_case(size: int, dtype, rows: list) -> None:
     point = f"{dtype} {size}^3"
     say(f"{point}: cuBLAS {t_cublas * 1e3:.1f} us")
 
-    def fused(B):
+    def product(B):
         return insum.insum("C[m, n] = A[m, k] * B[I[k], n]", A=A, B=B, I=index, C=C)
-
-    def staged(B):
-        return insum.insum("C[m, n] = A[m, k] * S[k, n]", A=A, S=B.index_select(0, index), C=C)
 
     def torch_gather(B):
         return torch.matmul(A, B.index_select(0, index), out=C)
 
-    for label, fn in (("fused gather", fused), ("staged B[I] + dense", staged), ("torch B[I] + cuBLAS", torch_gather)):
+    for label, stage, fn in (("fused gather", "0", product), ("staged (default)", "1", product),
+                             ("torch B[I] + cuBLAS", "1", torch_gather)):
+        os.environ["INSUM_STAGE"] = stage
         C.fill_(float("nan"))
         err = relative_error(fn(Bs[0]), expected)
         ms = median_ms(rotating(fn, [(B,) for B in Bs]))
         rows.append(dict(study="stage", point=point, label=label, ms=ms, err=err, vs_cublas=t_cublas / ms))
         say(f"  {label:26s} {ms * 1e3:8.1f} us  x{t_cublas / ms:.2f} cuBLAS  err {err:.1e}")
+    os.environ.pop("INSUM_STAGE")
 
 
 def main() -> None:
