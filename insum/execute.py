@@ -122,8 +122,9 @@ def sorted_facts(bound: Bound, names, option: str = "sorted_indices") -> frozens
     return facts
 
 
-#: Declared lengths as a kernel sees them: (variable, tensor name, index variables).
-Lengths = tuple[tuple[str, str, tuple[str, ...]], ...]
+#: Declared lengths as a kernel sees them: (variable, tensor name, index variables, order
+#: tensor name: "" unless the length is over one variable, see `longest_first`).
+Lengths = tuple[tuple[str, str, tuple[str, ...], str], ...]
 _LENGTH_KEY = re.compile(r"^\s*([A-Za-z_]\w*)\s*\[\s*([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*\]\s*$")
 
 
@@ -153,13 +154,55 @@ def length_facts(bound: Bound, lengths: Mapping[str, torch.Tensor]) -> tuple[Bou
                 f"(the extents of {', '.join(index)}) on {bound.device}"
             )
         name = f"LEN_{var}"
-        while name in taken:
+        while name in taken or order_name(name) in taken:
             name += "_"
         taken.add(name)
         extra[name] = tensor
-        facts.append((var, name, index))
+        order = ""
+        if len(index) == 1:  # the programs of index[0] may run longest first
+            order = order_name(name)
+            taken.add(order)
+            extra[order] = longest_first(tensor)
+        facts.append((var, name, index, order))
         signature.append(("lengths", name, index, tensor.dtype, tuple(tensor.stride())))
     return bound.with_tensors({**bound.tensors, **extra}, tuple(signature)), tuple(facts)
+
+
+def order_name(length_name: str) -> str:
+    """The binding's name for the order of a declared length's tensor (`longest_first`)."""
+    return f"ORDER_{length_name}"
+
+
+_ORDERS: BoundedCache[tuple, torch.Tensor] = BoundedCache()
+
+
+def longest_first(lengths: torch.Tensor) -> torch.Tensor:
+    """The positions of a 1-D lengths tensor from the longest to the shortest (int32, stable):
+    the order in which a kernel whose programs each run one position's length starts them
+    (`insum.codegen.schedule.Plan.ordered`).
+
+    Kept per tensor (its address, version counter, shape, dtype and device), so a format's
+    packed lengths are sorted once, not on every call. Any permutation gives the same
+    result, only the order of the programs differs, so a stale entry (a tensor freed and
+    another allocated at its address) costs speed at most, never correctness."""
+    if type(lengths) not in PLAIN_TENSORS:  # fake or functional tensors while tracing
+        return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+    key = (lengths.data_ptr(), lengths._version, lengths.shape, lengths.dtype, lengths.device)
+    order = _ORDERS.get(key)
+    if order is None:
+        order = _ORDERS[key] = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+    return order
+
+
+def with_lengths(tensors: Mapping[str, torch.Tensor], lengths: Mapping[str, torch.Tensor], names) -> dict:
+    """`tensors` with the declared lengths (and their orders) under the binding's names;
+    names: (key in `lengths=`, the binding's name) per declared length, as prepared."""
+    tensors = dict(tensors)
+    for key, name, ordered in names:
+        tensors[name] = lengths[key]
+        if ordered:
+            tensors[order_name(name)] = longest_first(lengths[key])
+    return tensors
 
 
 def _checking(check_indices: bool | None) -> bool:
@@ -319,7 +362,7 @@ class Prepared:
         self, bound: Bound, launcher, device_check: bool, autotune: bool | None, aligned: tuple | None, lengths: tuple
     ):
         self.bound = bound.with_tensors({})
-        self.lengths = lengths  # (key in `lengths=`, the binding's name for its tensor), per declared length
+        self.lengths = lengths  # (key in `lengths=`, the binding's name, ordered?), per declared length
         self.out_name = bound.output_name
         self.inputs = bound.value_names + bound.index_names
         self.launcher = launcher  # None: the torch lowering
@@ -331,9 +374,7 @@ class Prepared:
 
     def __call__(self, tensors: dict, lengths: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         if self.lengths and lengths is not None:  # (a pinned call holds them under their names)
-            tensors = dict(tensors)
-            for key, name in self.lengths:
-                tensors[name] = lengths[key]
+            tensors = with_lengths(tensors, lengths, self.lengths)
         out = tensors.get(self.out_name)
         bound = self.bound
         if out is None:
@@ -423,7 +464,7 @@ def prepare(
             if descriptors_supported(bound.device):
                 aligned = _alignment(bound.value_names, bound.tensors)
     try:
-        names = tuple((key, name) for key, (_, name, _) in zip(lengths or {}, declared))
+        names = tuple((key, name, bool(order)) for key, (_, name, _, order) in zip(lengths or {}, declared))
         _PREPARED[(expr, options, signature)] = Prepared(bound, launcher, _checking(check_indices), autotune, aligned, names)
     except TypeError:
         return
@@ -722,7 +763,7 @@ def pin(
         if launch is None or launch.out_name not in varying:
             return None
         if launch.lengths:  # the declared lengths' tensors, pinned under the binding's names
-            calls = [(expr, {**tensors, **{name: lengths[k] for k, name in launch.lengths}})]
+            calls = [(expr, with_lengths(tensors, lengths, launch.lengths))]
         aligned = ((0, launch),) if launch.aligned is not None else ()
         return Pinned(launch, calls, varying, aligned)
     batch = prepared_batch(calls, (*head, disjoint, covering))

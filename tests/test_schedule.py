@@ -387,6 +387,21 @@ def test_lengths_appear_in_the_plan_and_source():
                            **{k: v.to(DEVICE) for k, v in t.items()})
     assert "length: q < LEN_q[p]" in source
     assert "for step in range(0, len_q * steps_k):" in source
+    assert "program order: p longest first" in source
+    assert "i_p = tl.load(ORDER_LEN_q_ptr + i_p * stride_ORDER_LEN_q_0)" in source
+
+
+def test_longest_first_order_is_kept_per_tensor_version():
+    """The programs' order (`execute.longest_first`): positions by decreasing length, stable;
+    sorted once per tensor, again after an in-place change."""
+    from insum.execute import longest_first
+
+    lengths = torch.tensor([1, 5, 3, 5], dtype=torch.int32)
+    first = longest_first(lengths)
+    assert first.tolist() == [1, 3, 2, 0] and first.dtype == torch.int32
+    assert longest_first(lengths) is first
+    lengths[0] = 9
+    assert longest_first(lengths).tolist() == [0, 1, 3, 2]
 
 
 @pytest.mark.parametrize(
@@ -494,7 +509,8 @@ def test_declared_lengths_put_the_rows_on_the_grid():
 
     plan = schedule(_uvu_spec(16384, lengths=True))
     assert plan.tiles == (("M", "b"), ("K", "q"), ("N", "u")) and plan.grid == ("p",) and plan.grid_first
-    assert plan.lengths == (("q", "LEN_q", ("p",)),)
+    assert plan.lengths == (("q", "LEN_q", ("p",), "ORDER_LEN_q"),)
+    assert plan.ordered == (("p", "ORDER_LEN_q"),)  # the components with the most entries first
     assert schedule(_uvu_spec(16384, lengths=False)).grid == ("b",)
 
 

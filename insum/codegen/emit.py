@@ -97,7 +97,8 @@ class _Emitter:
         return name
 
     def _tensor_names(self) -> list[str]:
-        names = [access.name for access, _ in self.stmt.walk()] + [t for _, t, _ in self.plan.lengths]
+        names = [access.name for access, _ in self.stmt.walk()] + [fact[1] for fact in self.plan.lengths]
+        names += [order for _, order in self.plan.ordered]
         return list(dict.fromkeys(names))
 
     def stride(self, tensor: str, dim: int) -> str:
@@ -177,7 +178,7 @@ class _Emitter:
         the loop stops at it, the longest of the tile's rows when its index is tiled, where
         K-tiled loads also mask each row's lanes past its own length (no bytes moved there).
         Clamped to the extent, so that a too-long length reads nothing out of bounds."""
-        for var, tensor, index in self.plan.lengths:
+        for var, tensor, index, *_ in self.plan.lengths:
             value = self.gather(Access(tensor, tuple(Index.of(Var(v)) for v in index)))
             name = self.fresh(f"len_{var}")
             longest = f"tl.max({value.expr}, axis=0)" if value.axes else value.expr
@@ -191,6 +192,8 @@ class _Emitter:
                 self.length_masks.append(Value(f"{broadcast(lanes, axes)} < {broadcast(value, axes)}", axes, 1))
         if self.plan.axis_var("K") in self.count and not self.plan.folded:
             self.extent_k = self.count[self.plan.axis_var("K")]
+        for _, order in self.plan.ordered:  # read where the program id is split (`_ordered_lines`)
+            self.stride(order, 0)
 
     def gather(self, access: Access) -> Value:
         """Load an access (an indirect index or a factor) once, at the shallowest level."""
@@ -265,7 +268,7 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
     plan = em.plan
     lines = ["pid = tl.program_id(0)"]
     if plan.grouped:
-        return lines + _grouped_tile_lines(em)
+        return lines + _grouped_tile_lines(em) + _ordered_lines(em)
     order = [("tile", a, v) for a, v in reversed(plan.tiles) if a != "K"]
     grid = [("grid", None, v) for v in reversed(plan.grid)]
     order = grid + order if plan.grid_first else order + grid
@@ -283,7 +286,17 @@ def _launch_grid_lines(em: _Emitter) -> list[str]:
             lines.append(f"{em.scalar[var]} = pid" if last else f"{em.scalar[var]} = pid % {em.size[var]}")
             if not last:
                 lines.append(f"pid = pid // {em.size[var]}")
-    return lines
+    return lines + _ordered_lines(em)
+
+
+def _ordered_lines(em: _Emitter) -> list[str]:
+    """A grid variable walked longest first takes its value from the order tensor at the
+    program's index (`Plan.ordered`)."""
+    return [
+        f"{em.scalar[var]} = tl.load({em.ptr[order]} + {em.scalar[var]} * {em.stride(order, 0)})"
+        f"  # {var} in decreasing declared length"
+        for var, order in em.plan.ordered
+    ]
 
 
 def _grouped_tile_lines(em: _Emitter) -> list[str]:

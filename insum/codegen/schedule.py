@@ -89,10 +89,12 @@ class KernelSpec:
     # that one kernel serves a family of sizes): upper bounds for ownership proofs and the
     # tile-fill term of the cost model. A variable absent here is taken as large.
     sizes: tuple[tuple[str, int], ...] = ()
-    # Declared lengths of reduced variables, (variable, tensor, index variables): entries
-    # with `var >= tensor[index variables]` contribute zero (a format's padding), so the
-    # kernel may stop there. See `Plan.lengths`.
-    lengths: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    # Declared lengths of reduced variables, (variable, tensor, index variables[, order]):
+    # entries with `var >= tensor[index variables]` contribute zero (a format's padding), so
+    # the kernel may stop there. See `Plan.lengths`. order: for a length over one output
+    # variable, a tensor of that variable's values from the longest length to the shortest
+    # (`Plan.ordered`), "" or absent where there is none.
+    lengths: tuple[tuple, ...] = ()
 
     def role(self, var: str) -> Role:
         return dict(self.roles)[var]
@@ -130,7 +132,12 @@ class Plan:
     # The declared lengths this plan applies (see `_applied_lengths`): the reduction loop of
     # each variable stops at its length (the largest over the program's tile), and K-tiled
     # loads mask the lanes past each row's own length.
-    lengths: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    lengths: tuple[tuple, ...] = ()
+    # Grid variables whose programs run longest first: (variable, tensor of its values in
+    # decreasing declared length). A program's value of the variable is read from the
+    # tensor at its program index, so the programs with the most steps start first and the
+    # short ones fill the GPU's tail (the LPT rule; see `_ordered`).
+    ordered: tuple[tuple[str, str], ...] = ()
     # Program order: the grid variables vary fastest (before the tile indices), so that the
     # programs of one tile, which read the same operand rows, run side by side (see `_grid_first`).
     grid_first: bool = False
@@ -189,8 +196,10 @@ class Plan:
             lines.append("programs: persistent (one per SM, striding over the tiles)")
         if self.grid_first:
             lines.append(f"program order: {', '.join(self.grid)} fastest, then the tiles")
-        for var, tensor, index in self.lengths:
+        for var, tensor, index, *_ in self.lengths:
             lines.append(f"length: {var} < {tensor}[{', '.join(index)}] (declared: later entries are padding)")
+        for var, order in self.ordered:
+            lines.append(f"program order: {var} longest first ({var} = {order}[program's {var}])")
         lines.append(f"accumulator: {self.acc_dtype}")
         note = "owned" if self.output == "store" and not self.covers_output else self.output
         lines.append(f"output: {self.output}" + _OUTPUT_NOTES[note])
@@ -483,7 +492,7 @@ def _run_extents(spec: KernelSpec, tiles: dict[str, str], stacked: tuple[str, ..
     on_tiles = set(tiles.values()) | set(stacked)
     grid = {v for v, role in spec.roles if role != "reduced" and v not in on_tiles}
     loops = tuple(v for v, role in spec.roles if role == "reduced" and v not in on_tiles)
-    for var, _, index in () if stacked else _applied_lengths(spec, tiles, tuple(grid), loops):
+    for var, _, index, *_ in () if stacked else _applied_lengths(spec, tiles, tuple(grid), loops):
         if all(v in grid for v in index):
             extents[var] = max(1, math.ceil(extents[var] * LENGTH_FILL))
     return extents
@@ -689,6 +698,7 @@ def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Pla
         dot_dtype, boxes, folded, persistent = None, (), (), False
     output = "atomic" if chosen.output == "segment" and persistent else chosen.output
     loops = tuple(v for v in loops if v not in folded)
+    applied = () if chosen.stacked else _applied_lengths(spec, tiles, chosen.grid, loops)
     return Plan(
         spec=spec,
         kind=chosen.kind,
@@ -703,7 +713,8 @@ def plan_of(spec: KernelSpec, chosen: Candidate, *, fold_k: bool = False) -> Pla
         boxes=boxes,
         folded=folded,
         persistent=persistent,
-        lengths=() if chosen.stacked else _applied_lengths(spec, tiles, chosen.grid, loops),
+        lengths=applied,
+        ordered=_ordered(applied, chosen.grid),
         stacked=chosen.stacked,
         grid_first=chosen.kind == "reduce" and _grid_first(spec, tiles, chosen.grid),
     )
@@ -735,10 +746,29 @@ def _applied_lengths(spec: KernelSpec, tiles: dict[str, str], grid: tuple[str, .
     variable (the loop runs to the tile's longest row). Others are ignored, which is correct:
     the entries past a length contribute zero."""
     applied = []
-    for var, tensor, index in spec.lengths:
+    for fact in spec.lengths:
+        var, _, index = fact[:3]
         if var not in loops and tiles.get("K") != var:
             continue
         tiled = [v for v in index if v in tiles.values()]
         if all(v in grid or v in tiled for v in index) and len(tiled) <= 1 and tiles.get("K") not in tiled:
-            applied.append((var, tensor, index))
+            applied.append(fact)
     return tuple(applied)
+
+
+def _ordered(lengths: tuple[tuple, ...], grid: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The grid variables to walk longest first: each applied length over one grid variable
+    that comes with its order tensor. Block-ELL at s = 0.9 holds 3 to 40 blocks a block row;
+    in index order the longest rows may start last and leave the GPU idle behind them. On an
+    H200 (fp16, 4096^3-8192^3, 32-128 blocks, s = 0.5-0.9) longest first ran 1-10% faster at
+    every point (benchmarks/results/h200/session9/call2, `python -m benchmarks.explore.order_stage`).
+
+    >>> _ordered((("q", "LEN_q", ("p",), "ORDER_LEN_q"),), ("p",)), _ordered((("q", "LEN_q", ("p",)),), ("p",))
+    ((('p', 'ORDER_LEN_q'),), ())
+    """
+    ordered = {}
+    for fact in lengths:
+        index, order = fact[2], fact[3] if len(fact) > 3 else ""
+        if order and len(index) == 1 and index[0] in grid and index[0] not in ordered:
+            ordered[index[0]] = order
+    return tuple(ordered.items())
