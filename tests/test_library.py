@@ -197,7 +197,7 @@ def test_compile_passes_facts_and_lengths_to_the_kernel(monkeypatch):
     assert len(forward) == 2  # compiled and eager
     for _, sorted_, unique, lengths in forward:
         assert sorted_ == unique == frozenset({"AM"})
-        assert [(var, index) for var, _, index in lengths] == [("q", ("p",))]
+        assert [(var, index) for var, _, index, *_ in lengths] == [("q", ("p",))]
     gradients = [entry for entry in seen if entry[0] != statement]
     assert gradients and all(entry[1:] == (frozenset(), frozenset(), ()) for entry in gradients)
 

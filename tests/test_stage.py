@@ -77,14 +77,14 @@ def test_staged_product_matches_and_repeats(small_thresholds, index_dtype, trans
     execute._PREPARED.clear()
     A, B, idx = _case(0, index_dtype, transposed_B=transposed_B)
     C = torch.full((40, 20), float("nan"), device=DEVICE)
-    out = insum.insum(GATHERED, A=A, B=B, I=idx, C=C, backend="triton")
+    out = insum.insum(GATHERED, A=A, B=B, I=idx, C=C, backend="triton", precision="ieee")
     assert out is C
     torch.testing.assert_close(out.double(), _expected(A, B, idx), rtol=1e-4, atol=1e-4)
     launches = [call.launcher for call in execute._PREPARED.values()]
     assert [type(launch).__name__ for launch in launches] == ["_StagedLaunch"]
     A, B2, idx = _case(1, index_dtype, transposed_B=transposed_B)  # the repeat: new values
     B.copy_(B2)
-    out = insum.insum(GATHERED, A=A, B=B, I=idx, backend="triton")
+    out = insum.insum(GATHERED, A=A, B=B, I=idx, backend="triton", precision="ieee")
     torch.testing.assert_close(out.double(), _expected(A, B, idx), rtol=1e-4, atol=1e-4)
 
 
@@ -93,7 +93,7 @@ def test_staged_accumulation_adds_to_the_given_output(small_thresholds):
     A, B, idx = _case(2)
     C = torch.randn(40, 20, device=DEVICE)
     expected = C.double() + _expected(A, B, idx)
-    insum.insum("C[m, n] += A[m, k] * B[I[k], n]", A=A, B=B, I=idx, C=C, backend="triton")
+    insum.insum("C[m, n] += A[m, k] * B[I[k], n]", A=A, B=B, I=idx, C=C, backend="triton", precision="ieee")
     torch.testing.assert_close(C.double(), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -103,7 +103,7 @@ def test_stage_switch_and_declared_lengths_keep_the_gather_fused(small_threshold
     monkeypatch.setenv("INSUM_STAGE", "0")
     assert "staged" not in insum.explain(GATHERED, A=A, B=B, I=idx)
     execute._PREPARED.clear()
-    out = insum.insum(GATHERED, A=A, B=B, I=idx, backend="triton")
+    out = insum.insum(GATHERED, A=A, B=B, I=idx, backend="triton", precision="ieee")
     torch.testing.assert_close(out.double(), _expected(A, B, idx), rtol=1e-4, atol=1e-4)
     assert [type(c.launcher).__name__ for c in execute._PREPARED.values()] == ["_Launcher"]
     monkeypatch.delenv("INSUM_STAGE")
@@ -123,7 +123,7 @@ def test_staged_gradients_match(small_thresholds):
     A, B, idx = _case(4, M=24, K=16, N=12, rows=20)
     A.requires_grad_(True)
     B.requires_grad_(True)
-    out = insum.insum(GATHERED, A=A, B=B, I=idx, backend="triton")
+    out = insum.insum(GATHERED, A=A, B=B, I=idx, backend="triton", precision="ieee")
     dC = torch.randn_like(out)
     out.backward(dC)
     Ad, Bd = A.detach().double().requires_grad_(True), B.detach().double().requires_grad_(True)
