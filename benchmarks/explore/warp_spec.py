@@ -1,0 +1,106 @@
+"""Triton's Hopper warp specialization on the generated block products, before building it:
+
+    python -m benchmarks.explore.warp_spec [--out DIR]
+
+Why: Block-ELL's programs run few K steps (3-40 blocks a block row), so each program's
+pipeline fill and epilogue weigh as much as its loop. Triton >= 3.5 can split a
+`tl.range(..., warp_specialize=True)` loop into producer warps (tensor-descriptor loads)
+and consumer warps (wgmma). This takes the tuned generated kernel of
+`C[p,m,n] = AV[p,q,m,k]*B[AK[p,q],k,n]` with declared lengths, rewrites its loop header
+only, and times both with the same tile configuration (and the rewritten one at 4 and 8
+warps and 2-4 stages), each checked against a float64 product, beside cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from insum.bind import bind
+from insum.execute import length_facts
+from insum.parser import parse
+from insum.runtime import BareLaunch, _ensure_descriptor_allocator, _load, cache_dir, kernel_for
+
+from ..common import block_sparse, median_ms, relative_error, rotating
+from .tensorcore import block_ell
+
+EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
+LOOP = "for step in range(0, len_q * steps_k):"
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def case(size: int, block: int, s: float, rows: list) -> None:
+    dtype = torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(size + block)
+    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
+    D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
+    t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
+    A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
+    expected = A.double() @ Bs[0].double()
+    nb = size // block
+    packed = block_ell(keep, A, block)
+    counts = keep.sum(1).to(torch.int32)
+    C = torch.empty(nb, block, size, device="cuda", dtype=dtype)
+    Bv = [B.view(nb, block, size) for B in Bs]
+    point = f"{size}^3 b{block} s={s}"
+    say(f"{point}: cuBLAS {t_cublas * 1e3:.1f} us")
+    bound, declared = length_facts(bind(parse(EXPR), {**packed, "B": Bv[0], "C": C}), {"q[p]": counts})
+    kernel = kernel_for(bound, lengths=declared)
+    kernel.launch(bound, C)  # tunes
+    prepared = kernel.prepared(bound)
+    base = dict(prepared.config)
+    if LOOP not in kernel.source:
+        say(f"  loop header not found; plan {kernel.plan}")
+        return
+    source = kernel.source.replace(LOOP, "for step in tl.range(0, len_q * steps_k, warp_specialize=True):")
+    try:
+        fn = _load(cache_dir() / "kernels" / f"insum_{kernel.digest}_ws.py", source, kernel.digest + "_ws")
+    except Exception as e:
+        say(f"  warp-specialized source does not load: {e!r}")
+        return
+    _ensure_descriptor_allocator()
+    variants = [("generated", kernel.fn, base)]
+    for warps in (4, 8):
+        for stages in (2, 3, 4):
+            variants.append((f"ws {warps}w {stages}st", fn, {**base, "num_warps": warps, "num_stages": stages}))
+    variants.append(("ws tuned config", fn, base))
+    for label, f, config in variants:
+        prepared.set_config(config)
+        launches = []
+        for B in Bv:
+            b = bound.with_tensors({**bound.tensors, "B": B})
+            launches.append(BareLaunch(f, prepared.grid, config, tuple(prepared.args(b.tensors, C))))
+        try:
+            C.fill_(float("nan"))
+            launches[0]()
+            err = relative_error(C.reshape(size, size), expected)
+            ms = median_ms(rotating(lambda g: g(), [(g,) for g in launches]))
+        except Exception as e:
+            say(f"  {label:18s} FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rows.append(dict(point=point, label=label, config=config, ms=ms, err=err, vs_cublas=t_cublas / ms))
+        say(f"  {label:18s} {ms * 1e3:8.1f} us  x{t_cublas / ms:.2f} cuBLAS  err {err:.1e}  {config}")
+    prepared.set_config(base)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    say(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    rows: list = []
+    for size, block, s in [(4096, 64, 0.9), (4096, 128, 0.5), (4096, 128, 0.9), (4096, 32, 0.9), (8192, 64, 0.9)]:
+        case(size, block, s, rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "warp_spec.json"), "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
