@@ -164,3 +164,28 @@ def test_block_ell_layer_skips_its_padding_forward_and_backward():
         yd.square().sum().backward()
         torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
         assert bool((layer.AV.grad[padding] == 0).all())
+
+
+def test_transposed_pattern_column_lengths_are_counted_once_per_pattern():
+    """The input gradient's declared column lengths are kept per pattern tensor (its buffer
+    is the same object on every backward), recounted after an in-place change, and the
+    gradient stays right either way."""
+    from insum.formats import transposed
+
+    torch.manual_seed(3)
+    layer = SparseLinear(40, 24, format="BlockGroupCOO", block=(8, 8), group_size="row", sparsity=0.6,
+                         backend="triton", precision="ieee")
+    x = torch.randn(5, 40, requires_grad=True)
+    layer(x).sum().backward()
+    TS = next(t for name, t in layer.named_buffers() if name.endswith("TS"))
+    G, g = layer.weight.AV.shape[:2]
+    zero_slot = G * g  # with_zero_slot appends it after every stored slot
+    first = transposed._column_lengths(TS, zero_slot)["lengths"]["q[c]"]
+    assert transposed._column_lengths(TS, zero_slot)["lengths"]["q[c]"] is first
+    torch.testing.assert_close(first, (TS != zero_slot).sum(1))
+    expected = layer.to_dense().double().sum(0).expand(5, 40)
+    x.grad = None
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad.double(), expected, rtol=1e-6, atol=1e-6)
+    TS.add_(0)  # an in-place change: counted again
+    assert transposed._column_lengths(TS, zero_slot)["lengths"]["q[c]"] is not first

@@ -11,6 +11,7 @@ grouped SpMM. Measured faster than the scatter on the H200 (`benchmarks/torch_ch
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import insum
 from ..arith import cdiv
@@ -89,12 +90,24 @@ def with_zero_slot(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, values.new_zeros(1, *values.shape[1:])])
 
 
+#: Column lengths per pattern tensor TS (the tensor object itself, while it lives): a layer's
+#: pattern is the same buffer on every call, so the counts (and the program order insum
+#: derives from them, `insum.execute.longest_first`) are computed once, not per backward.
+_LENGTHS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _column_lengths(TS: torch.Tensor, zero_slot: int) -> dict:
     """One group per column holds its entries first, then padding at the zero slot: its
-    entry counts as `insum()`'s declared lengths, so that the product skips the padding."""
+    entry counts as `insum()`'s declared lengths, so that the product skips the padding.
+    Kept per TS object and version (an in-place change of TS recounts); traced code counts."""
     if TS.shape[1] <= 1:
         return {}
-    return {"lengths": {"q[c]": (TS != zero_slot).sum(1)}}
+    if torch.compiler.is_compiling() or type(TS) is not torch.Tensor:
+        return {"lengths": {"q[c]": (TS != zero_slot).sum(1)}}
+    kept = _LENGTHS.get(TS)
+    if kept is None or kept[0] != (TS._version, zero_slot):
+        kept = _LENGTHS[TS] = ((TS._version, zero_slot), (TS != zero_slot).sum(1))
+    return {"lengths": {"q[c]": kept[1]}}
 
 
 def scalar_gradient(
