@@ -104,6 +104,15 @@ SECTIONS = {
                  ("of ideal", lambda r: fmt_pct(r["ratio"] / r["ideal"]) if r.get("anchor") == "cuBLAS" and r.get("ratio") else ""),
                  ("roofline", field("roof_frac", fmt_pct)), ("check", check)],
     ),
+    "gemm": dict(
+        intro="The plain statement `C[m,n] = A[m,k]*B[k,n]` and the same with B's rows gathered through a "
+              "random permutation, `C[m,n] = A[m,k]*B[I[k],n]` (staged by default: the gather as a copy, then "
+              "the dense product), against cuBLAS `A @ B` and, gathered, against torch's `A @ B[I]`.",
+        sets=True,
+        caption="Every point:",
+        columns=[("dtype", field("dtype")), ("statement", field("kind")), ("size", field("size")),
+                 ("anchor", field("anchor")), *COMMON, ("roofline", field("roof_frac", fmt_pct)), ("check", check)],
+    ),
     "fusion": dict(
         intro="One statement each, the generated kernel (one fused launch) against the same statement "
               "lowered to torch operations by `insum.reference` (gathers, one einsum, index_put), "

@@ -3,6 +3,7 @@ cuBLAS on the unpruned shape and, at 2:4, cuSPARSELt (`to_sparse_semi_structured
 same pruned matrix; fp16 and bf16 only).
 
 The square shapes of the NM-SpMM paper's Llama-like sweep, 512^3 to 4096^3, fp16 and fp32
+(then 8192^3 in fp16 and 4096^3-8192^3 in bf16 at 2:4, 2:8 and 1:8, issue 11's points)
 (TF32 allowed for the dense fp32 anchor, as insum's fp32 `tl.dot` uses TF32), sparsity
 50% (2:4, 4:8), 62.5% (3:8), 75% (2:8) and 87.5% (1:8). The vector length L (rows that
 share one index row) is a format parameter: each candidate is packed, checked and timed,
@@ -31,6 +32,9 @@ def plan(ctx: Context) -> list[tuple]:
     jobs = [(fp16, p, sizes) for p in ((2, 4), (2, 8), (1, 8))]
     jobs += [(fp16, p, sizes) for p in ((4, 8), (3, 8))]
     jobs += [(fp32, p, sizes) for p in ((2, 8), (1, 8), (2, 4), (4, 8), (3, 8))]
+    if not ctx.quick:  # issue 11's points: 8192^3, and bf16 at both sizes
+        jobs += [(fp16, p, (8192,)) for p in ((2, 4), (2, 8), (1, 8))]
+        jobs += [(torch.bfloat16, p, (4096, 8192)) for p in ((2, 4), (2, 8), (1, 8))]
     return jobs
 
 

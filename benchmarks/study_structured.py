@@ -1,7 +1,7 @@
 """Structured SpMM: BlockGroupCOO `fmt @ B` against dense cuBLAS (`A @ B` on the same matrix,
 zeros included) and TorchBSR (`torch.sparse._triton_ops.bsr_dense_mm`).
 
-Square problems (4096^3 and 8192^3), fp16 and bf16, square blocks of 16, 32 and 64, zero
+Square problems (4096^3 and 8192^3), fp16 and bf16, square blocks of 16, 32, 64 and 128, zero
 blocks drawn uniformly at random with probability s. At every point the group-size
 candidates (the paper's rule; one group per block row, as `group_size="row"` where the
 format offers it, else the widest row's block count) are packed, checked and timed, and
@@ -21,6 +21,7 @@ from .context import Context
 S_SMALL = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.95, 0.99)
 S_LARGE = (0.25, 0.5, 0.75, 0.9, 0.99)
 S_QUICK = (0.25, 0.5, 0.75, 0.9, 0.99)
+S_BIG_BLOCKS = (0.5, 0.75, 0.9)
 
 
 def plan(ctx: Context) -> list[tuple]:
@@ -36,6 +37,8 @@ def plan(ctx: Context) -> list[tuple]:
     for size, sparsities in ((4096, S_SMALL), (8192, S_LARGE)):
         for dtype in (fp16, bf16):
             curves += [(dtype, size, b, sparsities) for b in (32, 16, 64)]
+    # 128 x 128 blocks (the MegaBlocks/stk regime, issue 11's "90% of ideal from s = 0.5"), last.
+    curves += [(dtype, size, 128, S_BIG_BLOCKS) for size in (4096, 8192) for dtype in (fp16, bf16)]
     return curves
 
 
