@@ -1,0 +1,136 @@
+"""Tile configurations beyond the tuner's table, for the products issue 11 still misses:
+
+    python -m benchmarks.explore.config_sweep [--out DIR] [--budget 420]
+
+N:M 1:8 at 4096^3 reaches ~50% of its ideal and Block-ELL 32x32 at s = 0.9 ~2.1x cuBLAS.
+Both run few K steps per program (8 and ~13), where pipeline depth, warps and a second
+program per SM decide how much of a program's fill and epilogue overlap another's loop.
+This compiles each product's generated kernel once and times it, with one bare launch per
+call (`BareLaunch`), under the tuner's choice and under a grid of configurations (N tile,
+K tile, warps, stages), each checked against a float64 product, beside cuBLAS; N:M also
+with 256-row vectors (an M tile of 256, which the default 32/128 candidates cannot have).
+The best rows say whether the tuning table misses configurations that win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+
+import torch
+
+from insum.bind import bind
+from insum.codegen.tune import prune_configs
+from insum.execute import length_facts
+from insum.formats import NM, BlockGroupCOO
+from insum.parser import parse
+from insum.runtime import BareLaunch, _ensure_descriptor_allocator, kernel_for
+
+from ..common import block_sparse, median_ms, relative_error, rotating
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def cases(size: int, gen: torch.Generator):
+    """(label, format, the dense matrix it holds) per product swept."""
+    dtype = torch.float16
+    A = torch.randn(size, size, device="cuda", generator=gen).to(dtype)
+    for L in (128, 256):
+        fmt = NM.from_dense(A, n=1, m=8, vector_len=L)
+        yield f"N:M 1:8 L={L} {size}^3", fmt, fmt.to_dense()
+    fmt = NM.from_dense(A, n=2, m=8, vector_len=128)
+    yield f"N:M 2:8 L=128 {size}^3", fmt, fmt.to_dense()
+    dense, _ = block_sparse(size, 32, 0.9, dtype, gen, "cuda")
+    yield f"Block-ELL 32x32 s=0.9 {size}^3", BlockGroupCOO.from_dense(dense, block=(32, 32), group_size="row"), dense
+
+
+def grid(plan, extents: dict) -> list[dict]:
+    """The swept configurations: tiles 64-256 (K 32-128), warps 4/8, stages 2-5, clamped to
+    the extents (a 32 x 32 block's k and m stay 32) and without duplicates."""
+    axes = [a for a, _ in plan.tiles]
+    choices = {"M": (64, 128, 256), "K": (32, 64, 128), "N": (64, 128, 256)}
+    out = []
+    for sizes in itertools.product(*(choices[a] for a in axes)):
+        for warps, stages in itertools.product((4, 8), (2, 3, 4, 5)):
+            config = {f"BLOCK_{a}": s for a, s in zip(axes, sizes)}
+            if plan.grouped:
+                config["GROUP_M"] = 8
+            out.append({**config, "num_warps": warps, "num_stages": stages})
+    return prune_configs(plan, out, extents)
+
+
+def sweep(label, fmt, dense, size, rows, deadline) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    Bs = [torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2)]
+    D = torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen)
+    t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
+    expected = dense.double() @ Bs[0].double()
+    (expr, tensors), = fmt.statements()
+    expr = expr.replace("+=", "=")
+    C = torch.empty(fmt.output_shape(size), device="cuda", dtype=torch.float16)
+    operands = [fmt.operand(B) for B in Bs]
+    bound = bind(parse(expr), {**tensors, "B": operands[0], "C": C})
+    declared = ()
+    if fmt.declared_lengths():
+        bound, declared = length_facts(bound, fmt.declared_lengths())
+    kernel = kernel_for(bound, lengths=declared)
+    kernel.launch(bound, C)  # the tuner's choice
+    prepared = kernel.prepared(bound)
+    chosen = dict(prepared.config)
+    say(f"{label}: cuBLAS {t_cublas * 1e3:.1f} us; plan {kernel.plan.tiles}; tuner's choice {chosen}")
+    _ensure_descriptor_allocator()
+    timed = []
+    for config in [chosen] + [c for c in grid(kernel.plan, dict(bound.extents)) if c != chosen]:
+        if time.time() > deadline:
+            say("  deadline reached")
+            break
+        prepared.set_config(config)
+        launches = [BareLaunch(kernel.fn, prepared.grid, config,
+                               tuple(prepared.args(bound.with_tensors({**bound.tensors, "B": B}).tensors, C)))
+                    for B in operands]
+        try:
+            C.fill_(float("nan"))
+            launches[0]()
+            err = relative_error(fmt.result(C), expected)
+            ms = median_ms(rotating(lambda f: f(), [(f,) for f in launches]))
+        except Exception as e:
+            say(f"  {config} failed: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        if not err <= 1e-2:
+            say(f"  {config} wrong: err {err:.1e}")
+            continue
+        timed.append((ms, config))
+        rows.append(dict(case=label, config=config, ms=ms, err=err, vs_cublas=t_cublas / ms, tuned=config == chosen))
+    prepared.set_config(chosen)
+    if timed:
+        tuned_ms = timed[0][0]
+        for ms, config in sorted(timed, key=lambda t: t[0])[:5]:
+            say(f"  {ms * 1e3:7.1f} us x{t_cublas / ms:.2f} cuBLAS ({tuned_ms / ms:.2f}x the tuner's) {config}")
+        say(f"  tuner's choice {tuned_ms * 1e3:.1f} us x{t_cublas / tuned_ms:.2f}; {len(timed)} configurations ran")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--budget", type=float, default=420.0)
+    args = parser.parse_args()
+    start = time.time()
+    say(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    rows: list = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    all_cases = list(cases(4096, gen))
+    for i, (label, fmt, dense) in enumerate(all_cases):
+        share = (args.budget - (time.time() - start)) / (len(all_cases) - i)
+        sweep(label, fmt, dense, 4096, rows, time.time() + share)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "config_sweep.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
