@@ -222,11 +222,14 @@ class BlockGroupCOO(SparseFormat):
 
     @property
     def block(self) -> tuple[int, int]:
-        return (int(self.AV.shape[2]), int(self.AV.shape[3]))
+        # (read from the packed dict directly: the views of every product and gradient ask,
+        # and `fmt.AV` goes through `__getattr__`)
+        shape = self._tensors["AV"].shape
+        return (int(shape[2]), int(shape[3]))
 
     @property
     def group_size(self) -> int:
-        return int(self.AK.shape[1])
+        return int(self._tensors["AK"].shape[1])
 
     @property
     def padded_shape(self) -> tuple[int, int]:
