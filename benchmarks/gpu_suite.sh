@@ -48,7 +48,7 @@ case "$PART" in
       python -m pytest -q -p no:cacheprovider tests/test_codegen.py tests/test_formats_kernels.py tests/test_formats.py \
         tests/test_tensorcore.py tests/test_reliability.py tests/test_nn.py tests/test_conv.py tests/test_tensor_product.py \
         tests/test_segment.py tests/test_auto.py tests/test_direct_launch.py tests/test_schedule.py tests/test_kernel_map.py \
-        tests/test_structure.py tests/test_bind.py \
+        tests/test_structure.py tests/test_bind.py tests/test_stage.py tests/test_library.py \
         ${PYTEST_ARGS:-} 2>&1 | tee "$DIR/pytest_cuda.log" | tail -15
     fi
     python -m benchmarks.codegen "$@" 2>&1 | tee "$DIR/codegen.log"

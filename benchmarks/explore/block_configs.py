@@ -34,8 +34,8 @@ from insum.codegen.tune import configs_for, prune_configs
 from insum.parser import parse
 from insum.runtime import BareLaunch, Kernel, spec_for
 
-from ..common import block_sparse, median_ms, relative_error, rotating
-from .tensorcore import block_ell
+from ..common import median_ms, relative_error, rotating
+from .tensorcore import block_ell, block_problem
 
 EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 CASES = [  # (size, block, sparsity)
@@ -60,12 +60,7 @@ def run_case(size: int, block: int, s: float, rows: list, say, lengths_only: boo
     from torch.sparse._triton_ops import bsr_dense_mm
 
     dtype = torch.float16
-    gen = torch.Generator(device="cuda").manual_seed(size + block)
-    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
-    D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
-    t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
-    A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
-    expected = A.double() @ Bs[0].double()
+    Bs, t_cublas, A, keep, expected = block_problem(size, block, s, dtype)
     point = f"{size}^3 b{block} s={s}"
     say(f"{point}: cuBLAS {t_cublas * 1e3:.1f} us, {int(keep.sum(1).max())} blocks in the longest block row")
 

@@ -25,8 +25,8 @@ import torch
 
 import insum
 
-from ..common import block_sparse, median_ms, relative_error, rotating
-from .tensorcore import block_ell
+from ..common import median_ms, relative_error, rotating
+from .tensorcore import block_ell, block_problem
 
 BLOCK_EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 ORDERED_EXPR = "C[AM[p], m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
@@ -37,12 +37,7 @@ def say(line: str) -> None:
 
 
 def order_case(size: int, block: int, s: float, dtype, rows: list) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(size + block)
-    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
-    D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
-    t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
-    A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
-    expected = A.double() @ Bs[0].double()
+    Bs, t_cublas, A, keep, expected = block_problem(size, block, s, dtype)
     nb = size // block
     counts = keep.sum(1).to(torch.int32)
     order = torch.argsort(counts, descending=True, stable=True)

@@ -164,6 +164,18 @@ def dense_section(args, size: int, dtype_name: str, ab: tuple[str, ...]) -> None
                 say(f"      {plan_line(timed[1])}")
 
 
+def block_problem(size: int, block: int, s: float, dtype=torch.float16):
+    """One block-sparse point of the explore scripts, seeded by size and block: (Bs, two
+    dense operands to rotate; the cuBLAS time of a same-sized dense product in ms; A; its
+    mask of kept blocks; A @ Bs[0] in float64)."""
+    gen = torch.Generator(device="cuda").manual_seed(size + block)
+    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
+    D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
+    t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
+    A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
+    return Bs, t_cublas, A, keep, A.double() @ Bs[0].double()
+
+
 def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int, rows: int = 1) -> dict[str, torch.Tensor]:
     """One group per block row (BlockGroupCOO group_size="row"), padded with zero blocks.
 

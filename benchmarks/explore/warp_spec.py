@@ -24,8 +24,8 @@ from insum.execute import length_facts
 from insum.parser import parse
 from insum.runtime import BareLaunch, _ensure_descriptor_allocator, _load, cache_dir, kernel_for
 
-from ..common import block_sparse, median_ms, relative_error, rotating
-from .tensorcore import block_ell
+from ..common import median_ms, relative_error, rotating
+from .tensorcore import block_ell, block_problem
 
 EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 LOOP = "for step in range(0, len_q * steps_k):"
@@ -37,12 +37,7 @@ def say(line: str) -> None:
 
 def case(size: int, block: int, s: float, rows: list) -> None:
     dtype = torch.float16
-    gen = torch.Generator(device="cuda").manual_seed(size + block)
-    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
-    D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
-    t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
-    A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
-    expected = A.double() @ Bs[0].double()
+    Bs, t_cublas, A, keep, expected = block_problem(size, block, s, dtype)
     nb = size // block
     packed = block_ell(keep, A, block)
     counts = keep.sum(1).to(torch.int32)
