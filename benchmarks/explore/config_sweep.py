@@ -1,6 +1,6 @@
 """Tile configurations beyond the tuner's table, for the products issue 11 still misses:
 
-    python -m benchmarks.explore.config_sweep [--out DIR] [--budget 420]
+    python -m benchmarks.explore.config_sweep [--out DIR] [--budget 420] [--cases nm,block,big-blocks]
 
 N:M 1:8 at 4096^3 reaches ~50% of its ideal and Block-ELL 32x32 at s = 0.9 ~2.1x cuBLAS.
 Both run few K steps per program (8 and ~13), where pipeline depth, warps and a second
@@ -36,17 +36,23 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def cases(size: int, gen: torch.Generator):
-    """(label, format, the dense matrix it holds) per product swept."""
+def cases(size: int, gen: torch.Generator, which: str):
+    """(label, format, the dense matrix it holds) per product swept: "nm" (1:8 with 128- and
+    256-row vectors, 2:8), "block" (Block-ELL 32x32 s = 0.9) or "big-blocks" (64x64 s = 0.9,
+    128x128 s = 0.5)."""
     dtype = torch.float16
-    A = torch.randn(size, size, device="cuda", generator=gen).to(dtype)
-    for L in (128, 256):
-        fmt = NM.from_dense(A, n=1, m=8, vector_len=L)
-        yield f"N:M 1:8 L={L} {size}^3", fmt, fmt.to_dense()
-    fmt = NM.from_dense(A, n=2, m=8, vector_len=128)
-    yield f"N:M 2:8 L=128 {size}^3", fmt, fmt.to_dense()
-    dense, _ = block_sparse(size, 32, 0.9, dtype, gen, "cuda")
-    yield f"Block-ELL 32x32 s=0.9 {size}^3", BlockGroupCOO.from_dense(dense, block=(32, 32), group_size="row"), dense
+    if which == "nm":
+        A = torch.randn(size, size, device="cuda", generator=gen).to(dtype)
+        for L in (128, 256):
+            fmt = NM.from_dense(A, n=1, m=8, vector_len=L)
+            yield f"N:M 1:8 L={L} {size}^3", fmt, fmt.to_dense()
+        fmt = NM.from_dense(A, n=2, m=8, vector_len=128)
+        yield f"N:M 2:8 L=128 {size}^3", fmt, fmt.to_dense()
+    points = {"block": ((32, 0.9),), "big-blocks": ((64, 0.9), (128, 0.5))}.get(which, ())
+    for block, s in points:
+        dense, _ = block_sparse(size, block, s, dtype, gen, "cuda")
+        fmt = BlockGroupCOO.from_dense(dense, block=(block, block), group_size="row")
+        yield f"Block-ELL {block}x{block} s={s} {size}^3", fmt, dense
 
 
 def grid(plan, extents: dict) -> list[dict]:
@@ -118,12 +124,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget", type=float, default=420.0)
+    parser.add_argument("--cases", default="nm,block", help="nm, block, big-blocks (comma-separated)")
     args = parser.parse_args()
     start = time.time()
     say(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     rows: list = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    all_cases = list(cases(4096, gen))
+    all_cases = [c for which in args.cases.split(",") for c in cases(4096, gen, which)]
     for i, (label, fmt, dense) in enumerate(all_cases):
         share = (args.budget - (time.time() - start)) / (len(all_cases) - i)
         sweep(label, fmt, dense, 4096, rows, time.time() + share)
