@@ -25,10 +25,11 @@ _DOT = [
     (128, 64, 256, 8, 3), (256, 64, 128, 8, 3), (128, 64, 256, 8, 4), (256, 64, 128, 8, 4),
     (128, 64, 128, 8, 4), (128, 64, 128, 4, 5), (64, 64, 256, 4, 4), (128, 128, 64, 4, 4),
     (256, 128, 32, 8, 3),
-    # A tall M tile with 4 warps and 5 stages: Block-ELL with 32 x 32 blocks (M = the dense
-    # columns, K and N clamped to the block) ran 6% faster than under any other entry
-    # (benchmarks/results/h200/session9/call7, `python -m benchmarks.explore.config_sweep`).
-    (256, 32, 64, 4, 5),
+    # Deep pipelines for block products with few K steps per program, each faster than every
+    # other entry on its case (benchmarks/results/h200/session9/call7 and call9, `python -m
+    # benchmarks.explore.config_sweep`): Block-ELL 32x32 s = 0.9 (M = the dense columns, K
+    # and N clamped to the block) 6%, 64x64 s = 0.9 12%, 128x128 s = 0.5 4%.
+    (256, 32, 64, 4, 5), (64, 32, 256, 4, 5), (128, 64, 256, 8, 5),
 ]
 GROUP_M = 8  # row tiles per group in grouped program order
 # Broadcast-and-sum plans hold an M x K x N block in registers: keep it to 8192 elements.
