@@ -21,7 +21,7 @@ from .dtypes import INDEX_DTYPES, VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .ir import Access, Role, Statement
 
-__all__ = ["Bound", "bind", "tensor_signature", "PLAIN_TENSORS", "check_aliasing"]
+__all__ = ["Bound", "bind", "tensor_signature", "tensor_version", "PLAIN_TENSORS", "check_aliasing"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,15 @@ _BOUND: BoundedCache[tuple, Bound] = BoundedCache()  # (statement, signature) ->
 #: The tensor types whose signature is cached; anything else (fake and functional tensors
 #: while tracing, subclasses, non-tensors) takes the uncached path.
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter, for caches of what is derived from its values;
+    None where there is none to trust: fake and functional tensors while tracing, and
+    inference tensors (which keep no counter)."""
+    if type(t) not in PLAIN_TENSORS or t.is_inference():
+        return None
+    return t._version
 
 
 def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:

@@ -22,6 +22,10 @@ What is cached, and where:
   runtime.batch_launch        the prepared launches of a batch -> its loaded batch kernel
   formats.SparseFormat.spmm   per format object: B signature -> its SpMM plan, with the calls
                               pinned to views of the format's own tensors (no other tensor)
+  execute.longest_first       per declared-lengths tensor (weakly held, with its version):
+                              the programs' order, a small int32 tensor that dies with it
+  formats.transposed          per transposed-pattern tensor TS (weakly held, with its
+                              version): its column lengths
 
 Values computed once per process or per device (the triton import mode, the range-check
 kernel, a GPU's compute capability, the kernel map's few-element constant tensors per device

@@ -25,8 +25,9 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .bind import PLAIN_TENSORS, Bound, bind, check_aliasing, tensor_signature
+from .bind import PLAIN_TENSORS, Bound, bind, check_aliasing, tensor_signature, tensor_version
 from .bounds import check_indices as _check_indices
 from .cache import BoundedCache, memoize
 from .dtypes import INDEX_DTYPES
@@ -173,7 +174,8 @@ def order_name(length_name: str) -> str:
     return f"ORDER_{length_name}"
 
 
-_ORDERS: BoundedCache[tuple, torch.Tensor] = BoundedCache()
+#: Per lengths tensor (held weakly: an entry dies with its tensor), its version and order.
+_ORDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def longest_first(lengths: torch.Tensor) -> torch.Tensor:
@@ -181,17 +183,16 @@ def longest_first(lengths: torch.Tensor) -> torch.Tensor:
     the order in which a kernel whose programs each run one position's length starts them
     (`insum.codegen.schedule.Plan.ordered`).
 
-    Kept per tensor (its address, version counter, shape, dtype and device), so a format's
-    packed lengths are sorted once, not on every call. Any permutation gives the same
-    result, only the order of the programs differs, so a stale entry (a tensor freed and
-    another allocated at its address) costs speed at most, never correctness."""
-    if type(lengths) not in PLAIN_TENSORS:  # fake or functional tensors while tracing
+    Kept per tensor object and version, so a format's packed lengths are sorted once, not on
+    every call; sorted on each call where the tensor keeps no version (tracing, inference
+    tensors). Any permutation gives the same result: only the programs' order depends on it."""
+    version = tensor_version(lengths)
+    if version is None:
         return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
-    key = (lengths.data_ptr(), lengths._version, lengths.shape, lengths.dtype, lengths.device)
-    order = _ORDERS.get(key)
-    if order is None:
-        order = _ORDERS[key] = torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
-    return order
+    kept = _ORDERS.get(lengths)
+    if kept is None or kept[0] != version:
+        kept = _ORDERS[lengths] = (version, torch.argsort(lengths, descending=True, stable=True).to(torch.int32))
+    return kept[1]
 
 
 def with_lengths(tensors: Mapping[str, torch.Tensor], lengths: Mapping[str, torch.Tensor], names) -> dict:

@@ -377,3 +377,18 @@ def test_generated_kernels_match_the_lowering(mode, form, dtype, absent):
     tol = {"rtol": tol, "atol": tol}
     for got, want in zip(results["triton"], results["torch"]):
         torch.testing.assert_close(got, want, **tol)
+
+
+def test_inference_mode_coordinates_are_mapped_without_the_cache():
+    """Inference tensors keep no version counter: their maps are built per call (the cache
+    keys on versions), and the layer still computes what it computes outside the mode."""
+    cache = KernelMapCache()
+    conv = SparseConv3d(3, 4, cache=cache, backend="torch")
+    coords = random_sites(40, 5)
+    x = torch.randn(coords.shape[0], 3)
+    expected, _ = conv(x, coords)
+    with torch.inference_mode():
+        coords_i, x_i = coords.clone(), x.clone()
+        y, _ = conv(x_i, coords_i)
+    torch.testing.assert_close(y, expected)
+    assert len(cache) == 1  # only the map of the ordinary coordinates

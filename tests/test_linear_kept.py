@@ -189,3 +189,20 @@ def test_transposed_pattern_column_lengths_are_counted_once_per_pattern():
     torch.testing.assert_close(x.grad.double(), expected, rtol=1e-6, atol=1e-6)
     TS.add_(0)  # an in-place change: counted again
     assert transposed._column_lengths(TS, zero_slot)["lengths"]["q[c]"] is not first
+
+
+def test_block_ell_layer_runs_in_inference_mode():
+    """A Block-ELL layer built and run under torch.inference_mode: its block counts are
+    inference tensors (no version counter), so their program order is sorted per call."""
+    from insum.execute import longest_first
+
+    with torch.inference_mode():
+        torch.manual_seed(4)
+        layer = SparseLinear(40, 24, format="BlockGroupCOO", block=(8, 8), group_size="row", sparsity=0.6,
+                             backend="triton", precision="ieee")
+        x = torch.randn(5, 40)
+        y = layer(x)
+        counts = torch.tensor([1, 3, 2], dtype=torch.int32)
+        assert longest_first(counts).tolist() == [1, 2, 0]
+    expected = x.double() @ layer.to_dense().double().t() + layer.bias.double()
+    torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6)

@@ -15,6 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import insum
 from ..arith import cdiv
+from ..bind import tensor_version
 from ..dtypes import compute_dtype
 from .grouping import default_group_size
 
@@ -99,14 +100,16 @@ _LENGTHS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def _column_lengths(TS: torch.Tensor, zero_slot: int) -> dict:
     """One group per column holds its entries first, then padding at the zero slot: its
     entry counts as `insum()`'s declared lengths, so that the product skips the padding.
-    Kept per TS object and version (an in-place change of TS recounts); traced code counts."""
+    Kept per TS object and version (an in-place change of TS recounts); traced code and
+    inference tensors count each call."""
     if TS.shape[1] <= 1:
         return {}
-    if torch.compiler.is_compiling() or type(TS) is not torch.Tensor:
+    version = None if torch.compiler.is_compiling() else tensor_version(TS)
+    if version is None:  # traced code, inference tensors: counted each call
         return {"lengths": {"q[c]": (TS != zero_slot).sum(1)}}
     kept = _LENGTHS.get(TS)
-    if kept is None or kept[0] != (TS._version, zero_slot):
-        kept = _LENGTHS[TS] = ((TS._version, zero_slot), (TS != zero_slot).sum(1))
+    if kept is None or kept[0] != (version, zero_slot):
+        kept = _LENGTHS[TS] = ((version, zero_slot), (TS != zero_slot).sum(1))
     return {"lengths": {"q[c]": kept[1]}}
 
 

@@ -1270,7 +1270,8 @@ def _pairs_kernel():
 class KernelMapCache:
     """Kernel maps keyed by the identity and version of the coordinate tensors (and the
     kernel's geometry). Entries die with their coordinate tensors. Pass one cache to every
-    layer of a network, or rely on `default_cache`."""
+    layer of a network, or rely on `default_cache`. Inference tensors keep no version
+    counter: their maps are built on each call, not kept."""
 
     def __init__(self) -> None:
         self._maps: dict[tuple, tuple[list[weakref.ref], KernelMap]] = {}
@@ -1285,6 +1286,8 @@ class KernelMapCache:
         out_coords: torch.Tensor | None = None,
     ) -> KernelMap:
         tensors = [t for t in (coords, out_coords) if t is not None]
+        if any(t.is_inference() for t in tensors):  # no version counter to key on: built each call
+            return build_kernel_map(coords, kernel_size, stride, dilation, mode, out_coords)
         key = (mode, kernel_size, stride, dilation) + tuple((id(t), t._version) for t in tensors)
         hit = self._maps.get(key)
         if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
