@@ -235,5 +235,7 @@ def explain(
         lines.append(f"staged (insum.codegen.stage; INSUM_STAGE=0 keeps the gather in the product): {staged}")
         for title, part in zip(("gather", "product"), staged_bounds(staged, bound)):
             lines.append(f"{title}: {part.stmt}")
-            lines.extend("  " + line for line in _kernel_lines(part, precision, *facts_in(part, *facts).values(), ()))
+            part_facts = facts_in(part, *facts)
+            lines.extend("  " + line for line in _kernel_lines(
+                part, precision, part_facts["sorted_indices"], part_facts["unique_indices"], ()))
     return "\n".join(lines)

@@ -196,8 +196,9 @@ def longest_first(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def with_lengths(tensors: Mapping[str, torch.Tensor], lengths: Mapping[str, torch.Tensor], names) -> dict:
-    """`tensors` with the declared lengths (and their orders) under the binding's names;
-    names: (key in `lengths=`, the binding's name) per declared length, as prepared."""
+    """`tensors` with the declared lengths (and the orders the kernel reads) under the
+    binding's names; names: (key in `lengths=`, the binding's name, whether its order is
+    read) per declared length, as prepared."""
     tensors = dict(tensors)
     for key, name, ordered in names:
         tensors[name] = lengths[key]
@@ -363,7 +364,7 @@ class Prepared:
         self, bound: Bound, launcher, device_check: bool, autotune: bool | None, aligned: tuple | None, lengths: tuple
     ):
         self.bound = bound.with_tensors({})
-        self.lengths = lengths  # (key in `lengths=`, the binding's name, ordered?), per declared length
+        self.lengths = lengths  # (key in `lengths=`, the binding's name, its order read?), per declared length
         self.out_name = bound.output_name
         self.inputs = bound.value_names + bound.index_names
         self.launcher = launcher  # None: the torch lowering
@@ -465,7 +466,9 @@ def prepare(
             if descriptors_supported(bound.device):
                 aligned = _alignment(bound.value_names, bound.tensors)
     try:
-        names = tuple((key, name, bool(order)) for key, (_, name, _, order) in zip(lengths or {}, declared))
+        # A repeat passes a length's order only where the kernel reads it (`Plan.ordered`).
+        read = {order for _, order in launcher.kernel.plan.ordered} if declared and launcher is not None else set()
+        names = tuple((key, name, order in read) for key, (_, name, _, order) in zip(lengths or {}, declared))
         _PREPARED[(expr, options, signature)] = Prepared(bound, launcher, _checking(check_indices), autotune, aligned, names)
     except TypeError:
         return

@@ -760,8 +760,10 @@ def _ordered(lengths: tuple[tuple, ...], grid: tuple[str, ...]) -> tuple[tuple[s
     """The grid variables to walk longest first: each applied length over one grid variable
     that comes with its order tensor. Block-ELL at s = 0.9 holds 3 to 40 blocks a block row;
     in index order the longest rows may start last and leave the GPU idle behind them. On an
-    H200 (fp16, 4096^3-8192^3, 32-128 blocks, s = 0.5-0.9) longest first ran 1-10% faster at
-    every point (benchmarks/results/h200/session9/call2, `python -m benchmarks.explore.order_stage`).
+    H200 (fp16, 4096^3-8192^3, 32-128 blocks, s = 0.5-0.9) a prototype with the block rows
+    packed longest first ran 1-10% faster at every point (benchmarks/results/h200/session9/
+    call2, `python -m benchmarks.explore.order_stage`); this order 0-6% faster than the
+    prototype's row order, measured in the next process (call3, `block_configs --lengths`).
 
     >>> _ordered((("q", "LEN_q", ("p",), "ORDER_LEN_q"),), ("p",)), _ordered((("q", "LEN_q", ("p",)),), ("p",))
     ((('p', 'ORDER_LEN_q'),), ())
