@@ -1,0 +1,100 @@
+"""Host time of one SparseLinear's training step, piece by piece, on the GPU host: the
+forward, the whole step, and each part of the backward run alone (views, x's gradient on
+the transposed pattern, the values' gradient, the bias add and its gradient's sum), against
+nn.Linear. A narrow batch keeps every kernel shorter than its host time, so that the
+issue time measured (no sync between calls) is the host's.
+
+    python -m benchmarks.explore.layer_host [--width 4096] [--batch 256] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from insum.nn import SparseLinear
+from insum.nn.sparse_autograd import _value_gradients
+
+
+def issue_us(fn, calls: int = 50, repeats: int = 7) -> float:
+    """Median host time per call (µs), the calls queued without a sync in between."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--profile", action="store_true", help="then cProfile 200 steps of the layer")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    width, batch = args.width, args.batch
+    linear = torch.nn.Linear(width, width).cuda().half()
+    layer = SparseLinear.from_linear(linear, "BlockGroupCOO", sparsity=0.9, block=(32, 32), group_size="row")
+    x = torch.randn(batch, width, device="cuda", dtype=torch.float16, requires_grad=True)
+    gy = torch.randn(batch, width, device="cuda", dtype=torch.float16)
+    rows = {}
+    for name, module in (("nn.Linear", linear), ("SparseLinear", layer)):
+        params = list(module.parameters())
+
+        def step(module=module, params=params):
+            for p in params:
+                p.grad = None
+            x.grad = None
+            module(x).backward(gy)
+
+        def forward(module=module):
+            with torch.no_grad():
+                module(x)
+
+        rows[f"{name} forward (no grad)"] = forward
+        rows[f"{name} forward+backward"] = step
+    fmt = layer.weight
+    pattern = {n: getattr(layer, "grad_" + n) for n in layer._pattern_names}
+    x2t, dyt = x.detach().t(), gy.t()
+    B, dC = fmt.operand(x2t), fmt.output_view(dyt)
+    y = layer(x)
+    rows["SparseLinear forward (grad)"] = lambda: layer(x)
+    rows["SparseLinear backward (retained graph)"] = lambda: y.backward(gy, retain_graph=True)
+    # The backward's parts, as it runs them (grad mode off).
+    rows["views: operand + output_view"] = torch.no_grad()(lambda: (fmt.operand(x2t), fmt.output_view(dyt)))
+    rows["x's gradient (input_gradient)"] = torch.no_grad()(lambda: fmt.input_gradient(pattern, dC, "auto", "tf32"))
+    rows["values' gradient (_value_gradients)"] = torch.no_grad()(lambda: _value_gradients(
+        fmt, layer._gradients, {"AV"}, B, dC, "auto", "tf32"))
+    yd = y.detach()
+    rows["bias add (y + b)"] = torch.no_grad()(lambda: yd + layer.bias)
+    rows["bias gradient (dy.sum(0))"] = lambda: gy.sum(0)
+    rows["fmt.spmm(x^T) (pinned)"] = torch.no_grad()(lambda: fmt.spmm(x2t))
+    rows["torch.empty (4096 x 256)"] = lambda: torch.empty(width, batch, device="cuda", dtype=torch.float16)
+    for name, fn in rows.items():
+        print(f"{name:40s} {issue_us(fn):8.1f} us", flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        step = rows["SparseLinear forward+backward"]
+        python_profile = cProfile.Profile()
+        python_profile.enable()
+        for _ in range(200):
+            step()
+        python_profile.disable()
+        torch.cuda.synchronize()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(python_profile).sort_stats(order).print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
