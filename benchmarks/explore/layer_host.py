@@ -77,6 +77,13 @@ def main() -> None:
     yd = y.detach()
     rows["bias add (y + b)"] = torch.no_grad()(lambda: yd + layer.bias)
     rows["bias gradient (dy.sum(0))"] = lambda: gy.sum(0)
+    gy_transposed = gy.t().contiguous().t()  # dy laid out as the layer's output is (out, batch)
+    rows["bias gradient, dy laid out (out, batch)"] = lambda: gy_transposed.sum(0)
+    rows["bias gradient, (out, batch).sum(1)"] = lambda: gy_transposed.t().sum(1)
+    bias_grad = torch.empty(width, device="cuda", dtype=torch.float16)
+    rows["bias gradient, torch.sum(out=)"] = lambda: torch.sum(gy_transposed.t(), 1, out=bias_grad)
+    yb = yd.detach().requires_grad_()
+    rows["autograd of y + b alone"] = lambda: (yb + layer.bias).backward(gy_transposed)
     rows["fmt.spmm(x^T) (pinned)"] = torch.no_grad()(lambda: fmt.spmm(x2t))
     rows["torch.empty (4096 x 256)"] = lambda: torch.empty(width, batch, device="cuda", dtype=torch.float16)
     for name, fn in rows.items():
