@@ -14,6 +14,7 @@ from kernel_env import CUDA  # before insum: the interpreter on CPU-only machine
 from torch import nn
 
 from insum.nn import SparseLinear
+from insum.nn.sparse_autograd import format_meta, rebuild_format
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -206,3 +207,53 @@ def test_block_ell_layer_runs_in_inference_mode():
         assert longest_first(counts).tolist() == [1, 2, 0]
     expected = x.double() @ layer.to_dense().double().t() + layer.bias.double()
     torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def _gradient_sites(layer: SparseLinear) -> list:
+    """The kept format's gradient call sites (`insum.formats.repeat`)."""
+    return list((layer.weight.__dict__.get("_repeated") or {}).values())
+
+
+@pytest.mark.parametrize("fmt", ["ELL", "Block-ELL"])
+def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(fmt):
+    """A layer's backward calls its gradient statements pinned to the packed tensors from
+    its second step on (x's gradient on the transposed pattern; Block-ELL's values' gradient
+    on the stored blocks). Values updated in place between steps, dy of another layout, and
+    a pattern changed in place (a recount of its lengths) all give the float64 gradients."""
+    torch.manual_seed(5)
+    kwargs = dict(format="BlockGroupCOO", block=(8, 8), group_size="row") if fmt == "Block-ELL" else dict(format="ELL")
+    layer = SparseLinear(24, 16, sparsity=0.6, backend="triton", precision="ieee", **kwargs)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.05)
+
+    def check(seed: int, transposed_dy: bool = False) -> None:
+        x = _x(seed, rows=6).repeat(1, 2)[:, :24].clone().requires_grad_(True)
+        dy = torch.randn(6, 16, generator=torch.Generator().manual_seed(seed + 100))
+        if transposed_dy:
+            dy = dy.t().contiguous().t()
+        W = layer.weight.to_dense().detach().double().requires_grad_(True)
+        xd = x.detach().double().requires_grad_(True)
+        (xd @ W.t()).backward(dy.double())
+        optimizer.zero_grad()
+        layer(x).backward(dy)
+        torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+        fmt_now = layer.weight
+        if fmt == "ELL":  # every slot's gradient is dW at its position (a padded slot repeats one)
+            rows = fmt_now._slot_rows()[0].expand_as(fmt_now.AK).reshape(-1).long()
+            expected = W.grad[rows, fmt_now.AK.reshape(-1).long()]
+            torch.testing.assert_close(layer.AV.grad.double().reshape(-1), expected, rtol=1e-5, atol=1e-5)
+        else:  # the stored blocks' gradients in place (the padding's zero), against dW on the pattern
+            tensors = {**fmt_now.tensors, "AV": layer.AV.grad}
+            grads = rebuild_format(type(fmt_now), fmt_now.shape, format_meta(fmt_now), tensors)
+            stored = fmt_now.to_dense() != 0
+            torch.testing.assert_close(grads.to_dense().double(), W.grad * stored, rtol=1e-5, atol=1e-5)
+        optimizer.step()  # values change in place: the next backward reads them
+
+    for seed in range(3):
+        check(seed)
+    sites = _gradient_sites(layer)
+    assert sites and all(site.pinned is not None for site in sites)
+    check(7, transposed_dy=True)  # another dy layout: its own call site
+    TS = next(t for name, t in layer.named_buffers() if name.endswith("TS"))
+    TS.add_(0)  # the pattern changed in place: its lengths are counted anew (a new tensor)
+    for seed in (8, 9):
+        check(seed)

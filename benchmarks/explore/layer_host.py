@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from insum.nn import SparseLinear
+from insum.nn import SparseLinear, sparse_autograd
 from insum.nn.sparse_autograd import _value_gradients
 
 
@@ -32,6 +32,35 @@ def issue_us(fn, calls: int = 50, repeats: int = 7) -> float:
         times.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def inside_backward(y: torch.Tensor, gy: torch.Tensor, calls: int = 200) -> None:
+    """How much of a retained-graph backward runs inside `_SparseLinearFunction.backward`
+    (the rest: the autograd engine, the bias's and the grads' accumulation)."""
+    function = sparse_autograd._SparseLinearFunction
+    original = function.backward
+    spent = []
+
+    def timed(ctx, dy):
+        start = time.perf_counter()
+        result = original(ctx, dy)
+        spent.append(time.perf_counter() - start)
+        return result
+
+    function.backward = staticmethod(timed)
+    try:
+        for _ in range(20):
+            y.backward(gy, retain_graph=True)
+        torch.cuda.synchronize()
+        spent.clear()
+        start = time.perf_counter()
+        for _ in range(calls):
+            y.backward(gy, retain_graph=True)
+        total = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+    finally:
+        function.backward = original
+    print(f"{'backward, of which inside the Function':40s} {total:8.1f} us, {statistics.median(spent) * 1e6:.1f} us inside")
 
 
 def main() -> None:
@@ -88,6 +117,7 @@ def main() -> None:
     rows["torch.empty (4096 x 256)"] = lambda: torch.empty(width, batch, device="cuda", dtype=torch.float16)
     for name, fn in rows.items():
         print(f"{name:40s} {issue_us(fn):8.1f} us", flush=True)
+    inside_backward(y, gy)
     if args.profile:
         import cProfile
         import pstats

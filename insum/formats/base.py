@@ -232,6 +232,7 @@ class SparseFormat:
                 f"values in place ({name}.copy_(...)) or pack a new {type(self).__name__}"
             )
         self.__dict__.pop("_spmm_plans", None)
+        self.__dict__.pop("_repeated", None)  # the gradients' pinned calls (`formats.repeat`)
         self.__dict__.pop("_derived", None)  # what a format works out from its tensors once
         object.__setattr__(self, name, value)
 
@@ -466,7 +467,7 @@ class SparseFormat:
         """B's gradient, shaped like `operand(B)`, for the output gradient dC (viewed by
         `output_view`) on the transposed pattern: an SpMM shaped like the forward, with no
         scatter per stored slot."""
-        return scalar_gradient(self.AV.to(dC.dtype), pattern, dC, self.shape[1], backend, precision)
+        return scalar_gradient(self.AV.to(dC.dtype), pattern, dC, self.shape[1], backend, precision, owner=self)
 
 
     def unique_in(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:

@@ -23,8 +23,12 @@ from ..errors import InsumError
 from .base import SparseFormat, pad_rows
 from .coords import Coords, check_positive_int, index_dtype_for
 from .grouping import GroupCounts
+from .repeat import run_repeated
 from .transposed import block_gradient, transpose_slots
 from .tuning import tune, tuning_operand
+
+_UNIQUE_SLOTS = frozenset({"F"})  # STORED_GRADIENT's slot index: no slot twice
+_STORED_VARYING = frozenset({"dW", "dC", "B"})  # what changes between its calls
 
 __all__ = ["BlockGroupCOO"]
 
@@ -339,8 +343,8 @@ class BlockGroupCOO(SparseFormat):
             padding = torch.arange(g, device=dW.device) >= self._row_counts()[:, None]
             return dW.to(dtype).masked_fill(padding[:, :, None, None], 0)
         dW = torch.empty(G * g, bm, bk, dtype=dtype, device=dC.device)
-        insum(self.STORED_GRADIENT, dW=dW, dC=dC, B=B, unique_indices={"F"}, backend=backend, precision=precision,
-              **blocks)
+        run_repeated(self, self.STORED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **blocks}, {"unique_indices": _UNIQUE_SLOTS},
+                     _STORED_VARYING, backend=backend, precision=precision)
         return dW.view(G, g, bm, bk)
 
     def transposed_pattern(self) -> dict[str, torch.Tensor]:
@@ -356,7 +360,7 @@ class BlockGroupCOO(SparseFormat):
 
     def input_gradient(self, pattern, dC, backend, precision) -> torch.Tensor:
         KB = self.padded_shape[1] // self.block[1]
-        return block_gradient(self.AV.to(dC.dtype), pattern, dC, KB, backend, precision)
+        return block_gradient(self.AV.to(dC.dtype), pattern, dC, KB, backend, precision, owner=self)
 
     def _describe(self) -> dict[str, Any]:
         shown = {"block": self.block, "group_size": self.group_size}

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..api import insum
 from ..arith import cdiv
 from ..bind import tensor_version
 from ..dtypes import compute_dtype
 from .grouping import default_group_size
+from .repeat import run_repeated
 
 __all__ = [
     "BLOCK",
@@ -113,28 +113,47 @@ def _column_lengths(TS: torch.Tensor, zero_slot: int) -> dict:
     return {"lengths": {"q[c]": kept[1]}}
 
 
+#: What changes from one gradient call to the next: the output, the values with their zero
+#: slot (copied anew: the values change in place between steps) and dC.
+_VARYING = frozenset({"DX", "WT", "DY"})
+
+
 def scalar_gradient(
-    AV: torch.Tensor, pattern: dict[str, torch.Tensor], DY: torch.Tensor, K: int, backend: str, precision: str
+    AV: torch.Tensor, pattern: dict[str, torch.Tensor], DY: torch.Tensor, K: int, backend: str, precision: str,
+    owner: object | None = None,
 ) -> torch.Tensor:
-    """dB (K, N) from scalar slots AV (any shape, one value per slot) and dC (M, N)."""
+    """dB (K, N) from scalar slots AV (any shape, one value per slot) and dC (M, N). owner:
+    the format object that keeps the call pinned from one backward to the next (`run_repeated`)."""
     WT = with_zero_slot(AV.reshape(-1))
     if "TM" not in pattern:  # one owner per output row: no atomics
-        lengths = _column_lengths(pattern["TS"], WT.shape[0] - 1)
+        facts = _column_lengths(pattern["TS"], WT.shape[0] - 1)
         DX = DY.new_empty(pattern["TS"].shape[0], DY.shape[1], dtype=torch.promote_types(WT.dtype, DY.dtype))
-        return insum(SCALAR_ROW, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **lengths, **pattern)
-    DX = torch.zeros(K, DY.shape[1], dtype=compute_dtype(DY.dtype), device=DY.device)
-    return insum(SCALAR, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
+        statement = SCALAR_ROW
+    else:
+        facts = {}
+        DX = torch.zeros(K, DY.shape[1], dtype=compute_dtype(DY.dtype), device=DY.device)
+        statement = SCALAR
+    run_repeated(owner, statement, {"DX": DX, "WT": WT, "DY": DY, **pattern}, facts, _VARYING,
+                 backend=backend, precision=precision)
+    return DX
 
 
 def block_gradient(
-    AV: torch.Tensor, pattern: dict[str, torch.Tensor], DY: torch.Tensor, KB: int, backend: str, precision: str
+    AV: torch.Tensor, pattern: dict[str, torch.Tensor], DY: torch.Tensor, KB: int, backend: str, precision: str,
+    owner: object | None = None,
 ) -> torch.Tensor:
-    """dB viewed (KB, bk, N) from blocks AV (..., bm, bk) and dC viewed (M'/bm, bm, N)."""
+    """dB viewed (KB, bk, N) from blocks AV (..., bm, bk) and dC viewed (M'/bm, bm, N); owner:
+    as for `scalar_gradient`."""
     bm, bk = AV.shape[-2:]
     WT = with_zero_slot(AV.reshape(-1, bm, bk))
     if "TM" not in pattern:
-        lengths = _column_lengths(pattern["TS"], WT.shape[0] - 1)
+        facts = _column_lengths(pattern["TS"], WT.shape[0] - 1)
         DX = DY.new_empty(pattern["TS"].shape[0], bk, DY.shape[2], dtype=torch.promote_types(WT.dtype, DY.dtype))
-        return insum(BLOCK_ROW, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **lengths, **pattern)
-    DX = torch.zeros(KB, bk, DY.shape[2], dtype=compute_dtype(DY.dtype), device=DY.device)
-    return insum(BLOCK, DX=DX, WT=WT, DY=DY, backend=backend, precision=precision, **pattern)
+        statement = BLOCK_ROW
+    else:
+        facts = {}
+        DX = torch.zeros(KB, bk, DY.shape[2], dtype=compute_dtype(DY.dtype), device=DY.device)
+        statement = BLOCK
+    run_repeated(owner, statement, {"DX": DX, "WT": WT, "DY": DY, **pattern}, facts, _VARYING,
+                 backend=backend, precision=precision)
+    return DX
