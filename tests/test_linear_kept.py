@@ -13,6 +13,7 @@ import torch
 from kernel_env import CUDA  # before insum: the interpreter on CPU-only machines
 from torch import nn
 
+from insum.formats import repeat
 from insum.nn import SparseLinear
 from insum.nn.sparse_autograd import format_meta, rebuild_format
 
@@ -252,6 +253,14 @@ def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(
         check(seed)
     sites = _gradient_sites(layer)
     assert sites and all(site.pinned is not None for site in sites)
+    full_path = []  # calls that went through insum() instead of the pinned launch
+    original = repeat.insum
+    repeat.insum = lambda *args, **kwargs: full_path.append(args[0]) or original(*args, **kwargs)
+    try:
+        check(3)
+    finally:
+        repeat.insum = original
+    assert full_path == []
     check(7, transposed_dy=True)  # another dy layout: its own call site
     TS = next(t for name, t in layer.named_buffers() if name.endswith("TS"))
     TS.add_(0)  # the pattern changed in place: its lengths are counted anew (a new tensor)
