@@ -215,15 +215,19 @@ def _gradient_sites(layer: SparseLinear) -> list:
     return list((layer.weight.__dict__.get("_repeated") or {}).values())
 
 
-@pytest.mark.parametrize("fmt", ["ELL", "Block-ELL"])
+@pytest.mark.parametrize("fmt", ["ELL", "Block-ELL", "NM"])
 def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(fmt):
     """A layer's backward calls its gradient statements pinned to the packed tensors from
     its second step on (x's gradient on the transposed pattern; Block-ELL's values' gradient
     on the stored blocks). Values updated in place between steps, dy of another layout, and
     a pattern changed in place (a recount of its lengths) all give the float64 gradients."""
     torch.manual_seed(5)
-    kwargs = dict(format="BlockGroupCOO", block=(8, 8), group_size="row") if fmt == "Block-ELL" else dict(format="ELL")
-    layer = SparseLinear(24, 16, sparsity=0.6, backend="triton", precision="ieee", **kwargs)
+    kwargs = {
+        "ELL": dict(format="ELL", sparsity=0.6),
+        "Block-ELL": dict(format="BlockGroupCOO", block=(8, 8), group_size="row", sparsity=0.6),
+        "NM": dict(format="NM", n=2, m=4, vector_len=8),
+    }[fmt]
+    layer = SparseLinear(24, 16, backend="triton", precision="ieee", **kwargs)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.05)
 
     def check(seed: int, transposed_dy: bool = False) -> None:
@@ -262,7 +266,7 @@ def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(
         repeat.insum = original
     assert full_path == []
     check(7, transposed_dy=True)  # another dy layout: its own call site
-    TS = next(t for name, t in layer.named_buffers() if name.endswith("TS"))
-    TS.add_(0)  # the pattern changed in place: its lengths are counted anew (a new tensor)
+    pattern = next(t for name, t in layer.named_buffers() if name.startswith("grad_"))
+    pattern.add_(0)  # the pattern changed in place (ELL, Block-ELL: its lengths counted anew, a new tensor)
     for seed in (8, 9):
         check(seed)

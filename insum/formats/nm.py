@@ -19,14 +19,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..api import insum
 from ..arith import cdiv
 from ..errors import InsumError, InsumShapeError
 from .base import SparseFormat, pad_rows
 from .coords import Coords, check_positive_int, check_values, index_dtype_for
+from .repeat import run_repeated
 from .transposed import with_zero_slot
 
 __all__ = ["NM"]
+
+_GRADIENT_VARYING = frozenset({"DX", "WT", "DY"})  # what changes between x's gradient calls
 
 
 def _check_nm(n: int, m: int, vector_len: int) -> None:
@@ -236,7 +238,10 @@ class NM(SparseFormat):
     def input_gradient(self, pattern, dC, backend, precision) -> torch.Tensor:
         RB, L, U = self.AV.shape
         WT = with_zero_slot(self.AV.to(dC.dtype).transpose(1, 2).reshape(RB * U, L))
-        return insum(self.input_gradient_expression, WT=WT, DY=dC, backend=backend, precision=precision, **pattern)
+        DX = torch.zeros(self.shape[1], dC.shape[-1], dtype=torch.promote_types(WT.dtype, dC.dtype), device=dC.device)
+        run_repeated(self, self.input_gradient_expression, {"DX": DX, "WT": WT, "DY": dC, **pattern}, {},
+                     _GRADIENT_VARYING, backend=backend, precision=precision)
+        return DX
 
     def _describe(self) -> dict[str, Any]:
         return dict(self.params)
