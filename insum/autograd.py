@@ -11,7 +11,8 @@ factors, literals included:
     dB[AK[p, q], n] += AV[p, q] * dC[AM[p], n]
 
 A tensor that appears in several factors gets one statement per appearance, all
-accumulating (`+=`) into one zero-filled buffer. Index tensors are integers and get no
+accumulating (`+=`) into one zero-filled buffer. An added term `+ D[...]` (read once per
+output element) gets `dD[...] += dO[...]`: dO summed over the output variables D lacks. Index tensors are integers and get no
 gradient. For `O += ...` the gradient with respect to the incoming O is dO itself; for
 `O = ...` it is zero. Every variable of a derived statement keeps a direct source of its
 extent: the variables of dO's direct indices are the output's, and those of dFj's are Fj's.
@@ -77,7 +78,8 @@ def _fresh(base: str, taken: set[str]) -> str:
 @memoize
 def _derive(stmt: Statement) -> Derivation:
     taken = {access.name for access, _ in stmt.walk()}
-    value_names = list(dict.fromkeys(a.name for a in stmt.accesses()))
+    addend = (stmt.addend,) if stmt.addend is not None else ()
+    value_names = list(dict.fromkeys(a.name for a in (*stmt.accesses(), *addend)))
     index_names = {access.name for access, as_index in stmt.walk() if as_index}
     for name in value_names:
         if name in index_names:
@@ -97,6 +99,10 @@ def _derive(stmt: Statement) -> Derivation:
         others = tuple(dO if k == j else f for k, f in enumerate(stmt.factors))
         grad = Statement(Access(grad_names[factor.name], factor.indices), "+=", others)
         gradients[factor.name].append(grad)
+        inputs[grad] = tensor_names(grad)
+    for term in addend:  # added once per output element: its gradient sums dO over the rest
+        grad = Statement(Access(grad_names[term.name], term.indices), "+=", (dO,))
+        gradients[term.name].append(grad)
         inputs[grad] = tensor_names(grad)
     return Derivation(
         stmt=stmt,

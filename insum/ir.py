@@ -138,15 +138,19 @@ Factor = Access | Literal
 
 @dataclass(frozen=True)
 class Statement:
-    """`output op factor * factor * ...` with op `+=` (accumulate) or `=` (overwrite)."""
+    """`output op factor * factor * ... [+ addend]` with op `+=` (accumulate) or `=`
+    (overwrite). The addend is one access added to each output element once, after the
+    product's reduction (a bias in the kernel's epilogue): its variables are the output's,
+    whose indices are distinct plain variables (each element has one owner)."""
 
     output: Access
     op: str
     factors: tuple[Factor, ...]
+    addend: Access | None = None
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.output, self.op, self.factors))
+        return hash((self.output, self.op, self.factors, self.addend))
 
     def __hash__(self) -> int:
         # Statements key every cache on the launch path: hash the nested IR only once.
@@ -157,6 +161,7 @@ class Statement:
         return self.op == "+="
 
     def accesses(self) -> tuple[Access, ...]:
+        """The product's accesses (the addend aside)."""
         return tuple(f for f in self.factors if isinstance(f, Access))
 
     def walk(self) -> Iterator[tuple[Access, bool]]:
@@ -167,7 +172,8 @@ class Statement:
         >>> [(a.name, as_index) for a, as_index in parse("C[AM[p], n] += AV[p] * B[AK[p], n]").walk()]
         [('C', False), ('AV', False), ('B', False), ('AM', True), ('AK', True)]
         """
-        queue = [(access, False) for access in (self.output, *self.accesses())]
+        addend = (self.addend,) if self.addend is not None else ()
+        queue = [(access, False) for access in (self.output, *self.accesses(), *addend)]
         for access, as_index in queue:
             yield access, as_index
             for index in access.indices:
@@ -183,4 +189,6 @@ class Statement:
 
     def __str__(self) -> str:
         rhs = " * ".join(str(f) for f in self.factors)
+        if self.addend is not None:
+            rhs += f" + {self.addend}"
         return f"{self.output} {self.op} {rhs}"

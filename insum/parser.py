@@ -38,8 +38,10 @@ class _ToIR(lark.Transformer):
         self.written: dict[str, lark.Token] = {}  # variable -> its first token in the text
 
     def statement(self, items):
-        output, op, product = items
-        stmt = Statement(output, str(op), tuple(product))
+        output, op, product, sign, addend = items
+        if sign is not None:
+            _check_addend(output, sign, addend)
+        stmt = Statement(output, str(op), tuple(product), addend)
         kept = set(stmt.variables())
         for name, token in self.written.items():
             if name not in kept:
@@ -94,6 +96,25 @@ class _ToIR(lark.Transformer):
     def indirect(self, items):
         name, indices = items
         return Access(str(name), tuple(indices or ()))
+
+
+def _check_addend(output: Access, sign, addend: Access) -> None:
+    """An addend is added once per output element: `+`, an output of distinct plain
+    variables (one owner per element), and no variable of its own."""
+    if str(sign) != "+":
+        raise _BadToken(sign, "the term after the product is added with '+' (write a negative term as its own tensor)")
+    variables = [index.variable for index in output.indices]
+    if any(v is None for v in variables) or len(set(variables)) != len(variables):
+        raise _BadToken(
+            sign,
+            f"an added term needs an output indexed by distinct plain variables (each element "
+            f"written once), not {output}",
+        )
+    extra = [v for v in addend.variables() if v not in variables]
+    if extra:
+        raise _BadToken(
+            sign, f"the added term {addend} uses {', '.join(extra)}, which the output {output} does not index"
+        )
 
 
 def _negate(part):

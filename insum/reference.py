@@ -61,6 +61,15 @@ def _check_bounds(idx: torch.Tensor, size: int, name: str, dim: int) -> None:
         raise InsumIndexError(f"index {bad} out of range for {name} dimension {dim} of size {size}")
 
 
+def _addend(ev: _Evaluator, addend: Access, out_vars: list[str]) -> torch.Tensor:
+    """The added term over the output's dimensions (size 1 where it does not vary)."""
+    value = ev.gather(addend)  # over every variable of the statement, in `ev.order`
+    present = [v for v in ev.order if v in out_vars]  # the others are size 1 (the parser checked)
+    used = set(addend.variables())
+    value = value.reshape([ev.bound.extents[v] if v in used else 1 for v in present])
+    return value.permute([present.index(v) for v in out_vars])
+
+
 def run_reference(bound: Bound, out: torch.Tensor, *, check_bounds: bool = True) -> torch.Tensor:
     """Evaluate the bound statement into `out` (which must have the output's shape).
 
@@ -101,6 +110,8 @@ def run_reference(bound: Bound, out: torch.Tensor, *, check_bounds: bool = True)
         present = [v for v in out_vars if v in kept]
         full = result.permute([kept.index(v) for v in present]) if kept else result
         full = full.reshape([bound.extents[v] if v in kept else 1 for v in out_vars])
+        if stmt.addend is not None:
+            full = full + _addend(ev, stmt.addend, out_vars).to(dtype)
         if not stmt.accumulate:
             out.zero_()
         out.add_(full.to(out.dtype))

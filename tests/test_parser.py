@@ -119,6 +119,17 @@ def test_statement_properties():
     assert ix((2, "i")).variable is None and ix("i", 1).variable is None
 
 
+def test_added_term_is_kept_apart_from_the_product():
+    """`product + D[...]`: the addend is no factor (the product's accesses leave it out), but
+    it is read (walk), and it is part of the statement's identity."""
+    stmt = parse("C[m, n] = A[m, k] * B[k, n] + D[m]")
+    assert stmt.addend == acc("D", "m")
+    assert [a.name for a in stmt.accesses()] == ["A", "B"]
+    assert [a.name for a, _ in stmt.walk()] == ["C", "A", "B", "D"]
+    assert stmt != parse("C[m, n] = A[m, k] * B[k, n]")
+    assert hash(stmt) != hash(parse("C[m, n] = A[m, k] * B[k, n] + D[n]"))
+
+
 def test_non_string_is_a_type_error():
     with pytest.raises(TypeError, match="str"):
         parse(b"C[i] += X[i]")
@@ -137,6 +148,8 @@ def test_non_string_is_a_type_error():
         ("D[i] += X[i - 1] * -2.5e-3", "D[i] += X[i - 1] * -0.0025"),
         ("D[i] += X[-2*i - AK[i] - 1]", "D[i] += X[-i*2 - AK[i] - 1]"),
         ("D[i] += X[i - i]", "D[i] += X[0]"),
+        ("C[p,m,n] = AV[p,q,m,k]*B[AK[p,q],k,n]+D[p,m]", "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n] + D[p, m]"),
+        ("C[m,n] += 2*A[m,k]*B[k,n] + S", "C[m, n] += 2 * A[m, k] * B[k, n] + S[]"),
     ],
 )
 def test_str_prints_the_statement(text, printed):
@@ -173,7 +186,12 @@ SYNTAX_ERRORS = [
     ("parenthesis", "C[i] += X[(i)]", 1, 11, "unexpected character '('"),
     ("product_of_variables", "C[i*j] += X[i]", 1, 5, "unexpected 'j', expected an integer"),
     ("product_of_integers", "C[i] += X[2*3]", 1, 13, "unexpected '3', expected a name"),
-    ("sum_of_products", "C[i] += X[i] + Y[i]", 1, 14, "unexpected '+', expected '*' or end of statement"),
+    ("sum_of_products", "C[i] += X[i] * Y[i] + Z[i] * W[i]", 1, 28, "unexpected '*', expected end of statement"),
+    ("two_addends", "C[i] += X[i] + Y[i] + Z[i]", 1, 21, "unexpected '+', expected end of statement"),
+    ("subtracted_term", "C[i] += X[i, j] - Y[i]", 1, 17, "added with '+'"),
+    ("addend_under_scatter", "C[I[p]] += X[p] + Y[p]", 1, 17, "distinct plain variables"),
+    ("addend_repeated_output_variable", "C[i, i] = X[i] + Y[i]", 1, 16, "distinct plain variables"),
+    ("addend_own_variable", "C[i] = X[i, j] + Y[j]", 1, 16, "uses j, which the output"),
     ("juxtaposed_factors", "C[i] += X[i] Y[i]", 1, 14, "unexpected 'Y'"),
     ("extra_bracket", "C[i] += X[i]]", 1, 13, "unexpected ']'"),
     ("trailing_comma", "C[i,] += X[i]", 1, 5, "unexpected ']'"),

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from ..dtypes import TL_DTYPES
+from ..errors import UnsupportedStatement
 from ..ir import Access, Index, Literal, Var
 from .schedule import Plan, segment_index
 from .values import Value, broadcast, union
@@ -472,6 +473,19 @@ def _folded_k_lines(em: _Emitter) -> list[str]:
     return lines + _split_flat_lines(em, flat, names, shape)
 
 
+def _addend_lines(em: _Emitter, acc_axes: tuple[str, ...]) -> None:
+    """`+ D[...]`: the added term, loaded over the output tile once, into the accumulator
+    before the store. Only where each output element has one writer (`store`): an atomic or
+    segmented output would add it once per contribution."""
+    plan, addend = em.plan, em.stmt.addend
+    if plan.output != "store":
+        raise UnsupportedStatement(f"an added term needs a stored output, not {plan.output}: '{plan.stmt}'")
+    value = em.gather(addend)
+    if not set(value.axes) <= set(acc_axes):
+        raise UnsupportedStatement(f"the added term {addend} spans a tile the product does not: '{plan.stmt}'")
+    em.put(0, f"acc += {broadcast(value, acc_axes)}.to({TL_DTYPES[plan.acc_dtype]})" + em.shape_comment(acc_axes))
+
+
 def emit(plan: Plan) -> Source:
     """Generate the Triton source for `plan`."""
     em = _Emitter(plan)
@@ -510,6 +524,8 @@ def emit(plan: Plan) -> Source:
         em.put(0, f"acc = acc * {float(scale)!r}")
     if not acc_axes:
         em.put(0, "acc = tl.sum(acc, axis=0)  # []")
+    if stmt.addend is not None:
+        _addend_lines(em, acc_axes)
     pointer, out_axes, _ = em.address(stmt.output)
     em.put(0, f"out_ptrs = {pointer}" + em.shape_comment(out_axes))
     mask = em.mask_for(acc_axes)

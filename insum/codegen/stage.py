@@ -79,7 +79,7 @@ def staging(stmt: Statement, extents: Mapping[str, int]) -> Staging | None:
         factors = stmt.factors[:position] + (staged,) + stmt.factors[position + 1:]
         best = Staging(
             gather=Statement(staged, "=", (factor,)),
-            main=Statement(stmt.output, stmt.op, factors),
+            main=Statement(stmt.output, stmt.op, factors, stmt.addend),
             name=name,
             variables=variables,
             source=factor.name,
