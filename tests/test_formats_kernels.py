@@ -15,6 +15,7 @@ from kernel_env import (  # before insum: the interpreter on CPU-only machines
 )
 
 from insum import insum
+from insum.errors import InsumShapeError, InsumTypeError
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, power_law_matrix
 
 pytestmark = KERNEL_MARK
@@ -62,6 +63,52 @@ def test_format_kernel_matches_dense(config, index_dtype, dtype):
     C = fmt.spmm(B, backend="triton", precision="ieee")
     assert C.dtype == dtype and C.shape == (A.shape[0], 16)
     _check(C, A.double() @ B.double(), dtype)
+
+
+#: Formats whose product is one statement over C's rows: the bias in its epilogue.
+FUSED_BIAS = {"ELL", "BlockGroupCOO-row", "BlockGroupCOO-(16, 32)-row", "NM-2-4-8"}
+
+
+def _name(config) -> str:
+    return config[0].__name__ + "".join(f"-{v}" for v in config[1].values())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "config", [*CONFIGS, (NM, {"n": 2, "m": 4, "vector_len": 8})], ids=_name)
+def test_product_with_a_bias_matches_dense(config, dtype):
+    """`fmt.spmm(B, bias=b)` is A @ B + b[:, None] on every format: in the product's epilogue
+    where the format has one statement over C's rows, else added after it. Repeated, so that
+    the pinned launch runs too; a vector B and a format with no entries as well."""
+    cls, params = config
+    A = _matrix(dtype)
+    fmt = cls.from_dense(A, **params)
+    A = fmt.to_dense()  # (NM prunes)
+    bias = torch.randn(A.shape[0], device=DEVICE).to(dtype)
+    name = _name(config)
+    assert (fmt.bias_expression() is not None) == (name in FUSED_BIAS)
+    for seed in range(3):
+        B = torch.randn(A.shape[1], 16, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+        C = fmt.spmm(B, bias=bias, backend="triton", precision="ieee")
+        assert C.dtype == dtype and C.shape == (A.shape[0], 16)
+        _check(C, A.double() @ B.double() + bias.double()[:, None], dtype)
+    (plan,) = fmt.__dict__["_spmm_plans"].values()
+    assert plan.fused == (name in FUSED_BIAS) and plan.pinned is not None
+    v = fmt.spmm(B[:, 0], bias=bias, backend="triton", precision="ieee")
+    _check(v, A.double() @ B[:, 0].double() + bias.double(), dtype)
+    empty = cls.from_dense(torch.zeros_like(A), **params)
+    _check(empty.spmm(B, bias=bias, backend="triton"), bias.double()[:, None].expand(-1, 16), dtype)
+
+
+def test_product_bias_is_checked():
+    fmt = ELL.from_dense(_matrix(torch.float32))
+    B = torch.randn(fmt.shape[1], 4, device=DEVICE)
+    with pytest.raises(InsumShapeError, match=r"one value per row, \(70,\)"):
+        fmt.spmm(B, bias=torch.zeros(69, device=DEVICE))
+    with pytest.raises(InsumTypeError, match="dense torch.Tensor"):
+        fmt.spmm(B, bias=[0.0] * 70)
+    with pytest.raises(InsumTypeError, match="bias"):
+        fmt.spmm(B, bias=torch.zeros(70, dtype=torch.int64, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

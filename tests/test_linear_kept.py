@@ -219,8 +219,9 @@ def _gradient_sites(layer: SparseLinear) -> list:
 def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(fmt):
     """A layer's backward calls its gradient statements pinned to the packed tensors from
     its second step on (x's gradient on the transposed pattern; Block-ELL's values' gradient
-    on the stored blocks). Values updated in place between steps, dy of another layout, and
-    a pattern changed in place (a recount of its lengths) all give the float64 gradients."""
+    on the stored blocks), and its forward adds the bias in the product's epilogue. Values
+    updated in place between steps, dy of another layout, and a pattern changed in place (a
+    recount of its lengths) all give the float64 output and gradients."""
     torch.manual_seed(5)
     kwargs = {
         "ELL": dict(format="ELL", sparsity=0.6),
@@ -237,10 +238,15 @@ def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(
             dy = dy.t().contiguous().t()
         W = layer.weight.to_dense().detach().double().requires_grad_(True)
         xd = x.detach().double().requires_grad_(True)
-        (xd @ W.t()).backward(dy.double())
+        bd = layer.bias.detach().double().requires_grad_(True)
+        yd = xd @ W.t() + bd
+        yd.backward(dy.double())
         optimizer.zero_grad()
-        layer(x).backward(dy)
+        y = layer(x)
+        torch.testing.assert_close(y.double(), yd, rtol=1e-5, atol=1e-5)
+        y.backward(dy)
         torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.bias.grad.double(), bd.grad, rtol=1e-5, atol=1e-5)
         fmt_now = layer.weight
         if fmt == "ELL":  # every slot's gradient is dW at its position (a padded slot repeats one)
             rows = fmt_now._slot_rows()[0].expand_as(fmt_now.AK).reshape(-1).long()
@@ -257,6 +263,8 @@ def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(
         check(seed)
     sites = _gradient_sites(layer)
     assert sites and all(site.pinned is not None for site in sites)
+    plans = list(layer.weight.__dict__["_spmm_plans"].values())
+    assert all(plan.fused and plan.pinned is not None for plan in plans)  # the bias in the epilogue
     full_path = []  # calls that went through insum() instead of the pinned launch
     original = repeat.insum
     repeat.insum = lambda *args, **kwargs: full_path.append(args[0]) or original(*args, **kwargs)

@@ -38,6 +38,7 @@ from ..bind import PLAIN_TENSORS
 from ..cache import BoundedCache
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import Pinned, pin
+from ..parser import parse
 from .coords import (
     VALUE_DTYPES,
     Coords,
@@ -295,21 +296,28 @@ class SparseFormat:
     # ----------------------------------------------------------------- SpMM
 
     def spmm(
-        self, B: torch.Tensor, *, backend: str = "auto", precision: str = "tf32"
+        self, B: torch.Tensor, *, bias: torch.Tensor | None = None, backend: str = "auto", precision: str = "tf32"
     ) -> torch.Tensor:
-        """A @ B by running the format's indirect Einsum through `insum()`.
+        """A @ B (+ bias[:, None]) by running the format's indirect Einsum through `insum()`.
 
         B is (K, N) or a vector (K,). The result has the promoted dtype of A and B;
-        half-precision results are accumulated in float32 and rounded once.
+        half-precision results are accumulated in float32 and rounded once. bias: one value
+        per row of A (M,), added to every column; in the kernel's epilogue where the format's
+        product is one statement over C's rows (ELL, Block-ELL, NM: `bias_expression`), else
+        added after it.
         """
         key = None
-        if type(B) in PLAIN_TENSORS and B.layout == torch.strided and not torch.compiler.is_compiling():
+        if (
+            type(B) in PLAIN_TENSORS and B.layout == torch.strided and not torch.compiler.is_compiling()
+            and (bias is None or type(bias) in PLAIN_TENSORS)
+        ):
             # A repeated product (same format, same kind of B) skips the checks and decisions.
-            key = (B.dtype, B.shape, B.stride(), B.device, backend, precision)
+            key = (B.dtype, B.shape, B.stride(), B.device, backend, precision,
+                   None if bias is None else (bias.dtype, bias.shape, bias.stride(), bias.device))
             plans = self.__dict__.get("_spmm_plans")
             plan = plans.get(key) if plans is not None else None
             if plan is not None:
-                return plan.repeat(self, B)
+                return plan.repeat(self, B, bias)
         if not isinstance(B, torch.Tensor) or B.layout != torch.strided:
             raise InsumTypeError("spmm expects a dense torch.Tensor operand")
         vector = B.dim() == 1
@@ -326,11 +334,48 @@ class SparseFormat:
             raise InsumTypeError(
                 f"B is on {B.device} but the {type(self).__name__} tensors are on {self.device}; use .to()"
             )
-        plan = _SpmmPlan(self, B, vector, backend, precision)
-        C = plan(self, original)
+        if bias is not None:
+            self._check_bias(bias)
+        plan = _SpmmPlan(self, B, vector, backend, precision, bias)
+        C = plan(self, original, bias)
         if key is not None:  # kept once it has run (its options are then valid)
             self.__dict__.setdefault("_spmm_plans", BoundedCache(_PLANS_PER_FORMAT))[key] = plan
         return C
+
+    def _check_bias(self, bias: torch.Tensor) -> None:
+        if not isinstance(bias, torch.Tensor) or bias.layout != torch.strided:
+            raise InsumTypeError("spmm's bias must be a dense torch.Tensor")
+        if tuple(bias.shape) != (self.shape[0],):
+            raise InsumShapeError(
+                f"spmm's bias has shape {tuple(bias.shape)}; {type(self).__name__} of shape {self.shape} "
+                f"takes one value per row, ({self.shape[0]},)"
+            )
+        check_values(bias.dtype, f"the bias of {type(self).__name__} @ B has")
+        if bias.device != self.device:
+            raise InsumTypeError(f"the bias is on {bias.device} but the {type(self).__name__} tensors are on {self.device}")
+
+    def bias_expression(self) -> str | None:
+        """The SpMM's statement with a bias over C's rows as its added term (`+ D[...]`, the bias
+        seen through `bias_view`), where the product is one statement whose output is indexed
+        by plain variables, each element written once (ELL, Block-ELL, NM); None where the bias
+        is added after the product (scattered rows, buckets)."""
+        statements = self.statements()
+        if len(statements) != 1 or type(self).accumulates or self.covering_block is not None:
+            return None
+        expression = statements[0][0]
+        names = [index.variable for index in parse(expression).output.indices]
+        if any(v is None for v in names) or len(set(names)) != len(names):
+            return None
+        return f"{overwrite(expression)} + D[{', '.join(names[:-1])}]"
+
+    def bias_view(self, bias: torch.Tensor) -> torch.Tensor:
+        """A bias over the matrix's rows (M,) as `bias_expression` indexes it: padded to C's
+        rows and viewed with C's shape but its last dimension (`output_shape`)."""
+        rows = self.output_shape(1)[:-1]
+        count = 1
+        for size in rows:
+            count *= size
+        return pad_rows(bias, count).view(rows)
 
     def __matmul__(self, B: torch.Tensor) -> torch.Tensor:
         return self.spmm(B)
@@ -481,23 +526,27 @@ _PIN_TRIES = 2  # repeats of a plan that try to pin its calls (each runs them th
 
 
 class _SpmmPlan:
-    """A format's SpMM decided for one kind of B (dtype, shape, strides, device, options):
-    the output dtype and buffer, the statements with their tensors and facts. Checks passed
-    when it was made; it is kept on the format object (not holding it) and run again for
-    every B of that kind. Values are cast on each call (never cached: they may be updated in
-    place, as a layer's weights are). From the first repeat that finds its calls prepared,
-    it runs them pinned to the format's tensors (`insum.execute.Pinned`): checks of B and C
-    per call, of the format's tensors once (`SparseFormat.__setattr__` keeps them from being
-    replaced).
+    """A format's SpMM decided for one kind of B (dtype, shape, strides, device, options) and
+    of bias: the output dtype and buffer, the statements with their tensors and facts. Checks
+    passed when it was made; it is kept on the format object (not holding it) and run again
+    for every B of that kind. Values are cast on each call (never cached: they may be updated
+    in place, as a layer's weights are). From the first repeat that finds its calls prepared,
+    it runs them pinned to the format's tensors (`insum.execute.Pinned`): checks of B, C (and
+    the bias) per call, of the format's tensors once (`SparseFormat.__setattr__` keeps them
+    from being replaced). A bias is the statement's added term where the format has one
+    (`SparseFormat.bias_expression`), else added after the product.
     """
 
     __slots__ = (
         "vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "disjoint", "covering", "single", "options",
-        "M", "N",
+        "M", "N", "biased", "fused", "varying",
         "pinned", "tries",
     )
 
-    def __init__(self, fmt: SparseFormat, B: torch.Tensor, vector: bool, backend: str, precision: str):
+    def __init__(
+        self, fmt: SparseFormat, B: torch.Tensor, vector: bool, backend: str, precision: str,
+        bias: torch.Tensor | None = None,
+    ):
         self.vector = vector
         self.dtype = dtype = value_dtype_of(fmt.dtype, B.dtype)
         self.M, self.N = fmt.shape[0], B.shape[1]
@@ -510,6 +559,10 @@ class _SpmmPlan:
         self.shape = fmt.output_shape(self.N)
         self.disjoint = fmt.disjoint_statements
         self.covering = fmt.covering_block if self.disjoint else None
+        self.biased = bias is not None
+        biased_expression = fmt.bias_expression() if self.biased and not self.empty else None
+        self.fused = biased_expression is not None  # the bias in the kernel's epilogue
+        self.varying = _VARYING | {"D"} if self.fused else _VARYING
         # Buckets, and a covering layout's statements, add into a zero-filled C with `+=` (the
         # covering batch then runs their `=` kernels into torch.empty); else the one statement
         # runs with `=` into torch.empty, which its launch zero-fills only where it must.
@@ -519,7 +572,7 @@ class _SpmmPlan:
         self.statements = []
         for expression, tensors in ([] if self.empty else fmt.statements()):
             cast = tuple(k for k, v in tensors.items() if v.is_floating_point() and v.dtype != dtype)
-            statement = expression if adds else overwrite(expression)
+            statement = biased_expression or (expression if adds else overwrite(expression))
             # Packing guarantees in-range indices: no index check, whatever INSUM_CHECK_INDICES says.
             facts = {
                 "sorted_indices": frozenset(name for name in fmt.sorted_indices if name in tensors),  # traceable by dynamo
@@ -536,18 +589,23 @@ class _SpmmPlan:
         # value tensor: not a call that the host's time limits).
         self.tries = _PIN_TRIES if self.empty or any(cast for _, _, cast, _ in self.statements) else 0
 
-    def _calls(self, fmt: SparseFormat, B: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def _bias(self, fmt: SparseFormat, bias: torch.Tensor) -> torch.Tensor:
+        """The bias as the fused statement reads it (`D`)."""
+        return fmt.bias_view(bias if bias.dtype == self.dtype else bias.to(self.dtype))
+
+    def _calls(self, fmt: SparseFormat, B: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, list]:
         """The output to write and the calls that write it, for B as given (not a vector)."""
         dtype = self.dtype
         if self.cast:
             B = B.to(dtype)
         C = (torch.zeros if self.zeros else torch.empty)(self.shape, dtype=self.acc, device=B.device)
         operand = fmt.operand(B)
+        added = {"D": self._bias(fmt, bias)} if self.fused else {}
         calls = []
         for statement, tensors, cast, facts in self.statements:
             if cast:
                 tensors = {k: (v.to(dtype) if k in cast else v) for k, v in tensors.items()}
-            calls.append((statement, {"C": C, "B": operand, **tensors}, facts))
+            calls.append((statement, {"C": C, "B": operand, **added, **tensors}, facts))
         return C, calls
 
     def _run(self, calls: list) -> None:
@@ -557,43 +615,48 @@ class _SpmmPlan:
         else:  # several statements into one C (buckets): one launch once they have run
             insum_many(calls, check_indices=False, disjoint=self.disjoint, covering=self.covering, **self.options)
 
-    def __call__(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
+    def __call__(self, fmt: SparseFormat, B: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.vector:
             B = B.unsqueeze(1)
         if self.empty:
             C = torch.zeros(self.M, self.N, dtype=self.dtype, device=B.device)
-            return C.squeeze(1) if self.vector else C
-        C, calls = self._calls(fmt, B)
+            return self._finish(fmt, C, bias, viewed=True)
+        C, calls = self._calls(fmt, B, bias)
         self._run(calls)
-        return self._finish(fmt, C)
+        return self._finish(fmt, C, bias)
 
-    def _finish(self, fmt: SparseFormat, C: torch.Tensor) -> torch.Tensor:
-        C = fmt.result(C)  # any strides
+    def _finish(self, fmt: SparseFormat, C: torch.Tensor, bias: torch.Tensor | None, viewed: bool = False) -> torch.Tensor:
+        if not viewed:
+            C = fmt.result(C)  # any strides
         if C.dtype != self.dtype:
             C = C.to(self.dtype)
+        if self.biased and not self.fused:
+            C = C + bias.to(self.dtype)[:, None]
         return C.squeeze(1) if self.vector else C
 
-    def repeat(self, fmt: SparseFormat, B: torch.Tensor) -> torch.Tensor:
-        """Another product with a B of the plan's kind, outside torch.compile: through the
-        pinned launch (`insum.execute.Pinned`: the format's tensors checked once, B and C
-        per call), pinned on the first repeat that finds the calls prepared."""
+    def repeat(self, fmt: SparseFormat, B: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Another product with a B (and bias) of the plan's kind, outside torch.compile:
+        through the pinned launch (`insum.execute.Pinned`: the format's tensors checked once,
+        B, C and the bias per call), pinned on the first repeat that finds the calls prepared."""
         pinned = self.pinned
         if pinned is None:
             if self.tries >= _PIN_TRIES or torch.compiler.is_compiling():
-                return self(fmt, B)
+                return self(fmt, B, bias)
             self.tries += 1
             if self.vector:
                 B = B.unsqueeze(1)
-            C, calls = self._calls(fmt, B)
+            C, calls = self._calls(fmt, B, bias)
             self._run(calls)
             self.pinned = pin(
-                calls, varying=_VARYING, check_indices=False, disjoint=self.disjoint, covering=self.covering, **self.options
+                calls, varying=self.varying, check_indices=False, disjoint=self.disjoint, covering=self.covering,
+                **self.options,
             )
-            return self._finish(fmt, C)
-        if not pinned.ready(B):
+            return self._finish(fmt, C, bias)
+        ready = pinned.ready(B, bias) if self.fused else pinned.ready(B)
+        if not ready:
             if pinned.moved():  # memory moved under a packed tensor: pinned anew (within the tries)
                 self.pinned = None
-            return self(fmt, B)
+            return self(fmt, B, bias)
         original = B
         if self.vector:
             B = B.unsqueeze(1)
@@ -601,6 +664,9 @@ class _SpmmPlan:
             B = B.to(self.dtype)
         # A launch that writes every element of C (covering buckets) needs no zero fill.
         C = (torch.zeros if self.zeros and not pinned.covers else torch.empty)(self.shape, dtype=self.acc, device=B.device)
-        if not pinned.run({"C": C, "B": fmt.operand(B)}):
-            return self(fmt, original)
-        return self._finish(fmt, C)
+        varying = {"C": C, "B": fmt.operand(B)}
+        if self.fused:
+            varying["D"] = self._bias(fmt, bias)
+        if not pinned.run(varying):
+            return self(fmt, original, bias)
+        return self._finish(fmt, C, bias)

@@ -65,8 +65,15 @@ def sparse_linear(
             f"weight has shape ({out_features}, {in_features})"
         )
     x2 = x.reshape(-1, in_features)
-    y = apply_sparse_linear(x2, weight, format_meta(weight), {}, gradient_statements(weight), backend, precision)
-    if bias is not None:
+    # A bias of one value per output feature joins the product (its epilogue, where the format
+    # allows); any other broadcastable bias is added after it.
+    joined = (
+        bias is not None and tuple(bias.shape) == (out_features,) and bias.device == x.device
+        and bias.dtype == torch.promote_types(x.dtype, weight.dtype)
+    )
+    y = apply_sparse_linear(x2, weight, format_meta(weight), {}, gradient_statements(weight), backend, precision,
+                            bias if joined else None)
+    if bias is not None and not joined:
         y = y + bias
     return y.reshape(*x.shape[:-1], out_features)
 
@@ -349,9 +356,7 @@ class SparseLinear(nn.Module):
                 f"layer has {self.in_features} in_features"
             )
         info, tensors = self._kept_call()
-        y = apply_linear(info, x.reshape(-1, self.in_features), tensors)
-        if self.bias is not None:
-            y = y + self.bias
+        y = apply_linear(info, x.reshape(-1, self.in_features), tensors, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def to_dense(self) -> torch.Tensor:

@@ -65,15 +65,18 @@ for _format_cls in FORMATS.values():  # every format's statements, before any tr
 
 
 class _SparseLinearFunction(torch.autograd.Function):
-    """y = x W^T through the format's statements, with the gradients described above."""
+    """y = x W^T + b through the format's statements, with the gradients described above (the
+    bias in the product's epilogue where the format allows, `SparseFormat.bias_expression`;
+    its gradient dy summed over the batch, here rather than in an autograd node of its own)."""
 
     @staticmethod
-    def forward(ctx, info, x2, *tensors):
+    def forward(ctx, info, x2, bias, *tensors):
         fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision, kept = info
         fmt = kept if kept is not None else rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
         ctx.info = info
+        ctx.biased = bias is not None
         ctx.save_for_backward(x2, *tensors)
-        return fmt.spmm(x2.t(), backend=backend, precision=precision).t()
+        return fmt.spmm(x2.t(), bias=bias, backend=backend, precision=precision).t()
 
     @staticmethod
     def backward(ctx, dy):
@@ -91,9 +94,10 @@ class _SparseLinearFunction(torch.autograd.Function):
             else:
                 dB = _derived_input_gradient(fmt, gradients, B, dC, backend, precision)
             dx = fmt.from_operand(dB).t().to(x2.dtype)
-        wanted = {name for i, name in enumerate(names) if needs[2 + i]}
+        wanted = {name for i, name in enumerate(names) if needs[3 + i]}
         grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision)
-        return (None, dx, *(grads.get(name) for name in names), *([None] * len(pattern_names)))
+        dbias = dy.sum(0) if ctx.biased and needs[2] else None
+        return (None, dx, dbias, *(grads.get(name) for name in names), *([None] * len(pattern_names)))
 
 
 def _derived_input_gradient(fmt: SparseFormat, gradients: Gradients, B, dC, backend: str, precision: str) -> torch.Tensor:
@@ -166,15 +170,17 @@ def linear_info(fmt: SparseFormat, meta, pattern, gradients: Gradients, backend:
     return (type(fmt), fmt.shape, meta, tuple(fmt._tensors), tuple(pattern), gradients, backend, precision, kept)
 
 
-def apply_linear(info: tuple, x2: torch.Tensor, tensors: tuple) -> torch.Tensor:
-    """x2 (batch, in) @ W^T for `info` (`linear_info`) and the tensors it names (the
+def apply_linear(info: tuple, x2: torch.Tensor, tensors: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 (batch, in) @ W^T + bias for `info` (`linear_info`) and the tensors it names (the
     format's, then the transposed pattern's), through the one autograd path."""
-    return _SparseLinearFunction.apply(info, x2, *tensors)
+    return _SparseLinearFunction.apply(info, x2, bias, *tensors)
 
 
-def apply_sparse_linear(x2, fmt, meta, pattern, gradients: Gradients, backend: str, precision: str) -> torch.Tensor:
-    """x2 (batch, in) @ W^T through the one autograd path."""
+def apply_sparse_linear(
+    x2, fmt, meta, pattern, gradients: Gradients, backend: str, precision: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x2 (batch, in) @ W^T + bias through the one autograd path."""
     info = linear_info(fmt, meta, pattern, gradients, backend, precision)
-    return apply_linear(info, x2, (*fmt._tensors.values(), *pattern.values()))
+    return apply_linear(info, x2, (*fmt._tensors.values(), *pattern.values()), bias)
 
 
