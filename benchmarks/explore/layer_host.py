@@ -4,7 +4,7 @@ the transposed pattern, the values' gradient, the bias add and its gradient's su
 nn.Linear. A narrow batch keeps every kernel shorter than its host time, so that the
 issue time measured (no sync between calls) is the host's.
 
-    python -m benchmarks.explore.layer_host [--width 4096] [--batch 256] [--profile]
+    python -m benchmarks.explore.layer_host [--width 4096] [--batch 256] [--profile] [--device-times]
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from insum.nn import SparseLinear, sparse_autograd
 from insum.nn.sparse_autograd import _value_gradients
 
 
-def issue_us(fn, calls: int = 50, repeats: int = 7) -> float:
-    """Median host time per call (µs), the calls queued without a sync in between."""
+def issue_us(fn, calls: int = 50, repeats: int = 9) -> float:
+    """Least host time per call (µs) over `repeats` runs of `calls` calls queued without a
+    sync in between (the least disturbed run: the host's load moves medians by 2x)."""
     for _ in range(10):
         fn()
     times = []
@@ -31,7 +32,7 @@ def issue_us(fn, calls: int = 50, repeats: int = 7) -> float:
             fn()
         times.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
-    return statistics.median(times)
+    return min(times)
 
 
 def inside_backward(y: torch.Tensor, gy: torch.Tensor, calls: int = 200) -> None:
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--profile", action="store_true", help="then cProfile 200 steps of the layer")
+    parser.add_argument("--device-times", action="store_true", help="then the device time of each piece")
     args = parser.parse_args()
     torch.manual_seed(0)
     width, batch = args.width, args.batch
@@ -117,6 +119,14 @@ def main() -> None:
     rows["torch.empty (4096 x 256)"] = lambda: torch.empty(width, batch, device="cuda", dtype=torch.float16)
     for name, fn in rows.items():
         print(f"{name:40s} {issue_us(fn):8.1f} us", flush=True)
+    if args.device_times:  # the kernels' own time (do_bench medians), per piece
+        import triton.testing
+
+        pieces = ("fmt.spmm(x^T) (pinned)", "x's gradient (input_gradient)", "values' gradient (_value_gradients)",
+                  "bias add (y + b)", "bias gradient, dy laid out (out, batch)", "bias gradient (dy.sum(0))")
+        for name in pieces:
+            ms = triton.testing.do_bench(rows[name], return_mode="median")
+            print(f"device {name:33s} {ms * 1e3:8.1f} us", flush=True)
     inside_backward(y, gy)
     if args.profile:
         import cProfile
