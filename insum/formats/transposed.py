@@ -36,10 +36,8 @@ SCALAR = "DX[TM[p], n] += WT[TS[p, q]] * DY[TR[p, q], n]"
 #: statement overwrites a given torch.empty (under torch.compile: the in-place operator, the
 #: cheaper call to the dispatcher, `insum.library`).
 SCALAR_ROW = "DX[c, n] = WT[TS[c, q]] * DY[TR[c, q], n]"
-#: Blocks read transposed (WT holds each block's (bk, bm) transpose, copied contiguous with
-#: the zero slot): the dot's left operand (k, m) then has m, its reduced axis, contiguous.
-BLOCK = "DX[TM[p], k, n] += WT[TS[p, q], k, m] * DY[TR[p, q], m, n]"
-BLOCK_ROW = "DX[c, k, n] = WT[TS[c, q], k, m] * DY[TR[c, q], m, n]"
+BLOCK = "DX[TM[p], k, n] += WT[TS[p, q], m, k] * DY[TR[p, q], m, n]"
+BLOCK_ROW = "DX[c, k, n] = WT[TS[c, q], m, k] * DY[TR[c, q], m, n]"
 
 
 def transpose_slots(
@@ -147,7 +145,7 @@ def block_gradient(
     """dB viewed (KB, bk, N) from blocks AV (..., bm, bk) and dC viewed (M'/bm, bm, N); owner:
     as for `scalar_gradient`."""
     bm, bk = AV.shape[-2:]
-    WT = with_zero_slot(AV.reshape(-1, bm, bk).transpose(1, 2))  # (slots + 1, bk, bm), contiguous
+    WT = with_zero_slot(AV.reshape(-1, bm, bk))
     if "TM" not in pattern:
         facts = _column_lengths(pattern["TS"], WT.shape[0] - 1)
         DX = DY.new_empty(pattern["TS"].shape[0], bk, DY.shape[2], dtype=torch.promote_types(WT.dtype, DY.dtype))
