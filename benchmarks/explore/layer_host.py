@@ -10,6 +10,7 @@ issue time measured (no sync between calls) is the host's.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 
@@ -116,15 +117,17 @@ def main() -> None:
     yb = yd.detach().requires_grad_()
     rows["autograd of y + b alone"] = lambda: (yb + layer.bias).backward(gy_transposed)
     rows["fmt.spmm(x^T) (pinned)"] = torch.no_grad()(lambda: fmt.spmm(x2t))
+    if "bias" in inspect.signature(fmt.spmm).parameters:  # (an older tree, for an A/B, has none)
+        rows["fmt.spmm(x^T, bias=b) (pinned)"] = torch.no_grad()(lambda: fmt.spmm(x2t, bias=layer.bias))
     rows["torch.empty (4096 x 256)"] = lambda: torch.empty(width, batch, device="cuda", dtype=torch.float16)
     for name, fn in rows.items():
         print(f"{name:40s} {issue_us(fn):8.1f} us", flush=True)
     if args.device_times:  # the kernels' own time (do_bench medians), per piece
         import triton.testing
 
-        pieces = ("fmt.spmm(x^T) (pinned)", "x's gradient (input_gradient)", "values' gradient (_value_gradients)",
+        pieces = ("fmt.spmm(x^T) (pinned)", "fmt.spmm(x^T, bias=b) (pinned)", "x's gradient (input_gradient)", "values' gradient (_value_gradients)",
                   "bias add (y + b)", "bias gradient, dy laid out (out, batch)", "bias gradient (dy.sum(0))")
-        for name in pieces:
+        for name in (p for p in pieces if p in rows):
             ms = triton.testing.do_bench(rows[name], return_mode="median")
             print(f"device {name:33s} {ms * 1e3:8.1f} us", flush=True)
     inside_backward(y, gy)
