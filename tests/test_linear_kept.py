@@ -278,3 +278,33 @@ def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(
     pattern.add_(0)  # the pattern changed in place (ELL, Block-ELL: its lengths counted anew, a new tensor)
     for seed in (8, 9):
         check(seed)
+
+
+@pytest.mark.parametrize("block", [(32, 32), (16, 64)])
+def test_block_ell_value_gradient_in_groups_of_one_block_row(block):
+    """Block-ELL's values' gradient runs J stored blocks of one block row per program
+    (`GROUPED_GRADIENT`, J * bk = 128): rows whose count is no multiple of J, and an empty
+    row, give the float64 gradient on every stored block and zero on the padding."""
+    torch.manual_seed(6)
+    bm, bk = block
+    keep = torch.rand(5, 6) < 0.6
+    keep[2] = False  # an empty block row
+    keep[0] = True  # a full one: 6 blocks, J = 128 // bk groups of them
+    W = torch.randn(5 * bm, 6 * bk) * keep.repeat_interleave(bm, 0).repeat_interleave(bk, 1)
+    layer = SparseLinear.from_dense(W, None, "BlockGroupCOO", block=block, group_size="row", backend="triton",
+                                    precision="ieee")
+    groups = layer.weight._stored_groups()
+    J = 128 // bk
+    assert groups is not None and groups["GF"].shape[1] == J
+    assert groups["GF"].unique().numel() == groups["GF"].numel()  # padding writes its own scratch slots
+    x = _x(1, rows=3).repeat(1, 40)[:, : 6 * bk].clone()
+    dy = torch.randn(3, 5 * bm, generator=torch.Generator().manual_seed(2))
+    layer(x).backward(dy)
+    dense_grad = dy.double().t() @ x.double()  # dW for y = x W^T
+    fmt = layer.weight
+    tensors = {**fmt.tensors, "AV": layer.AV.grad}
+    grads = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), tensors).to_dense().double()
+    stored = keep.repeat_interleave(bm, 0).repeat_interleave(bk, 1)
+    torch.testing.assert_close(grads, dense_grad * stored, rtol=1e-5, atol=1e-5)
+    padding = torch.arange(fmt.AK.shape[1]) >= fmt.declared_lengths()["q[p]"][:, None]
+    assert bool((layer.AV.grad[padding] == 0).all())

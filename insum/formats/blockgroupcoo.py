@@ -28,6 +28,7 @@ from .transposed import block_gradient, transpose_slots
 from .tuning import tune, tuning_operand
 
 _UNIQUE_SLOTS = frozenset({"F"})  # STORED_GRADIENT's slot index: no slot twice
+_UNIQUE_GROUP_SLOTS = frozenset({"GF"})  # GROUPED_GRADIENT's: nor there (padding has its own scratch slots)
 _STORED_VARYING = frozenset({"dW", "dC", "B"})  # what changes between its calls
 
 __all__ = ["BlockGroupCOO"]
@@ -305,6 +306,10 @@ class BlockGroupCOO(SparseFormat):
     #: AV's gradient on the stored blocks only: one program per stored block (F: its slot in
     #: AV viewed (G * g, bm, bk); SP, SK: its block row and column), padding left zero.
     STORED_GRADIENT = "dW[F[s], m, k] = dC[SP[s], m, n] * B[SK[s], k, n]"
+    #: The same with J stored blocks of one block row per program (GF: their slots, padded
+    #: with slots of a scratch tail; GP: the row; GK: their columns): dC's rows are read once
+    #: for the J blocks instead of once per block (the statement stacks (j, k) on one tile axis).
+    GROUPED_GRADIENT = "dW[GF[t, j], m, k] = dC[GP[t], m, n] * B[GK[t, j], k, n]"
     #: The same on every slot (the derived statement), for traced code over a format whose
     #: block count is not known (built by hand, without params["blocks"]): padding masked after.
     SLOT_GRADIENT = "dW[p, q, m, k] = dC[p, m, n] * B[AK[p, q], k, n]"
@@ -329,6 +334,36 @@ class BlockGroupCOO(SparseFormat):
             }
         return blocks
 
+    def _stored_groups(self) -> dict[str, torch.Tensor] | None:
+        """GF, GP, GK of `GROUPED_GRADIENT`: each block row's stored blocks in groups of J
+        (J * bk = 128 lanes), the last group of a row padded with scratch slots past the
+        G * g real ones (GF stays unique: a padded entry writes its own scratch slot) and
+        column 0. Counted on the host once per format (a sync), so None in traced code, and
+        None where a group would hold one block (STORED_GRADIENT is then the same)."""
+        G, g, bm, bk = self._tensors["AV"].shape
+        J = max(1, 128 // bk)
+        if J == 1 or torch.compiler.is_compiling():
+            return None
+        derived = self.__dict__.setdefault("_derived", {})
+        groups = derived.get("stored_groups")
+        if groups is None:
+            AK, counts = self.AK, self._row_counts().long()
+            per_row = torch.div(counts + J - 1, J, rounding_mode="floor")
+            T = int(per_row.sum())
+            device = AK.device
+            rows = torch.repeat_interleave(torch.arange(G, device=device), per_row, output_size=T)
+            first = torch.cumsum(per_row, 0) - per_row  # each row's first group
+            q = (torch.arange(T, device=device) - first[rows])[:, None] * J + torch.arange(J, device=device)
+            valid = q < counts[rows][:, None]
+            scratch = G * g + torch.cumsum((~valid).reshape(-1), 0).reshape(T, J) - 1
+            GF = torch.where(valid, rows[:, None] * g + q, scratch)
+            GK = torch.where(valid, AK[rows[:, None], q.clamp(max=g - 1)], 0)
+            groups = derived["stored_groups"] = {
+                "GF": GF.to(AK.dtype), "GP": rows.to(AK.dtype), "GK": GK.to(AK.dtype),
+                "slots": G * g + int((~valid).sum()),
+            }
+        return groups
+
     def value_gradient(self, name, dC, B, backend, precision):
         """Block-ELL: AV's gradient runs on the stored blocks only (`STORED_GRADIENT`), not on
         every slot as the derived statement does: the padding (~45% of the slots at s = 0.9
@@ -342,6 +377,13 @@ class BlockGroupCOO(SparseFormat):
             dW = insum(self.SLOT_GRADIENT, dC=dC, B=B, AK=self.AK, backend=backend, precision=precision)
             padding = torch.arange(g, device=dW.device) >= self._row_counts()[:, None]
             return dW.to(dtype).masked_fill(padding[:, :, None, None], 0)
+        groups = self._stored_groups()
+        if groups is not None:
+            tables = {k: v for k, v in groups.items() if k != "slots"}
+            dW = torch.empty(groups["slots"], bm, bk, dtype=dtype, device=dC.device)
+            run_repeated(self, self.GROUPED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **tables},
+                         {"unique_indices": _UNIQUE_GROUP_SLOTS}, _STORED_VARYING, backend=backend, precision=precision)
+            return dW[: G * g].view(G, g, bm, bk)
         dW = torch.empty(G * g, bm, bk, dtype=dtype, device=dC.device)
         run_repeated(self, self.STORED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **blocks}, {"unique_indices": _UNIQUE_SLOTS},
                      _STORED_VARYING, backend=backend, precision=precision)
