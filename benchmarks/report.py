@@ -138,6 +138,36 @@ def issue11_targets(results: dict) -> list[dict]:
     return out
 
 
+#: The MLP step's target (issue 11): the pruned model against dense, per way of running it;
+#: (column of torch_mlp.json's rows, what it is, whether it is one of the issue's targets).
+MLP_MODEL = "Block-ELL 90% 32x32 (row groups)"
+MLP_RUNS = [
+    ("eager_step", "eager", True),
+    ("compiled_step", "compiled (torch.compile, default mode)", True),
+    ("graphed_step", "replayed as CUDA graphs (make_graphed_callables)", False),
+    ("compiled_graphs_step", "compiled with CUDA graphs (mode=\"reduce-overhead\")", False),
+]
+
+
+def mlp_targets(mlp: dict | None) -> list[dict]:
+    """The SparseLinear MLP step against dense (torch_checks' MLP table, torch_mlp.json): the
+    issue's targets (eager, compiled) and, beside them, the step without host time."""
+    rows = {r.get("model"): r for r in (mlp or {}).get("bench", [])}
+    dense, model = rows.get("dense (cuBLAS)"), rows.get(MLP_MODEL)
+    out = []
+    for key, how, target in MLP_RUNS:
+        name = f"SparseLinear MLP step ({MLP_MODEL}) vs dense, {how}"
+        goal = ">= 2.0x" if target else "(not a target)"
+        if not dense or not model or key not in dense or key not in model:
+            out.append(dict(target=name, goal=goal, measured="no data", status="not measured", detail=""))
+            continue
+        ratio = dense[key] / model[key]
+        status = ("met" if ratio >= 2.0 else "missed") if target else "shown"
+        out.append(dict(target=name, goal=goal, measured=f"x{ratio:.2f}", status=status,
+                        detail=f"{model[key]:.3f} ms against {dense[key]:.3f} ms"))
+    return out
+
+
 def targets(results: dict) -> list[dict]:
     """Issue 6's targets, evaluated on the rows present."""
     out = []
@@ -172,7 +202,7 @@ def summary_lines(results: dict) -> list[str]:
 # --------------------------------------------------------------------------- markdown
 
 
-def write_report(results: dict, out: Path, plots: bool = True) -> Path:
+def write_report(results: dict, out: Path, plots: bool = True, mlp: dict | None = None) -> Path:
     """Write REPORT.md (and figures/ when matplotlib is there); returns the report's path."""
     out.mkdir(parents=True, exist_ok=True)
     figures = make_plots(results, out / "figures") if plots else {}
@@ -219,7 +249,7 @@ def write_report(results: dict, out: Path, plots: bool = True) -> Path:
     lines += table(targets(results), [("target", field("target")), ("goal", field("goal")), ("measured", field("measured")),
                                       ("status", lambda t: f"**{t['status']}**"), ("detail", field("detail"))])
     lines += ["", "## Targets (issue 11, tensor-core path; the worst point decides)", ""]
-    lines += table(issue11_targets(results), [("target", field("target")), ("goal", field("goal")),
+    lines += table(issue11_targets(results) + mlp_targets(mlp), [("target", field("target")), ("goal", field("goal")),
                                               ("worst point", field("measured")),
                                               ("status", lambda t: f"**{t['status']}**"), ("detail", field("detail"))])
     failed = [r for res in results.values() for r in res.get("rows", []) if not r.get("ok")]
@@ -273,7 +303,9 @@ def main(argv=None) -> int:
         if not results:
             print(f"no <study>.json in {folder}")
             continue
-        path = write_report(results, args.out or folder, plots=not args.no_plots)
+        mlp_path = folder / "torch_mlp.json"
+        mlp = json.loads(mlp_path.read_text()) if mlp_path.exists() else None
+        path = write_report(results, args.out or folder, plots=not args.no_plots, mlp=mlp)
         written += 1
         print(f"wrote {path}")
         for line in summary_lines(results):
