@@ -38,7 +38,6 @@ from ..bind import PLAIN_TENSORS
 from ..cache import BoundedCache
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import Pinned, pin
-from ..parser import parse
 from .coords import (
     VALUE_DTYPES,
     Coords,
@@ -363,8 +362,12 @@ class SparseFormat:
         if len(statements) != 1 or type(self).accumulates or self.covering_block is not None:
             return None
         expression = statements[0][0]
-        names = [index.variable for index in parse(expression).output.indices]
-        if any(v is None for v in names) or len(set(names)) != len(names):
+        # Plain string work (traced by torch.compile, as `overwrite` is): the output access's
+        # indices, each a lone variable name, none twice.
+        output = expression.split("=", 1)[0].rstrip("+ ")
+        head, _, inner = output.partition("[")
+        names = [name.strip() for name in inner.rstrip("]").split(",")]
+        if "[" in inner or not all(n.isidentifier() for n in names) or len(set(names)) != len(names):
             return None
         return f"{overwrite(expression)} + D[{', '.join(names[:-1])}]"
 
