@@ -3,8 +3,9 @@ of a layer), pinned to the format's tensors after their first runs.
 
 A layer's backward calls the same statements on the same packed tensors every step, with
 only dC, B and the new outputs changing. Through `insum()` each call looks at every tensor
-again (about 25 µs of host time a call on the H200's host); pinned (`insum.execute.pin`), the
-packed tensors are checked once and each call looks only at the varying ones.
+again; pinned (`insum.execute.pin`), the packed tensors are checked once and each call looks
+only at the varying ones. Measured on the development VM, launches stubbed (least of 7 runs):
+a Block-ELL layer's x gradient 77.9 -> 63.8 µs of host time, its values' gradient 56.4 -> 51.0.
 """
 
 from __future__ import annotations
