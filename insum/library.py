@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .autograd import Derivation, derive
-from .bind import bind
+from .bind import PLAIN_TENSORS, bind
 from .dtypes import HALF_DTYPES, compute_dtype
 from .execute import prepared, run_and_prepare
 from .ir import Statement
@@ -163,6 +163,25 @@ def insum_functional(
     unique_indices: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """The statement's output as a new tensor: a copy of `init`, zeros of `shape`, or allocated."""
+    return _functional(expr, init, names, tensors, shape, dtype, backend, precision, autotune, check_indices,
+                       sorted_indices, unique_indices)
+
+
+def _functional(
+    expr: str,
+    init: torch.Tensor | None,
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    shape: Sequence[int] | None,
+    dtype: torch.dtype | None,
+    backend: str,
+    precision: str,
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
+    sorted_indices: Sequence[str] | None = None,
+    unique_indices: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """`insum::insum`'s implementation, callable without the operator (`_EagerInsum`)."""
     given, lengths = _split(names, tensors)
     out = None
     if init is not None:
@@ -245,7 +264,7 @@ def _gradient(
             if common in HALF_DTYPES and d_out.dtype != common:
                 d_out = d_out.to(common)
         env = {**tensors, derivation.output_grad: d_out}
-        result = torch.ops.insum.insum(
+        result = run_functional(
             str(stmt),
             result,
             list(inputs),
@@ -258,6 +277,47 @@ def _gradient(
 
 
 insum_functional.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run_functional(*args) -> torch.Tensor:
+    """`insum::insum` where it must be the operator (traced code, or a gradient that is
+    itself differentiated: create_graph), else its implementation called directly (an
+    eager backward: the operator's dispatch and autograd layers cost more than the launch)."""
+    _, init, _, tensors, *_ = args
+    plain = all(type(t) in PLAIN_TENSORS for t in tensors) and (init is None or type(init) in PLAIN_TENSORS)
+    if not plain or torch.is_grad_enabled() or torch.compiler.is_compiling():  # (fake tensors: traced)
+        return torch.ops.insum.insum(*args)
+    return _functional(*args)
+
+
+class _EagerInsum(torch.autograd.Function):
+    """`insum()` with gradients, eager: the forward and derived backward of `insum::insum`
+    without `torch.library`'s autograd wrapper (about 300 against 20 µs of host time a call
+    without gradients on the development VM, launches stubbed). Traced code keeps the
+    operator, whose fake implementation torch.compile needs."""
+
+    @staticmethod
+    def forward(ctx, expr, init, names, shape, dtype, options, *values):
+        ctx.expr, ctx.names, ctx.options = expr, tuple(names), options[:4]
+        ctx.init_dtype = None if init is None else init.dtype
+        ctx.save_for_backward(*values)
+        return _functional(expr, init, names, values, shape, dtype, *options)
+
+    @staticmethod
+    def backward(ctx, grad):
+        derivation = derive(ctx.expr)
+        saved = ctx.saved_tensors
+        tensors = dict(zip(ctx.names, saved))
+        wanted = ctx.needs_input_grad[6:]
+        grads = [
+            _gradient(derivation, name, tensor, tensors, grad, ctx.options)
+            if want and name in derivation.gradients else None
+            for name, tensor, want in zip(ctx.names, saved, wanted)
+        ]
+        grad_init = None
+        if ctx.init_dtype is not None and ctx.needs_input_grad[1] and derivation.passthrough:
+            grad_init = grad.to(ctx.init_dtype)
+        return (None, grad_init, None, None, None, None, *grads)
 
 
 # --------------------------------------------------------------------------- insum()'s path
@@ -308,17 +368,27 @@ def call(
     for key, tensor in (lengths or {}).items():
         names.append(LENGTHS + key)
         values.append(tensor)
+    # Eager (`stmt` given) on plain tensors, the differentiable calls skip the operator
+    # (`_EagerInsum`); traced code and tensor subclasses keep it.
+    eager = stmt is not None and all(type(v) in PLAIN_TENSORS for v in values) and (
+        out is None or type(out) in PLAIN_TENSORS)
+    functional = _eager_functional if eager else torch.ops.insum.insum
     if out is None:
-        return torch.ops.insum.insum(expr, None, names, values, None, None, *options)
+        return functional(expr, None, names, values, None, None, *options)
     needs_grad = torch.is_grad_enabled() and (out.requires_grad or any(v.requires_grad for v in values))
     if not needs_grad:
         torch.ops.insum.insum_(expr, out, names, values, *options)
         return out
     if accumulate:
-        result = torch.ops.insum.insum(expr, out, names, values, None, None, *options)
+        result = functional(expr, out, names, values, None, None, *options)
     else:
-        result = torch.ops.insum.insum(expr, None, names, values, list(out.shape), out.dtype, *options)
+        result = functional(expr, None, names, values, list(out.shape), out.dtype, *options)
     return out.copy_(result)
+
+
+def _eager_functional(expr, init, names, values, shape, dtype, *options) -> torch.Tensor:
+    """`insum::insum`'s signature, through `_EagerInsum`."""
+    return _EagerInsum.apply(expr, init, names, shape, dtype, options, *values)
 
 
 def _names(facts: frozenset[str] | str) -> list[str] | None:

@@ -116,6 +116,44 @@ def test_gradcheck_with_allocated_output_and_second_order():
     )
 
 
+def test_eager_gradients_skip_the_operator_layers(monkeypatch):
+    """An eager differentiable call runs as a plain autograd Function (`_EagerInsum`: no
+    `torch.library` autograd wrapper on the host path), and its backward calls the gradient
+    statements' implementation directly; gradients equal the torch lowering's."""
+    tensors = build(case("group_coo_spmm"), seed=2, dtype=torch.float64)
+    C0 = tensors.pop("C")
+    AV = tensors.pop("AV").requires_grad_(True)
+    B = tensors.pop("B").requires_grad_(True)
+    operator_calls = []
+    real = library.torch.ops.insum.insum
+
+    class Counting:
+        def __call__(self, *args, **kwargs):
+            operator_calls.append(args[0])
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(library.torch.ops.insum, "insum", Counting())
+    dy = torch.randn(C0.shape, dtype=torch.float64)
+    results = {}
+    for backend in ("torch", "triton") if INTERPRET else ("torch",):
+        AV.grad = B.grad = None
+        y = insum(SPMM, C=C0.clone(), AV=AV, B=B, backend=backend, **tensors)
+        y.backward(dy)
+        results[backend] = (AV.grad.clone(), B.grad.clone())
+        fresh = insum("O[p] = X[AM[p], k] * Y[AK[p], k]", backend=backend, **{
+            "X": torch.randn(5, 3, dtype=torch.float64, requires_grad=True), "Y": torch.randn(4, 3, dtype=torch.float64),
+            "AM": torch.tensor([0, 4, 2]), "AK": torch.tensor([1, 3, 3])})
+        assert type(fresh.grad_fn).__name__ == "_EagerInsumBackward"
+    assert operator_calls == []
+    AVd, Bd = AV.detach().requires_grad_(True), B.detach().requires_grad_(True)
+    reference = C0.clone()
+    reference.index_add_(0, tensors["AM"].long(), (AVd[:, :, None] * Bd[tensors["AK"].long()]).sum(1))
+    reference.backward(dy)
+    for grads in results.values():
+        torch.testing.assert_close(grads[0], AVd.grad)
+        torch.testing.assert_close(grads[1], Bd.grad)
+
+
 def test_only_requested_gradients_are_computed(monkeypatch):
     tensors = build(case("group_coo_spmm"), seed=0)
     AV = tensors.pop("AV").requires_grad_(True)
