@@ -316,7 +316,7 @@ def _checks(quick: bool, CASES, build) -> None:
             note += f"; reduce-overhead: {type(e).__name__}: {str(e)[:120]}"
         return note
 
-    @check("host time per call: eager insum (no grad) vs through the operators (grad)", cuda_only=True)
+    @check("host time per call: eager insum, without and with gradients", cuda_only=True)
     def _():
         t = group_coo(groups=8, rows=16, cols=16, n=16)
         C = torch.zeros(16, 16, device=DEVICE)
@@ -325,7 +325,7 @@ def _checks(quick: bool, CASES, build) -> None:
         plain = host_us_per_call(lambda: run(SPMM, C=C, **t))
         graded = host_us_per_call(lambda: run(SPMM, C=torch.zeros(16, 16, device=DEVICE), **{**t, "AV": AVg}))
         RESULTS["host_us"] = {"eager": plain, "autograd_op": graded}
-        return f"eager {plain:.1f} us/call, with autograd (custom op + node) {graded:.1f} us/call"
+        return f"no grad {plain:.1f} us/call, with gradients (an autograd node, forward only) {graded:.1f} us/call"
 
 
 def main() -> int:
