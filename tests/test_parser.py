@@ -281,6 +281,32 @@ def test_round_trip_random_ir(stmt):
     assert parse(str(stmt)) == stmt
 
 
+@st.composite
+def _with_addend(draw) -> Statement:
+    """A statement with an added term: an output of distinct plain variables, and a term
+    whose indices (affine, or gathers) use only those variables."""
+    names = draw(st.lists(st.from_regex(r"[a-z][a-z0-9]{0,2}", fullmatch=True), min_size=0, max_size=3, unique=True))
+    variables = [Var(n) for n in names]
+    output = Access(draw(_NAME), tuple(Index.of(v) for v in variables))
+    if variables:
+        atom = st.sampled_from(variables)
+        atom = st.one_of(atom, st.builds(lambda v: Access("G", (Index.of(v),)), atom))  # a gather
+        parts = st.lists(st.one_of(atom, st.tuples(_COEF, atom)), max_size=3)
+        index = st.builds(lambda ps, c: Index.of(*ps, c), parts, st.one_of(st.just(0), _INT64))
+    else:
+        index = _INT64.map(lambda c: Index.of(c))
+    addend = Access(draw(_NAME), tuple(draw(st.lists(index, max_size=3))))
+    factors = tuple(draw(st.lists(st.one_of(_accesses(1), _LITERALS), min_size=1, max_size=3)))
+    return Statement(output, draw(st.sampled_from(["+=", "="])), factors, addend)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_with_addend())
+def test_round_trip_random_ir_with_an_added_term(stmt):
+    """A statement with an added term prints to text that parses back to it."""
+    assert parse(str(stmt)) == stmt
+
+
 _GAP = st.sampled_from(["", " ", "  ", "\n", "\t", " \n "])
 
 
