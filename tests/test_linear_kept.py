@@ -308,3 +308,25 @@ def test_block_ell_value_gradient_in_groups_of_one_block_row(block):
     torch.testing.assert_close(grads, dense_grad * stored, rtol=1e-5, atol=1e-5)
     padding = torch.arange(fmt.AK.shape[1]) >= fmt.declared_lengths()["q[p]"][:, None]
     assert bool((layer.AV.grad[padding] == 0).all())
+
+
+def test_forward_without_gradients_runs_the_product_directly(monkeypatch):
+    """Under no_grad (and inference_mode) the layer's forward calls its kept format's product
+    with the bias, not the autograd Function; with gradients it goes through the Function.
+    Both give the float64 output."""
+    from insum.nn import sparse_autograd
+
+    layer = _layer(7, fmt="ELL")
+    applied = []
+    real = sparse_autograd._SparseLinearFunction.apply
+    monkeypatch.setattr(sparse_autograd._SparseLinearFunction, "apply",
+                        lambda *args: applied.append(1) or real(*args))
+    x = _x(3)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            for _ in range(3):  # the first call, then the pinned repeat
+                torch.testing.assert_close(layer(x).double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
+    assert applied == []
+    y = layer(x)
+    assert applied == [1] and y.requires_grad
+    torch.testing.assert_close(y.double(), _reference(layer, x), rtol=1e-5, atol=1e-5)

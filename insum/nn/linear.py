@@ -356,7 +356,14 @@ class SparseLinear(nn.Module):
                 f"layer has {self.in_features} in_features"
             )
         info, tensors = self._kept_call()
-        y = apply_linear(info, x.reshape(-1, self.in_features), tensors, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        kept = info[-1]
+        if kept is not None and not torch.is_grad_enabled():
+            # No gradient to record (inference): the product straight, without the autograd
+            # Function's own host time.
+            y = kept.spmm(x2.t(), bias=self.bias, backend=self.backend, precision=self.precision).t()
+        else:
+            y = apply_linear(info, x2, tensors, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def to_dense(self) -> torch.Tensor:
