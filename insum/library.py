@@ -140,33 +140,6 @@ def _insum_fake(
 # --------------------------------------------------------------------------- functional
 
 
-@torch.library.custom_op(
-    "insum::insum",
-    mutates_args=(),
-    schema=(
-        "(str expr, Tensor? init, str[] names, Tensor[] tensors, SymInt[]? shape, "
-        f"ScalarType? dtype, {_OPTIONS_SCHEMA}) -> Tensor"
-    ),
-)
-def insum_functional(
-    expr: str,
-    init: torch.Tensor | None,
-    names: Sequence[str],
-    tensors: Sequence[torch.Tensor],
-    shape: Sequence[int] | None,
-    dtype: torch.dtype | None,
-    backend: str,
-    precision: str,
-    autotune: bool | None = None,
-    check_indices: bool | None = None,
-    sorted_indices: Sequence[str] | None = None,
-    unique_indices: Sequence[str] | None = None,
-) -> torch.Tensor:
-    """The statement's output as a new tensor: a copy of `init`, zeros of `shape`, or allocated."""
-    return _functional(expr, init, names, tensors, shape, dtype, backend, precision, autotune, check_indices,
-                       sorted_indices, unique_indices)
-
-
 def _functional(
     expr: str,
     init: torch.Tensor | None,
@@ -181,7 +154,9 @@ def _functional(
     sorted_indices: Sequence[str] | None = None,
     unique_indices: Sequence[str] | None = None,
 ) -> torch.Tensor:
-    """`insum::insum`'s implementation, callable without the operator (`_EagerInsum`)."""
+    """The statement's output as a new tensor: a copy of `init`, zeros of `shape`, or
+    allocated. `insum::insum`'s implementation, also called without the operator
+    (`_EagerInsum`, `run_functional`)."""
     given, lengths = _split(names, tensors)
     out = None
     if init is not None:
@@ -191,6 +166,16 @@ def _functional(
     if out is not None:
         given[_output_of(expr)[0]] = out
     return _run(expr, given, lengths, backend, precision, autotune, check_indices, sorted_indices, unique_indices)
+
+
+insum_functional = torch.library.custom_op(
+    "insum::insum",
+    mutates_args=(),
+    schema=(
+        "(str expr, Tensor? init, str[] names, Tensor[] tensors, SymInt[]? shape, "
+        f"ScalarType? dtype, {_OPTIONS_SCHEMA}) -> Tensor"
+    ),
+)(_functional)
 
 
 @insum_functional.register_fake
