@@ -10,18 +10,19 @@ Variable roles:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .cache import BoundedCache, memoize
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .ir import Access, Role, Statement
 
-__all__ = ["Bound", "bind", "tensor_signature", "tensor_version", "PLAIN_TENSORS", "check_aliasing"]
+__all__ = ["Bound", "bind", "tensor_signature", "tensor_version", "kept_per_version", "PLAIN_TENSORS", "check_aliasing"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,20 @@ def tensor_version(t: torch.Tensor) -> int | None:
     if type(t) not in PLAIN_TENSORS or t.is_inference():
         return None
     return t._version
+
+
+def kept_per_version(cache: WeakIdKeyDictionary, tensor: torch.Tensor, key, compute: Callable[[], object]):
+    """`compute()`, something derived from `tensor`'s values, kept in `cache` per tensor
+    object (held weakly: the entry dies with it), version and `key`: an in-place change
+    recomputes it. Computed on each call where there is no version to trust (traced code,
+    fake and inference tensors)."""
+    version = None if torch.compiler.is_compiling() else tensor_version(tensor)
+    if version is None:
+        return compute()
+    kept = cache.get(tensor)
+    if kept is None or kept[0] != (version, key):
+        kept = cache[tensor] = ((version, key), compute())
+    return kept[1]
 
 
 def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .bind import PLAIN_TENSORS, Bound, bind, check_aliasing, tensor_signature, tensor_version
+from .bind import PLAIN_TENSORS, Bound, bind, check_aliasing, kept_per_version, tensor_signature
 from .bounds import check_indices as _check_indices
 from .cache import BoundedCache, memoize
 from .dtypes import INDEX_DTYPES
@@ -186,13 +186,8 @@ def longest_first(lengths: torch.Tensor) -> torch.Tensor:
     Kept per tensor object and version, so a format's packed lengths are sorted once, not on
     every call; sorted on each call where the tensor keeps no version (tracing, inference
     tensors). Any permutation gives the same result: only the programs' order depends on it."""
-    version = tensor_version(lengths)
-    if version is None:
-        return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
-    kept = _ORDERS.get(lengths)
-    if kept is None or kept[0] != version:
-        kept = _ORDERS[lengths] = (version, torch.argsort(lengths, descending=True, stable=True).to(torch.int32))
-    return kept[1]
+    return kept_per_version(_ORDERS, lengths, (),
+                            lambda: torch.argsort(lengths, descending=True, stable=True).to(torch.int32))
 
 
 def with_lengths(tensors: Mapping[str, torch.Tensor], lengths: Mapping[str, torch.Tensor], names) -> dict:

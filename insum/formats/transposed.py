@@ -14,7 +14,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..arith import cdiv
-from ..bind import tensor_version
+from ..bind import kept_per_version
 from ..dtypes import compute_dtype
 from .grouping import default_group_size
 from .repeat import run_repeated
@@ -104,13 +104,7 @@ def _column_lengths(TS: torch.Tensor, zero_slot: int) -> dict:
     inference tensors count each call."""
     if TS.shape[1] <= 1:
         return {}
-    version = None if torch.compiler.is_compiling() else tensor_version(TS)
-    if version is None:  # traced code, inference tensors: counted each call
-        return {"lengths": {"q[c]": (TS != zero_slot).sum(1)}}
-    kept = _LENGTHS.get(TS)
-    if kept is None or kept[0] != (version, zero_slot):
-        kept = _LENGTHS[TS] = ((version, zero_slot), (TS != zero_slot).sum(1))
-    return {"lengths": {"q[c]": kept[1]}}
+    return {"lengths": {"q[c]": kept_per_version(_LENGTHS, TS, zero_slot, lambda: (TS != zero_slot).sum(1))}}
 
 
 #: What changes from one gradient call to the next: the output, the values with their zero
