@@ -330,6 +330,12 @@ def declared_key(names) -> object:
     return names
 
 
+def facts_key(facts: Mapping) -> tuple:
+    """A call's declared facts (`sorted_indices`, `unique_indices` in a facts dict) as the
+    tail of its prepared call's key, as `insum()` keys its own (`declared_key`)."""
+    return (declared_key(facts.get("sorted_indices", frozenset())), declared_key(facts.get("unique_indices", frozenset())))
+
+
 def call_signature(tensors: dict) -> tuple | None:
     """What a repeated call must share with the prepared one: per tensor its name, dtype,
     shape, strides, device and requires_grad (None for anything but plain tensors: fake and
@@ -615,8 +621,7 @@ def prepare_batch(calls, options: tuple) -> None:
     backend, precision, autotune, check_indices, disjoint, covering = options
     for expr, tensors, *facts in calls:
         facts = facts[0] if facts else {}
-        one = (backend, precision, autotune, check_indices, declared_key(facts.get("sorted_indices", frozenset())),
-               declared_key(facts.get("unique_indices", frozenset())))
+        one = (backend, precision, autotune, check_indices, *facts_key(facts))
         call = _PREPARED.get((expr, one, call_signature(tensors)))
         if call is None or call.launcher is None or call.device_check or call.out_name not in tensors:
             return
@@ -752,8 +757,7 @@ def pin(
     if len(calls) == 1 and not covering:
         expr, tensors, *facts = calls[0]
         facts = facts[0] if facts else {}
-        key = (*head, declared_key(facts.get("sorted_indices", frozenset())),
-               declared_key(facts.get("unique_indices", frozenset())))
+        key = (*head, *facts_key(facts))
         lengths = facts.get("lengths")
         try:
             launch = prepared(expr, key, tensors, lengths)
