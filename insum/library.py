@@ -202,20 +202,25 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*tensors)
 
 
-def _backward(ctx, grad: torch.Tensor):
+def _gradients(ctx, grad: torch.Tensor, wanted: Sequence[bool]) -> tuple[torch.Tensor | None, list]:
+    """The incoming output's gradient (`init`, for `+=`) and each saved tensor's, where
+    wanted: the backward of `insum::insum` and of `_EagerInsum` alike."""
     derivation = derive(ctx.expr)
     saved = ctx.saved_tensors
     tensors = dict(zip(ctx.names, saved))
-    wanted = ctx.needs_input_grad[3]
-    grads = []
-    for name, tensor, want in zip(ctx.names, saved, wanted):
-        if want and name in derivation.gradients:
-            grads.append(_gradient(derivation, name, tensor, tensors, grad, ctx.options))
-        else:
-            grads.append(None)
+    grads = [
+        _gradient(derivation, name, tensor, tensors, grad, ctx.options)
+        if want and name in derivation.gradients else None
+        for name, tensor, want in zip(ctx.names, saved, wanted)
+    ]
     grad_init = None
     if ctx.init_dtype is not None and ctx.needs_input_grad[1] and derivation.passthrough:
         grad_init = grad.to(ctx.init_dtype)
+    return grad_init, grads
+
+
+def _backward(ctx, grad: torch.Tensor):
+    grad_init, grads = _gradients(ctx, grad, ctx.needs_input_grad[3])
     full = (None, grad_init, ctx.no_names, grads, ctx.no_shape, None, None, None, None, None, None, None)
     # One entry per input given: the dispatcher drops trailing options left at their defaults.
     return full[: len(ctx.needs_input_grad)]
@@ -290,18 +295,7 @@ class _EagerInsum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        derivation = derive(ctx.expr)
-        saved = ctx.saved_tensors
-        tensors = dict(zip(ctx.names, saved))
-        wanted = ctx.needs_input_grad[6:]
-        grads = [
-            _gradient(derivation, name, tensor, tensors, grad, ctx.options)
-            if want and name in derivation.gradients else None
-            for name, tensor, want in zip(ctx.names, saved, wanted)
-        ]
-        grad_init = None
-        if ctx.init_dtype is not None and ctx.needs_input_grad[1] and derivation.passthrough:
-            grad_init = grad.to(ctx.init_dtype)
+        grad_init, grads = _gradients(ctx, grad, ctx.needs_input_grad[6:])
         return (None, grad_init, None, None, None, None, *grads)
 
 
