@@ -46,6 +46,7 @@ __all__ = [
     "staging_for",
     "staged_bounds",
     "facts_in",
+    "PIN_TRIES",
     "prepared_batch",
     "PreparedBatch",
     "prepare_batch",
@@ -732,6 +733,12 @@ class Pinned:
         else:
             launch.launch.run(arguments(varying))
         return True
+
+
+#: How many times a caller that repeats calls (a format's SpMM plan and gradient call sites,
+#: a tensor product's statements) runs them through the full path trying to `pin` them: a
+#: call that did not pin by then (its tensors change, a gradient is recorded) stays unpinned.
+PIN_TRIES = 2
 
 
 def pin(

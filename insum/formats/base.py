@@ -37,7 +37,7 @@ from ..api import insum, insum_many
 from ..bind import PLAIN_TENSORS
 from ..cache import BoundedCache
 from ..errors import InsumError, InsumShapeError, InsumTypeError
-from ..execute import Pinned, pin
+from ..execute import PIN_TRIES, Pinned, pin
 from .coords import (
     VALUE_DTYPES,
     Coords,
@@ -525,7 +525,6 @@ class SparseFormat:
 
 _PLANS_PER_FORMAT = 16  # B signatures remembered per format object
 _VARYING = frozenset({"B", "C"})  # the tensors of a format's calls that change from call to call
-_PIN_TRIES = 2  # repeats of a plan that try to pin its calls (each runs them through insum first)
 
 
 class _SpmmPlan:
@@ -590,7 +589,7 @@ class _SpmmPlan:
         self.pinned: Pinned | None = None  # the calls pinned to the format's tensors (on a repeat)
         # Repeats that tried to pin them; none where values are cast per call (a copy per
         # value tensor: not a call that the host's time limits).
-        self.tries = _PIN_TRIES if self.empty or any(cast for _, _, cast, _ in self.statements) else 0
+        self.tries = PIN_TRIES if self.empty or any(cast for _, _, cast, _ in self.statements) else 0
 
     def _bias(self, fmt: SparseFormat, bias: torch.Tensor) -> torch.Tensor:
         """The bias as the fused statement reads it (`D`)."""
@@ -643,7 +642,7 @@ class _SpmmPlan:
         B, C and the bias per call), pinned on the first repeat that finds the calls prepared."""
         pinned = self.pinned
         if pinned is None:
-            if self.tries >= _PIN_TRIES or torch.compiler.is_compiling():
+            if self.tries >= PIN_TRIES or torch.compiler.is_compiling():
                 return self(fmt, B, bias)
             self.tries += 1
             if self.vector:

@@ -17,11 +17,10 @@ import torch
 from ..api import insum
 from ..bind import PLAIN_TENSORS
 from ..cache import BoundedCache
-from ..execute import Pinned, pin
+from ..execute import PIN_TRIES, Pinned, pin
 
 __all__ = ["RepeatedCall", "run_repeated"]
 
-_PIN_TRIES = 2  # runs of a call site that try to pin it (each runs through insum() first)
 _SITES_PER_FORMAT = 16
 
 
@@ -58,7 +57,7 @@ class RepeatedCall:
             elif pinned.moved():  # memory moved under a pinned tensor: pinned anew (within the tries)
                 self.pinned = None
         insum(self.statement, **tensors, **facts, **self.options)
-        if self.pinned is None and self.tries < _PIN_TRIES and not torch.compiler.is_compiling():
+        if self.pinned is None and self.tries < PIN_TRIES and not torch.compiler.is_compiling():
             self.tries += 1
             self.pinned = pin([(self.statement, tensors, facts)], varying=self.varying, **self.options)
             lengths = facts.get("lengths") or {}

@@ -60,7 +60,7 @@ from torch import nn
 from ..api import insum
 from ..bind import PLAIN_TENSORS
 from ..errors import InsumShapeError
-from ..execute import Pinned, pin
+from ..execute import PIN_TRIES, Pinned, pin
 from .cg_tables import (
     FLAT_GRADIENT_STATEMENTS,
     FLAT_STATEMENTS,
@@ -720,7 +720,6 @@ class _LayoutFunction(torch.autograd.Function):
 
 
 _PINS_PER_STATEMENT = 8  # signatures of the varying tensors pinned per statement
-_PIN_TRIES = 2  # runs of one signature that try to pin it (a run under gradients cannot)
 
 
 def _signature(tensors: dict[str, torch.Tensor]) -> tuple | None:
@@ -763,7 +762,7 @@ class _Statement:
                 self.pins.pop(key, None)  # (pop: a backward on another thread may do the same)
         self._run(varying)
         tries = self.pins.get(key, 0)
-        if type(tries) is int and tries < _PIN_TRIES and (key in self.pins or len(self.pins) < _PINS_PER_STATEMENT):
+        if type(tries) is int and tries < PIN_TRIES and (key in self.pins or len(self.pins) < _PINS_PER_STATEMENT):
             facts = {**self.facts, "lengths": self.lengths} if self.lengths else self.facts
             found = pin([(self.text, {**self.constants, **varying}, facts)], varying=frozenset(varying), **self.options)
             self.pins[key] = tries + 1 if found is None else found
