@@ -61,6 +61,37 @@ def median_ms(fn, rotations: int = 1, *, warmup: int = 25, rep: int = 100) -> fl
     return _do_bench()(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def cuda_graph(fn: Callable[[], object], warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`fn` captured as a CUDA graph (and what the captured call returned), after `warmups`
+    runs on a side stream: compiling, tuning and allocating happen outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+def print_python_profile(fn: Callable[[], object], calls: int, orders=("tottime",), limit: int = 25) -> None:
+    """cProfile of `calls` calls of `fn` (host work), its top `limit` functions per order."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    for order in orders:
+        pstats.Stats(profile).sort_stats(order).print_stats(limit)
+
+
 def cpu_median_ms(fn, reps: int = 3) -> float:
     """Median wall time of `fn` on the host after one warm-up call (the CPU smoke path)."""
     return median_wall_time(fn, reps) * 1e3

@@ -41,7 +41,7 @@ from insum import insum as run  # noqa: E402
 from insum.formats import BlockGroupCOO, GroupCOO  # noqa: E402
 from insum.nn import SparseLinear  # noqa: E402
 
-from .common import host_us_per_call  # noqa: E402
+from .common import cuda_graph, host_us_per_call  # noqa: E402
 from .torch_mlp import mlp_benchmark  # noqa: E402
 
 SPMM = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
@@ -218,19 +218,12 @@ def _checks(quick: bool, CASES, build) -> None:
         C = torch.zeros(96, 48, device=DEVICE)
         fmt = BlockGroupCOO.from_dense(pruned(128, 96, 0.4, dtype=torch.float32, block=16), block=(16, 16))
         B = torch.randn(96, 40, device=DEVICE)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm-up: compile, tune, allocate
-                C.zero_()
-                run(SPMM, C=C, **t)
-                fmt @ B
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        def body():
             C.zero_()
             run(SPMM, C=C, **t)
-            out = fmt @ B
+            return fmt @ B
+
+        graph, out = cuda_graph(body)  # (after two warm-up runs: compile, tune, allocate)
         for seed in (1, 2):
             new = group_coo(seed=seed)
             t["AV"].copy_(new["AV"])

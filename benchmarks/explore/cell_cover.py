@@ -31,7 +31,7 @@ from insum import runtime
 from insum.formats import CELL
 from insum.formats.io import load_smtx
 
-from ..common import DTYPES, host_us_per_call, median_ms
+from ..common import DTYPES, cuda_graph, host_us_per_call, median_ms
 from ..host_time import skewed_matrix
 
 
@@ -51,16 +51,7 @@ def _matrices(data: Path, count: int) -> list[tuple[str, torch.Tensor]]:
 
 def _graph_ms(fn, products: int = 20, reps: int = 20) -> float:
     """Device milliseconds per product: a CUDA graph of `products` products, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(products):
-            fn()
+    graph, _ = cuda_graph(lambda: [fn() for _ in range(products)], warmups=1)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import time
 
@@ -30,6 +29,7 @@ from insum.parser import parse
 from insum.runtime import BareLaunch, _ensure_descriptor_allocator, kernel_for
 
 from ..common import block_sparse, median_ms, relative_error, rotating
+from .tensorcore import write_rows
 
 
 def say(line: str) -> None:
@@ -134,9 +134,7 @@ def main() -> None:
     for i, (label, fmt, dense) in enumerate(all_cases):
         share = (args.budget - (time.time() - start)) / (len(all_cases) - i)
         sweep(label, fmt, dense, 4096, rows, time.time() + share)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "config_sweep.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        write_rows(args.out, "config_sweep", rows)
 
 
 if __name__ == "__main__":

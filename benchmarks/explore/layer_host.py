@@ -19,6 +19,8 @@ import torch
 from insum.nn import SparseLinear, sparse_autograd
 from insum.nn.sparse_autograd import _value_gradients
 
+from ..common import print_python_profile
+
 
 def issue_us(fn, calls: int = 50, repeats: int = 9) -> float:
     """Least host time per call (µs) over `repeats` runs of `calls` calls queued without a
@@ -132,18 +134,7 @@ def main() -> None:
             print(f"device {name:33s} {ms * 1e3:8.1f} us", flush=True)
     inside_backward(y, gy)
     if args.profile:
-        import cProfile
-        import pstats
-
-        step = rows["SparseLinear forward+backward"]
-        python_profile = cProfile.Profile()
-        python_profile.enable()
-        for _ in range(200):
-            step()
-        python_profile.disable()
-        torch.cuda.synchronize()
-        for order in ("tottime", "cumulative"):
-            pstats.Stats(python_profile).sort_stats(order).print_stats(40)
+        print_python_profile(rows["SparseLinear forward+backward"], 200, ("tottime", "cumulative"), 40)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import triton.testing
 
 from insum.nn import SparseLinear
 
+from ..common import cuda_graph, print_python_profile
+
 
 def build(width: int, fmt: str | None) -> torch.nn.Sequential:
     torch.manual_seed(0)
@@ -64,17 +66,9 @@ def measure(name: str, model, x, gy, profile: bool) -> None:
         issue.append((t1 - t0) / 4 * 1e3)
         wall.append((t2 - t0) / 4 * 1e3)
     eager = triton.testing.do_bench(step, return_mode="median")
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
     graphed = float("nan")
     try:
-        with torch.cuda.graph(graph):
-            model(x).backward(gy)
+        graph, _ = cuda_graph(lambda: model(x).backward(gy))
         graphed = triton.testing.do_bench(graph.replay, return_mode="median")
     except Exception as e:  # noqa: BLE001
         print(f"{name}: capture failed: {type(e).__name__}: {str(e)[:200]}")
@@ -92,17 +86,7 @@ def measure(name: str, model, x, gy, profile: bool) -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70))
-        import cProfile
-        import pstats
-
-        torch.cuda.synchronize()
-        python_profile = cProfile.Profile()
-        python_profile.enable()
-        for _ in range(5):
-            step()
-        python_profile.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(python_profile).sort_stats("tottime").print_stats(25)
+        print_python_profile(step, 5)
 
 
 def main() -> None:

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -26,7 +25,7 @@ import torch
 import insum
 
 from ..common import median_ms, relative_error, rotating
-from .tensorcore import block_ell, block_problem
+from .tensorcore import block_ell, block_problem, write_rows
 
 BLOCK_EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 ORDERED_EXPR = "C[AM[p], m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
@@ -106,9 +105,7 @@ def main() -> None:
     for size, block, s in [(4096, 32, 0.9), (4096, 64, 0.9), (8192, 64, 0.9), (8192, 32, 0.9), (4096, 32, 0.75),
                            (4096, 64, 0.5), (4096, 128, 0.5), (4096, 128, 0.9)]:
         order_case(size, block, s, torch.float16, rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "order_stage.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    write_rows(args.out, "order_stage", rows)
 
 
 if __name__ == "__main__":

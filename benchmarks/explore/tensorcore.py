@@ -69,6 +69,13 @@ def say(line: str) -> None:
     LOG.append(line)
 
 
+def write_rows(out: str, name: str, rows: list) -> None:
+    """An exploration's rows as `<out>/<name>.json`."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+
+
 def record(section: str, label: str, point: str, dtype: str, fn, check, expected, anchor_ms=None, flops=None):
     """Check `check()` against `expected`, time `fn`, keep the row."""
     try:
@@ -305,9 +312,7 @@ def main() -> None:
             break
         section()
         say(f"-- section {number} done at {time.time() - start:.0f} s")
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "tensorcore.json"), "w") as f:
-            json.dump(ROWS, f, indent=1)
+        write_rows(args.out, "tensorcore", ROWS)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ warps and 2-4 stages), each checked against a float64 product, beside cuBLAS.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -25,7 +24,7 @@ from insum.parser import parse
 from insum.runtime import BareLaunch, _ensure_descriptor_allocator, _load, cache_dir, kernel_for
 
 from ..common import median_ms, relative_error, rotating
-from .tensorcore import block_ell, block_problem
+from .tensorcore import block_ell, block_problem, write_rows
 
 EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 LOOP = "for step in range(0, len_q * steps_k):"
@@ -92,9 +91,7 @@ def main() -> None:
     rows: list = []
     for size, block, s in [(4096, 64, 0.9), (4096, 128, 0.5), (4096, 128, 0.9), (4096, 32, 0.9), (8192, 64, 0.9)]:
         case(size, block, s, rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "warp_spec.json"), "w") as f:
-        json.dump(rows, f, indent=1, default=str)
+    write_rows(args.out, "warp_spec", rows)
 
 
 if __name__ == "__main__":
