@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -375,10 +376,7 @@ class SparseFormat:
         """A bias over the matrix's rows (M,) as `bias_expression` indexes it: padded to C's
         rows and viewed with C's shape but its last dimension (`output_shape`)."""
         rows = self.output_shape(1)[:-1]
-        count = 1
-        for size in rows:
-            count *= size
-        return pad_rows(bias, count).view(rows)
+        return pad_rows(bias, math.prod(rows)).view(rows)
 
     def __matmul__(self, B: torch.Tensor) -> torch.Tensor:
         return self.spmm(B)

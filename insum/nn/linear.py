@@ -35,6 +35,7 @@ from .sparse_autograd import (
     format_meta,
     gradient_statements,
     linear_info,
+    linear_product,
     rebuild_format,
 )
 
@@ -361,7 +362,7 @@ class SparseLinear(nn.Module):
         if kept is not None and not torch.is_grad_enabled():
             # No gradient to record (inference): the product straight, without the autograd
             # Function's own host time.
-            y = kept.spmm(x2.t(), bias=self.bias, backend=self.backend, precision=self.precision).t()
+            y = linear_product(kept, x2, self.bias, self.backend, self.precision)
         else:
             y = apply_linear(info, x2, tensors, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -28,6 +28,7 @@ __all__ = [
     "format_meta",
     "gradient_statements",
     "linear_info",
+    "linear_product",
     "rebuild_format",
 ]
 
@@ -64,6 +65,12 @@ for _format_cls in FORMATS.values():  # every format's statements, before any tr
         _derived(_expression)
 
 
+def linear_product(fmt: SparseFormat, x2: torch.Tensor, bias, backend: str, precision: str) -> torch.Tensor:
+    """x2 (batch, in) @ W^T + bias, W held in `fmt`: its SpMM on x2's transpose (no gradient
+    recorded; `_SparseLinearFunction` records one)."""
+    return fmt.spmm(x2.t(), bias=bias, backend=backend, precision=precision).t()
+
+
 class _SparseLinearFunction(torch.autograd.Function):
     """y = x W^T + b through the format's statements, with the gradients described above (the
     bias in the product's epilogue where the format allows, `SparseFormat.bias_expression`;
@@ -76,7 +83,7 @@ class _SparseLinearFunction(torch.autograd.Function):
         ctx.info = info
         ctx.biased = bias is not None
         ctx.save_for_backward(x2, *tensors)
-        return fmt.spmm(x2.t(), bias=bias, backend=backend, precision=precision).t()
+        return linear_product(fmt, x2, bias, backend, precision)
 
     @staticmethod
     def backward(ctx, dy):
