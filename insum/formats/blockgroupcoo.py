@@ -349,7 +349,7 @@ class BlockGroupCOO(SparseFormat):
         if groups is None:
             AK, counts = self.AK, self._row_counts().long()
             per_row = torch.div(counts + J - 1, J, rounding_mode="floor")
-            T = int(per_row.sum())
+            T, stored = torch.stack([per_row.sum(), counts.sum()]).tolist()  # (the one sync)
             device = AK.device
             rows = torch.repeat_interleave(torch.arange(G, device=device), per_row, output_size=T)
             first = torch.cumsum(per_row, 0) - per_row  # each row's first group
@@ -360,7 +360,7 @@ class BlockGroupCOO(SparseFormat):
             GK = torch.where(valid, AK[rows[:, None], q.clamp(max=g - 1)], 0)
             groups = derived["stored_groups"] = {
                 "GF": GF.to(AK.dtype), "GP": rows.to(AK.dtype), "GK": GK.to(AK.dtype),
-                "slots": G * g + int((~valid).sum()),
+                "slots": G * g + T * J - stored,  # a scratch slot per padded entry
             }
         return groups
 

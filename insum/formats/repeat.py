@@ -73,12 +73,12 @@ def run_repeated(
     site kept on `owner` (a format object) for this statement, options and the varying
     tensors' signature; straight through `insum()` where nothing is kept (owner None,
     traced code, anything but plain tensors)."""
-    sites = None if owner is None or torch.compiler.is_compiling() else owner.__dict__.get("_repeated")
-    if owner is not None and sites is None and not torch.compiler.is_compiling():
-        sites = owner.__dict__["_repeated"] = BoundedCache(_SITES_PER_FORMAT)
-    if sites is None:
+    if owner is None or torch.compiler.is_compiling():
         insum(statement, **tensors, **facts, **options)
         return
+    sites = owner.__dict__.get("_repeated")
+    if sites is None:
+        sites = owner.__dict__["_repeated"] = BoundedCache(_SITES_PER_FORMAT)
     key = [statement, *options.items()]
     for name in sorted(varying):
         t = tensors[name]
