@@ -210,6 +210,13 @@ def test_block_ell_layer_runs_in_inference_mode():
     torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6)
 
 
+def _value_gradient_dense(layer: SparseLinear) -> torch.Tensor:
+    """The layer's values' gradient placed on its pattern, as a dense float64 matrix."""
+    fmt = layer.weight
+    tensors = {**fmt.tensors, "AV": layer.AV.grad}
+    return rebuild_format(type(fmt), fmt.shape, format_meta(fmt), tensors).to_dense().double()
+
+
 def _gradient_sites(layer: SparseLinear) -> list:
     """The kept format's gradient call sites (`insum.formats.repeat`)."""
     return list((layer.weight.__dict__.get("_repeated") or {}).values())
@@ -253,10 +260,8 @@ def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(
             expected = W.grad[rows, fmt_now.AK.reshape(-1).long()]
             torch.testing.assert_close(layer.AV.grad.double().reshape(-1), expected, rtol=1e-5, atol=1e-5)
         else:  # the stored blocks' gradients in place (the padding's zero), against dW on the pattern
-            tensors = {**fmt_now.tensors, "AV": layer.AV.grad}
-            grads = rebuild_format(type(fmt_now), fmt_now.shape, format_meta(fmt_now), tensors)
             stored = fmt_now.to_dense() != 0
-            torch.testing.assert_close(grads.to_dense().double(), W.grad * stored, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(_value_gradient_dense(layer), W.grad * stored, rtol=1e-5, atol=1e-5)
         optimizer.step()  # values change in place: the next backward reads them
 
     for seed in range(3):
@@ -302,8 +307,7 @@ def test_block_ell_value_gradient_in_groups_of_one_block_row(block):
     layer(x).backward(dy)
     dense_grad = dy.double().t() @ x.double()  # dW for y = x W^T
     fmt = layer.weight
-    tensors = {**fmt.tensors, "AV": layer.AV.grad}
-    grads = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), tensors).to_dense().double()
+    grads = _value_gradient_dense(layer)
     stored = keep.repeat_interleave(bm, 0).repeat_interleave(bk, 1)
     torch.testing.assert_close(grads, dense_grad * stored, rtol=1e-5, atol=1e-5)
     padding = torch.arange(fmt.AK.shape[1]) >= fmt.declared_lengths()["q[p]"][:, None]
