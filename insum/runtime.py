@@ -39,6 +39,7 @@ from .codegen import (
     configs_for,
     emit,
     emit_batch,
+    group_rows,
     prune_configs,
     schedule,
 )
@@ -240,14 +241,15 @@ class Kernel:
         )
         config = self.tuned.get(bucket)
         if config is None:
-            config = self._first_config(bucket, args, launcher.grid_fn, launcher.extents, device, autotune)
+            config = self._first_config(bucket, args, launcher, device, autotune)
         launcher.set_config(config if config is not None else self.tuned[bucket])
         if config is not None:  # else the autotuner's final run already produced the result
             launcher.direct(self.fn, args)
 
-    def _first_config(self, bucket, args, grid, extents, device, autotune) -> dict | None:
+    def _first_config(self, bucket, args, launcher: _Launcher, device, autotune) -> dict | None:
         """Configuration for a new bucket: interpreter, untuned, disk cache, or autotune."""
-        candidates = prune_configs(self.plan, configs_for(self.plan), extents)
+        candidates = [launcher.fitted(c) for c in prune_configs(self.plan, configs_for(self.plan), launcher.extents)]
+        grid = launcher.grid_fn
         if _interpreting():
             # The interpreter runs programs one at a time: the largest tile is the fastest.
             config = max(candidates, key=lambda c: math.prod(v for k, v in c.items() if k.startswith("BLOCK")))
@@ -379,8 +381,21 @@ class _Launcher:
         self.zero_fill = not plan.stmt.accumulate and ((scatters and not self.half_scratch) or (not scatters and not covered))
         self.accumulate = plan.stmt.accumulate
         self.descriptors = bool(plan.boxes)
+        self.operand_bytes = tuple(
+            sum(bound.tensors[name].numel() * bound.tensors[name].element_size() for name in names)
+            for names in ({plan.stmt.factors[i].name for i in side} for side in (plan.left, plan.right))
+        )
+
+    def fitted(self, config: dict) -> dict:
+        """The configuration with GROUP_M sized for this launch's operands, where the plan's
+        grid joins the grouped order (`tune.group_rows`); a tuned configuration is shared by
+        every launch of its extents bucket, the group is not."""
+        if not self.kernel.plan.grid_joins:
+            return config
+        return {**config, "GROUP_M": group_rows(self.kernel.plan, config, self.extents, *self.operand_bytes)}
 
     def set_config(self, config: dict) -> None:
+        config = self.fitted(config)
         grid = self.grid_fn(config)
         allowed = self.device.type == "cuda" and not _interpreting()
         self.direct = DirectLaunch(_python_fn(self.kernel.fn), grid, config, len(self.template),

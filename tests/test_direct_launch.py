@@ -77,7 +77,7 @@ def test_direct_arguments_are_the_bound_signature(name):
     if name == "groupcoo segment":
         assert kernel.plan.output == "segment"
     python_fn = kernel.fn.fn
-    params = {k: v for k, v in config.items() if k not in LAUNCH_OPTIONS}
+    params = {k: v for k, v in launcher.config.items() if k not in LAUNCH_OPTIONS}  # GROUP_M fitted to the operands
     expected = list(inspect.signature(python_fn).bind(*args, **params).arguments.values())
     got = list(launcher.direct.parameters(args))
     assert launcher.direct.fits and len(got) == len(expected) == len(inspect.signature(python_fn).parameters)

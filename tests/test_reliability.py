@@ -322,9 +322,9 @@ def test_autotune_per_call_reaches_the_first_launch(monkeypatch):
     seen = []
     original = Kernel._first_config
 
-    def spy(self, bucket, args, grid, extents, device, autotune):
+    def spy(self, bucket, args, launcher, device, autotune):
         seen.append(autotune)
-        return original(self, bucket, args, grid, extents, device, autotune)
+        return original(self, bucket, args, launcher, device, autotune)
 
     monkeypatch.setattr(Kernel, "_first_config", spy)
     X = torch.randn(37, 11, device=DEVICE)  # a size no other test uses: a new launch

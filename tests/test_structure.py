@@ -214,9 +214,9 @@ def test_autotune_reaches_the_autograd_operator_and_its_backward(monkeypatch):
     seen = []
     original = Kernel._first_config
 
-    def spy(self, bucket, args, grid, extents, device, autotune):
+    def spy(self, bucket, args, launcher, device, autotune):
         seen.append(autotune)
-        return original(self, bucket, args, grid, extents, device, autotune)
+        return original(self, bucket, args, launcher, device, autotune)
 
     monkeypatch.setattr(Kernel, "_first_config", spy)
     X = torch.randn(29, 13, device=DEVICE, requires_grad=True)  # sizes no other test uses

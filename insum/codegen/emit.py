@@ -301,8 +301,9 @@ def _ordered_lines(em: _Emitter) -> list[str]:
 
 
 def _grouped_tile_lines(em: _Emitter) -> list[str]:
-    """(M, N) tiles in groups of GROUP_M row tiles, N fastest within a group; grid variables
-    outside. Consecutive programs share B's column tiles and A's row tiles in L2."""
+    """(M, N) tiles in groups of GROUP_M row tiles, M fastest within a group, so that
+    consecutive programs share B's column tiles and A's row tiles in L2. The grid variables
+    stay outside, or join the rows or the columns (`Plan.grid_joins`, the tile fastest)."""
     plan = em.plan
     m, n = plan.axis_var("M"), plan.axis_var("N")
     tiles_m, tiles_n, tile = em.fresh(f"tiles_{m}"), em.fresh(f"tiles_{n}"), em.fresh("tile")
@@ -311,18 +312,33 @@ def _grouped_tile_lines(em: _Emitter) -> list[str]:
         f"{tiles_m} = tl.cdiv({em.extent('M')}, BLOCK_M)",
         f"{tiles_n} = tl.cdiv({em.extent('N')}, BLOCK_N)",
     ]
-    if plan.grid:
+    row_count, col_count, row, col = tiles_m, tiles_n, em.tile_pid[m], em.tile_pid[n]
+    joined = plan.grid_joins
+    if joined:
+        grid_size = " * ".join(em.size[v] for v in plan.grid)
+        if joined == "M":
+            row_count, row = em.fresh("rows"), em.fresh("row")
+            lines.append(f"{row_count} = {tiles_m} * {grid_size}")
+        else:
+            col_count, col = em.fresh("columns"), em.fresh("column")
+            lines.append(f"{col_count} = {tiles_n} * {grid_size}")
+        lines.append(f"{tile} = pid")
+    elif plan.grid:
         lines.append(f"{tile} = pid % ({tiles_m} * {tiles_n})")
         lines.append(f"pid = pid // ({tiles_m} * {tiles_n})")
     else:
         lines.append(f"{tile} = pid")
     lines += [
-        f"{group} = GROUP_M * {tiles_n}",
+        f"{group} = GROUP_M * {col_count}",
         f"{first_m} = ({tile} // {group}) * GROUP_M",
-        f"{rows} = tl.minimum({tiles_m} - {first_m}, GROUP_M)",
-        f"{em.tile_pid[m]} = {first_m} + ({tile} % {group}) % {rows}",
-        f"{em.tile_pid[n]} = ({tile} % {group}) // {rows}",
+        f"{rows} = tl.minimum({row_count} - {first_m}, GROUP_M)",
+        f"{row} = {first_m} + ({tile} % {group}) % {rows}",
+        f"{col} = ({tile} % {group}) // {rows}",
     ]
+    if joined == "M":
+        lines += [f"{em.tile_pid[m]} = {row} % {tiles_m}", f"pid = {row} // {tiles_m}"]
+    elif joined == "N":
+        lines += [f"{em.tile_pid[n]} = {col} % {tiles_n}", f"pid = {col} // {tiles_n}"]
     for axis in ("M", "N"):
         lines.extend(_tile_offset_lines(em, axis))
     lines.extend(_unflatten("pid", [(em.scalar[v], em.size[v]) for v in reversed(plan.grid)]))

@@ -1,7 +1,8 @@
 """The autotuning space: tile sizes, warps and stages per plan kind, pruned by extents.
 
 Dot plans that walk (M, N) tiles in groups (`Plan.grouped`) also carry GROUP_M, the row
-tiles per group. The dot table reaches the tiles and depths that run dense GEMMs near
+tiles per group; where the grid variables join the grouped order it is sized from the
+operands at launch (`group_rows`). The dot table reaches the tiles and depths that run dense GEMMs near
 cuBLAS on Hopper: 128 x 256 and 256 x 128 tiles with 8 warps, 3 to 5 stages (a stage that
 does not fit in shared memory fails to compile and the autotuner skips it).
 
@@ -12,10 +13,12 @@ tensor-core shape). Clamped configurations that coincide are kept once.
 
 from __future__ import annotations
 
+import math
+
 from ..arith import next_power_of_2
 from .schedule import Plan, segment_index
 
-__all__ = ["configs_for", "prune_configs"]
+__all__ = ["configs_for", "prune_configs", "group_rows"]
 
 # (BLOCK_M, BLOCK_K, BLOCK_N, num_warps, num_stages)
 _DOT = [
@@ -32,6 +35,9 @@ _DOT = [
     (256, 32, 64, 4, 5), (64, 32, 256, 4, 5), (128, 64, 256, 8, 5),
 ]
 GROUP_M = 8  # row tiles per group in grouped program order
+# The bytes of the left operand one group of rows may hold in L2 (`group_rows`): about half
+# the L2 of an H100 or H200 (50 MB; an A100 has 40 MB), the rest for the right operand's tiles.
+L2_SHARE = 24 << 20
 # Broadcast-and-sum plans hold an M x K x N block in registers: keep it to 8192 elements.
 _REDUCE = [
     (1, 16, 128, 4, 2), (1, 32, 128, 4, 2), (2, 16, 128, 4, 2), (4, 8, 128, 4, 2),
@@ -54,6 +60,47 @@ def configs_for(plan: Plan) -> list[dict]:
         group = {"GROUP_M": GROUP_M} if plan.grouped else {}
         out.append({**blocks, **group, "num_warps": warps, "num_stages": stages})
     return _unique(out)
+
+
+def group_rows(plan: Plan, config: dict, extents: dict[str, int], left_bytes: int, right_bytes: int) -> int:
+    """GROUP_M where the grid variables join the grouped order (`Plan.grid_joins`).
+
+    Grid values in the rows (M): a group's programs sweep every column of its rows, so its
+    rows' tiles of the left operand are read from HBM once if they stay in L2 over the
+    sweep, and each column's tiles of the right operand once per group. The group is the
+    most rows (a power of two) whose share of the left operand fits in L2_SHARE; one row (p
+    outside, in effect) when the right operand fits in L2 by itself (2 * L2_SHARE), which
+    then needs no sharing between groups.
+
+    Grid values in the columns (N): one M tile per group, so that every grid value's
+    programs read that tile's rows of the shared left operand together.
+
+    On an H200 (fp16 Block-ELL, `python -m benchmarks.explore.grid_order`, session 11
+    call2): at 8192^3 64 x 64 s = 0.9 the best groups were 64 block rows or more (369 ->
+    282 us), at 128 x 128 s = 0.5 16 to 32 (1074 -> 1049 us; 256 rows: 1666 us); at 4096^3
+    (B 32 MB) more than one row gained nothing and lost up to 7%. In the columns (32 x 32
+    blocks, M the dense columns) one M tile was best at all eight points, 4096^3 and 8192^3
+    (616 -> 430 us at 8192^3 s = 0.9, 2975 -> 2074 us at s = 0.5).
+
+    >>> from types import SimpleNamespace
+    >>> plan = SimpleNamespace(grid_joins="M", grid=("p",), axis_vars=lambda a: ("m",))
+    >>> group_rows(plan, {"BLOCK_M": 64, "GROUP_M": 8}, {"p": 128, "m": 64}, 128 * 172_000, 128 << 20)
+    128
+    >>> group_rows(plan, {"BLOCK_M": 128, "GROUP_M": 8}, {"p": 64, "m": 128}, 84 << 20, 128 << 20)
+    16
+    >>> group_rows(plan, {"BLOCK_M": 128, "GROUP_M": 8}, {"p": 32, "m": 128}, 22 << 20, 32 << 20)
+    1
+    """
+    if plan.grid_joins == "N":
+        return 1
+    if not plan.grid_joins:
+        return config["GROUP_M"]
+    if right_bytes <= 2 * L2_SHARE:
+        return 1
+    rows = -(-math.prod(extents[v] for v in plan.axis_vars("M")) // config["BLOCK_M"])
+    rows *= math.prod(extents[v] for v in plan.grid)
+    fit = max(1, L2_SHARE // max(1, left_bytes // max(1, rows)))
+    return min(1 << (fit.bit_length() - 1), next_power_of_2(max(1, rows)))
 
 
 # A segment-reduced scatter writes once per segment and tile: narrower tiles along the

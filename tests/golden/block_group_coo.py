@@ -22,19 +22,22 @@ def insum_kernel(
     left (M, K): AV[p, q, m, k]
     right (K, N): B[AK[p, q], k, n]
     dot operands: fp32, tf32
+    program order: groups of GROUP_M rows of (p, M tile), rows fastest
     accumulator: fp32
     output: atomic (tl.atomic_add: scattered contributions may collide)
     """
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(size_m, BLOCK_M)
     tiles_n = tl.cdiv(size_n, BLOCK_N)
-    tile = pid % (tiles_m * tiles_n)
-    pid = pid // (tiles_m * tiles_n)
+    rows = tiles_m * size_p
+    tile = pid
     group = GROUP_M * tiles_n
     first_m = (tile // group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group) % group_rows
+    group_rows = tl.minimum(rows - first_m, GROUP_M)
+    row = first_m + (tile % group) % group_rows
     pid_n = (tile % group) // group_rows
+    pid_m = row % tiles_m
+    pid = row // tiles_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [m]
     mask_m = offs_m < size_m  # [m]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [n]

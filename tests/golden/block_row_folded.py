@@ -22,19 +22,22 @@ def insum_kernel(
     left (M, K): B[AK[p, q], k, n]
     right (K, N): AV[p, q, m, k]
     dot operands: fp16
+    program order: groups of GROUP_M M tiles, columns of (p, N tile)
     accumulator: fp32
     output: store (one owner per element)
     """
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(size_n, BLOCK_M)
     tiles_m = tl.cdiv(size_m, BLOCK_N)
-    tile = pid % (tiles_n * tiles_m)
-    pid = pid // (tiles_n * tiles_m)
-    group = GROUP_M * tiles_m
+    columns = tiles_m * size_p
+    tile = pid
+    group = GROUP_M * columns
     first_n = (tile // group) * GROUP_M
     group_rows = tl.minimum(tiles_n - first_n, GROUP_M)
     pid_n = first_n + (tile % group) % group_rows
-    pid_m = (tile % group) // group_rows
+    column = (tile % group) // group_rows
+    pid_m = column % tiles_m
+    pid = column // tiles_m
     offs_n = pid_n * BLOCK_M + tl.arange(0, BLOCK_M)  # [n]
     mask_n = offs_n < size_n  # [n]
     offs_m = pid_m * BLOCK_N + tl.arange(0, BLOCK_N)  # [m]

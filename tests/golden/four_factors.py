@@ -22,19 +22,22 @@ def insum_kernel(
     left (M, K): CV[p, q] * X[b, u, CI[p, q]] * Y[b, v, CJ[p, q]]
     right (K, N): W[u, v, w]
     dot operands: fp32, tf32
+    program order: groups of GROUP_M rows of (p, M tile), rows fastest
     accumulator: fp32
     output: atomic (tl.atomic_add: scattered contributions may collide)
     """
     pid = tl.program_id(0)
     tiles_b = tl.cdiv(size_b, BLOCK_M)
     tiles_w = tl.cdiv(size_w, BLOCK_N)
-    tile = pid % (tiles_b * tiles_w)
-    pid = pid // (tiles_b * tiles_w)
+    rows = tiles_b * size_p
+    tile = pid
     group = GROUP_M * tiles_w
     first_b = (tile // group) * GROUP_M
-    group_rows = tl.minimum(tiles_b - first_b, GROUP_M)
-    pid_b = first_b + (tile % group) % group_rows
+    group_rows = tl.minimum(rows - first_b, GROUP_M)
+    row = first_b + (tile % group) % group_rows
     pid_w = (tile % group) // group_rows
+    pid_b = row % tiles_b
+    pid = row // tiles_b
     offs_b = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)  # [b]
     mask_b = offs_b < size_b  # [b]
     offs_w = pid_w * BLOCK_N + tl.arange(0, BLOCK_N)  # [w]
