@@ -21,7 +21,7 @@ from insum.bind import bind
 from insum.codegen import tune
 from insum.codegen.schedule import KernelSpec, _grid_joins
 from insum.parser import parse
-from insum.runtime import BareLaunch, Kernel, kernel_for
+from insum.runtime import BareLaunch, Kernel, _ensure_descriptor_allocator, kernel_for
 
 pytestmark = KERNEL_MARK
 
@@ -48,12 +48,13 @@ def _run_in_order(stmt: str, tensors: dict, joins: str, group: int) -> torch.Ten
     """The statement's kernel under the given join and GROUP_M (16 x 16 x 16 tiles), into a
     NaN-poisoned output."""
     bound = bind(parse(stmt), tensors)
-    base = kernel_for(bound)
+    base = kernel_for(bound, precision="ieee")
     assert base.plan.kind == "dot" and base.plan.grid_joins == "M"
     kernel = Kernel(base.spec, plan=dataclasses.replace(base.plan, grid_joins=joins))
     out = torch.full(bound.out_shape, float("nan"), device=DEVICE)
     prepared = kernel.prepared(bound)
     config = {"BLOCK_M": 16, "BLOCK_K": 16, "BLOCK_N": 16, "GROUP_M": group, "num_warps": 4, "num_stages": 2}
+    _ensure_descriptor_allocator()  # a bare launch of a plan with tensor descriptors (on a GPU)
     BareLaunch(kernel.fn, prepared.grid_fn(config), config, tuple(prepared.args(bound.tensors, out)))()
     return out
 
@@ -126,7 +127,7 @@ def test_the_launch_sizes_its_group_from_its_operands(monkeypatch):
     tensors["B"] = torch.randn(40, 24, 50, generator=g).to(DEVICE)  # 192 kB: more than twice the share
     tensors["AK"] = torch.randint(0, 40, (5, 3), generator=g).to(DEVICE, torch.int32)
     bound = bind(parse(BLOCK_ROWS), tensors)
-    kernel = kernel_for(bound)
+    kernel = kernel_for(bound, precision="ieee")
     out = torch.full(bound.out_shape, float("nan"), device=DEVICE)
     kernel.launch(bound, out)
     config = kernel.prepared(bound).config
