@@ -27,6 +27,7 @@ import time
 import torch
 
 from insum.bind import bind
+from insum.codegen.schedule import plan_of, rank
 from insum.execute import length_facts
 from insum.formats import NM, BlockGroupCOO
 from insum.parser import parse
@@ -79,10 +80,16 @@ def compare(point: str, fmt, Bs, expected, t_cublas: float, anchors: dict, rows:
     say(f"  plan {tuned.plan.tiles}, grid joins {joins!r}, tuner's config {config}")
     variants = [("p outside", "", 8), (f"p in {joins}, group_rows", joins, config["GROUP_M"])]
     variants += [(f"p in {joins}, GROUP_M={g}", joins, g) for g in GROUPS if joins and g != config["GROUP_M"]]
-    for label, joined, group in variants:
-        kernel = Kernel(tuned.spec, plan=dataclasses.replace(tuned.plan, grid_joins=joined))
+    runs = [(label, Kernel(tuned.spec, plan=dataclasses.replace(tuned.plan, grid_joins=joined)), {**config, "GROUP_M": group})
+            for label, joined, group in variants]
+    flipped = _flipped(tuned)
+    if flipped is not None:  # the other orientation, tuned as a user's first call would
+        flipped.launch(bound, C)
+        flipped_config = dict(flipped.prepared(bound).config)
+        say(f"  flipped plan {flipped.plan.tiles}, grid joins {flipped.plan.grid_joins!r}, tuner's config {flipped_config}")
+        runs.append((f"flipped, p in {flipped.plan.grid_joins}", flipped, flipped_config))
+    for label, kernel, chosen in runs:
         prepared = kernel.prepared(bound)
-        chosen = {**config, "GROUP_M": group}
         prepared.set_config(chosen)
         launches = [BareLaunch(kernel.fn, prepared.grid, chosen,
                                tuple(prepared.args(bound.with_tensors({**bound.tensors, "B": B}).tensors, C)))
@@ -98,11 +105,23 @@ def compare(point: str, fmt, Bs, expected, t_cublas: float, anchors: dict, rows:
             + "".join(f"  x{v / ms:.2f} {k}" for k, v in anchors.items()) + f"  err {err:.1e} {'ok' if ok else 'FAIL'}")
 
 
+def _flipped(kernel: Kernel) -> Kernel | None:
+    """The kernel of the same statement with its M and N tiles swapped (the other dot
+    orientation), if the cost model ranks one."""
+    tiles = dict(kernel.plan.tiles)
+    want = {"M": tiles.get("N"), "K": tiles.get("K"), "N": tiles.get("M")}
+    for candidate in rank(kernel.spec):
+        if candidate.kind == "dot" and dict(candidate.tiles) == want and candidate.grid == kernel.plan.grid:
+            return Kernel(kernel.spec, plan=plan_of(kernel.spec, candidate))
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget", type=float, default=420.0)
     parser.add_argument("--sizes", default="8192,4096")
+    parser.add_argument("--points", default="", help="Block-ELL points block:s, comma-separated (default: POINTS)")
     parser.add_argument("--nm", default="", help="N:M points n:m:L, comma-separated (e.g. 2:4:128,1:8:128)")
     args = parser.parse_args()
     start = time.time()
@@ -112,7 +131,8 @@ def main() -> None:
         for nm in filter(None, args.nm.split(",")):
             run_nm(size, *(int(x) for x in nm.split(":")), rows)
             write_rows(args.out, "grid_order", rows)
-        for block, s in POINTS if not args.nm else ():
+        points = [(int(b), float(x)) for b, x in (p.split(":") for p in args.points.split(","))] if args.points else POINTS
+        for block, s in points if not args.nm else ():
             if time.time() - start > args.budget:
                 say("budget reached")
                 break
