@@ -264,6 +264,31 @@ def test_compiled_block_ell_value_gradient(known_count):
     assert bool(padding.any()) and bool((grads[1][padding] == 0).all())
 
 
+def test_compiled_block_ell_layer_runs_the_grouped_value_gradient():
+    """A SparseLinear keeps Block-ELL's group tables as buffers (built outside tracing, not
+    saved), so that its compiled backward runs the same grouped values' gradient as the
+    eager one (`GROUPED_GRADIENT`, not the per-block form), with the same result."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from insum.formats import BlockGroupCOO
+
+    layer = layer_for("BlockGroupCOO", {"block": (4, 4), "group_size": "row"}, out_features=16, seed=3)
+    assert {"wgrad_GF", "wgrad_GP", "wgrad_GK"} <= {name for name, _ in layer.named_buffers()}
+    assert not any(name.startswith("wgrad_") for name in layer.state_dict())
+    x = torch.randn(5, 12, dtype=torch.float64)
+    backend = AotEagerAndRecordGraphs()
+    grads = []
+    for run in (layer, torch.compile(layer, backend=backend, fullgraph=True)):
+        layer.zero_grad()
+        run(x).square().sum().backward()
+        grads.append(layer.AV.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0])
+    backward = "\n".join(graph.code for graph in backend.bw_graphs)
+    assert BlockGroupCOO.GROUPED_GRADIENT in backward and BlockGroupCOO.STORED_GRADIENT not in backward
+    padding = torch.arange(layer.AK.shape[1]) >= layer.AL[:, None]
+    assert bool(padding.any()) and bool((grads[1][padding] == 0).all())
+
+
 def test_from_linear_and_magnitude_prune():
     torch.manual_seed(0)
     linear = torch.nn.Linear(16, 8)

@@ -435,12 +435,22 @@ class SparseFormat:
         return None
 
     def value_gradient(
-        self, name: str, dC: torch.Tensor, B: torch.Tensor, backend: str, precision: str
+        self, name: str, dC: torch.Tensor, B: torch.Tensor, backend: str, precision: str,
+        tables: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """The gradient of value tensor `name` for the output gradient dC and the operand B
         (both as the statements index them), where the format has a cheaper statement than
-        the derived one; None: the derived statements run (`insum.nn.sparse_autograd`)."""
+        the derived one; None: the derived statements run (`insum.nn.sparse_autograd`).
+        tables: this format's `value_gradient_tables()`, built earlier (None: built here
+        where needed, or not used)."""
         return None
+
+    def value_gradient_tables(self) -> dict[str, torch.Tensor]:
+        """Index tensors `value_gradient` runs on whose sizes need a host sync to count, for a
+        caller to build once outside traced code and pass back (`SparseLinear` keeps them as
+        buffers, like the transposed pattern, so that a compiled layer runs the same
+        gradient as an eager one); {} where there are none."""
+        return {}
 
     @classmethod
     def statement_forms(cls) -> tuple[str, ...]:

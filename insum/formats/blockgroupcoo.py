@@ -364,22 +364,34 @@ class BlockGroupCOO(SparseFormat):
             }
         return groups
 
-    def value_gradient(self, name, dC, B, backend, precision):
+    def value_gradient_tables(self) -> dict[str, torch.Tensor]:
+        """GF, GP, GK of `GROUPED_GRADIENT` (`_stored_groups`), whose count is a host sync:
+        a layer that keeps them runs the grouped gradient under torch.compile too."""
+        groups = None if self._row_counts() is None else self._stored_groups()
+        return {} if groups is None else {k: v for k, v in groups.items() if k != "slots"}
+
+    def value_gradient(self, name, dC, B, backend, precision, tables=None):
         """Block-ELL: AV's gradient runs on the stored blocks only (`STORED_GRADIENT`), not on
         every slot as the derived statement does: the padding (~45% of the slots at s = 0.9
-        with random blocks) costs neither a program nor a read of dC and B, and stays zero."""
+        with random blocks) costs neither a program nor a read of dC and B, and stays zero.
+        Where the group tables are known (`tables`, or counted here outside traced code), J
+        stored blocks of a block row per program (`GROUPED_GRADIENT`)."""
         if name != "AV" or self._row_counts() is None:
             return None
         G, g, bm, bk = self.AV.shape
         dtype = torch.promote_types(dC.dtype, B.dtype)
-        blocks = self._stored_blocks()
-        if blocks is None:
+        if tables and "GF" in tables:
+            # A slot per group entry past the G * g real ones: enough for every padded entry.
+            groups = {**tables, "slots": G * g + tables["GF"].numel()}
+        else:
+            groups = self._stored_groups()
+        blocks = self._stored_blocks() if groups is None else None
+        if groups is None and blocks is None:
             dW = insum(self.SLOT_GRADIENT, dC=dC, B=B, AK=self.AK, backend=backend, precision=precision)
             padding = torch.arange(g, device=dW.device) >= self._row_counts()[:, None]
             return dW.to(dtype).masked_fill(padding[:, :, None, None], 0)
-        groups = self._stored_groups()
         if groups is not None:
-            tables = {k: v for k, v in groups.items() if k != "slots"}
+            tables = {k: groups[k] for k in ("GF", "GP", "GK")}
             dW = torch.empty(groups["slots"], bm, bk, dtype=dtype, device=dC.device)
             run_repeated(self, self.GROUPED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **tables},
                          {"unique_indices": _UNIQUE_GROUP_SLOTS}, _STORED_VARYING, backend=backend, precision=precision)

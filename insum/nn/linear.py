@@ -271,15 +271,22 @@ class SparseLinear(nn.Module):
         self._make_plan()
 
     def _make_plan(self) -> None:
-        """(Re)build the transposed pattern from the current index tensors."""
+        """(Re)build the transposed pattern and the value gradient's tables from the current
+        index tensors (outside traced code: counting them may need a host sync)."""
         self._drop_kept()
         for name in getattr(self, "_pattern_names", ()):
             delattr(self, "grad_" + name)
+        for name in getattr(self, "_table_names", ()):
+            delattr(self, "wgrad_" + name)
         fmt = self._current_format()
         pattern = fmt.transposed_pattern() or {}
         for name, tensor in pattern.items():
             self.register_buffer("grad_" + name, tensor, persistent=False)
         self._pattern_names = tuple(pattern)
+        tables = fmt.value_gradient_tables()
+        for name, tensor in tables.items():
+            self.register_buffer("wgrad_" + name, tensor, persistent=False)
+        self._table_names = tuple(tables)
         self._gradients = gradient_statements(fmt)
         self._drop_kept()
 
@@ -323,11 +330,14 @@ class SparseLinear(nn.Module):
         fmt = self._current_format()
         names = self._pattern_names if self.transposed_backward else ()
         pattern = {name: getattr(self, "grad_" + name) for name in names}
-        info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision)
-        tensors = (*fmt._tensors.values(), *pattern.values())
+        tables = {name: getattr(self, "wgrad_" + name) for name in self._table_names}
+        info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision, tables)
+        tensors = (*fmt._tensors.values(), *pattern.values(), *tables.values())
         if not torch.compiler.is_compiling():
             held = []
-            for name, t in (*fmt._tensors.items(), *(("grad_" + n, t) for n, t in pattern.items())):
+            kept = (*fmt._tensors.items(), *(("grad_" + n, t) for n, t in pattern.items()),
+                    *(("wgrad_" + n, t) for n, t in tables.items()))
+            for name, t in kept:
                 held.append((self._parameters if name in self._parameters else self._buffers, name, t))
             self.__dict__["_kept"] = (info, tensors, tuple(held))  # (not through __setattr__, which drops it)
         return info, tensors

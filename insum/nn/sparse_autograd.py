@@ -78,7 +78,7 @@ class _SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, info, x2, bias, *tensors):
-        fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision, kept = info
+        fmt_cls, shape, meta, names, pattern_names, table_names, gradients, backend, precision, kept = info
         fmt = kept if kept is not None else rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
         ctx.info = info
         ctx.biased = bias is not None
@@ -87,10 +87,11 @@ class _SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        fmt_cls, shape, meta, names, pattern_names, gradients, backend, precision, kept = ctx.info
+        fmt_cls, shape, meta, names, pattern_names, table_names, gradients, backend, precision, kept = ctx.info
         x2, *tensors = ctx.saved_tensors
         fmt = kept if kept is not None else rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
         pattern = dict(zip(pattern_names, tensors[len(names) :]))
+        tables = dict(zip(table_names, tensors[len(names) + len(pattern_names) :]))
         needs = ctx.needs_input_grad
         dtype = torch.promote_types(fmt.dtype, dy.dtype)
         B, dC = fmt.operand(x2.t().to(dtype)), fmt.output_view(dy.t().to(dtype))
@@ -102,9 +103,9 @@ class _SparseLinearFunction(torch.autograd.Function):
                 dB = _derived_input_gradient(fmt, gradients, B, dC, backend, precision)
             dx = fmt.from_operand(dB).t().to(x2.dtype)
         wanted = {name for i, name in enumerate(names) if needs[3 + i]}
-        grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision)
+        grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision, tables)
         dbias = dy.sum(0) if ctx.biased and needs[2] else None
-        return (None, dx, dbias, *(grads.get(name) for name in names), *([None] * len(pattern_names)))
+        return (None, dx, dbias, *(grads.get(name) for name in names), *([None] * (len(pattern_names) + len(tables))))
 
 
 def _derived_input_gradient(fmt: SparseFormat, gradients: Gradients, B, dC, backend: str, precision: str) -> torch.Tensor:
@@ -118,9 +119,10 @@ def _derived_input_gradient(fmt: SparseFormat, gradients: Gradients, B, dC, back
 
 
 def _value_gradients(
-    fmt: SparseFormat, gradients: Gradients, wanted: set[str], B, dC, backend: str, precision: str
+    fmt: SparseFormat, gradients: Gradients, wanted: set[str], B, dC, backend: str, precision: str, tables
 ) -> dict[str, torch.Tensor]:
-    """The gradient of every value tensor in `wanted`, by its derived statements."""
+    """The gradient of every value tensor in `wanted`: the format's own statement where it
+    has one (on `tables`, its `value_gradient_tables` kept by the layer), else the derived ones."""
     owner = {id(t): name for name, t in fmt.tensors.items()}
     grads: dict[str, torch.Tensor] = {}
     for (_, tensors), (output_grad, _, statements) in zip(fmt.statements(), gradients):
@@ -131,7 +133,7 @@ def _value_gradients(
             name = owner.get(id(tensors[local]))  # id() of a tensor: traceable by dynamo
             if name not in wanted:
                 continue
-            own = fmt.value_gradient(name, dC, B, backend, precision)  # a cheaper statement of the format's
+            own = fmt.value_gradient(name, dC, B, backend, precision, tables)  # a cheaper statement of the format's
             if own is not None:
                 grad = own.to(tensors[local].dtype)
                 grads[name] = grad if name not in grads else grads[name] + grad
@@ -168,13 +170,17 @@ def rebuild_format(fmt_cls, shape, meta, tensors) -> SparseFormat:
     return fmt
 
 
-def linear_info(fmt: SparseFormat, meta, pattern, gradients: Gradients, backend: str, precision: str) -> tuple:
-    """What `_SparseLinearFunction` needs besides the tensors. Outside torch.compile it
+def linear_info(
+    fmt: SparseFormat, meta, pattern, gradients: Gradients, backend: str, precision: str, tables=None
+) -> tuple:
+    """What `_SparseLinearFunction` needs besides the tensors (the format's, the transposed
+    pattern's, then the value-gradient tables', in that order). Outside torch.compile it
     carries `fmt` itself, which the forward and backward then run on (so that a repeated
     product reaches its pinned plans, `SparseFormat.spmm`); traced, each rebuilds the format
     object around the traced tensors."""
     kept = None if torch.compiler.is_compiling() else fmt
-    return (type(fmt), fmt.shape, meta, tuple(fmt._tensors), tuple(pattern), gradients, backend, precision, kept)
+    return (type(fmt), fmt.shape, meta, tuple(fmt._tensors), tuple(pattern), tuple(tables or ()), gradients, backend,
+            precision, kept)
 
 
 def apply_linear(info: tuple, x2: torch.Tensor, tensors: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
