@@ -134,3 +134,30 @@ def test_the_launch_sizes_its_group_from_its_operands(monkeypatch):
     left, right = (t.numel() * t.element_size() for t in (tensors["AV"], tensors["B"]))
     assert config["GROUP_M"] == tune.group_rows(kernel.plan, config, dict(bound.extents), left, right) > 1
     torch.testing.assert_close(out, insum.insum(BLOCK_ROWS, **tensors, backend="torch"), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["rows", "columns"])
+def test_block_ell_product_with_its_block_rows_in_the_order(monkeypatch, dtype):
+    """Block-ELL's product with its block rows in the grouped order, longest first (declared
+    lengths): the float64 product, with empty and full block rows. fp32: in the rows, in
+    groups of several block rows (L2_SHARE made small so that they form); fp16 takes the
+    narrow orientation (M = the dense columns, the block rows in the columns, one M tile a
+    group)."""
+    from insum.formats import BlockGroupCOO
+
+    monkeypatch.setattr(tune, "L2_SHARE", 16_000)
+    import insum.runtime
+
+    groups = []
+    monkeypatch.setattr(insum.runtime, "group_rows", lambda *args: groups.append(tune.group_rows(*args)) or groups[-1])
+    g = torch.Generator().manual_seed(4)
+    keep = torch.rand(7, 5, generator=g) < 0.5
+    keep[1], keep[4] = False, True
+    W = torch.randn(7 * 16, 5 * 16, generator=g) * keep.repeat_interleave(16, 0).repeat_interleave(16, 1)
+    fmt = BlockGroupCOO.from_dense(W.to(DEVICE, dtype), block=(16, 16), group_size="row")
+    B = torch.randn(5 * 16, 200, generator=g).to(DEVICE, dtype)  # 64 kB in fp32: more than twice the share
+    got = fmt.spmm(B, backend="triton", precision="ieee")
+    expected = W.double() @ B.cpu().double()
+    tolerance = {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.float16 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(got.cpu().double(), expected, **tolerance)
+    assert groups and (max(groups) > 1 if dtype == torch.float32 else set(groups) == {1})
