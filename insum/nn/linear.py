@@ -330,7 +330,7 @@ class SparseLinear(nn.Module):
         fmt = self._current_format()
         names = self._pattern_names if self.transposed_backward else ()
         pattern = {name: getattr(self, "grad_" + name) for name in names}
-        tables = {name: getattr(self, "wgrad_" + name) for name in self._table_names}
+        tables = {name: getattr(self, "wgrad_" + name) for name in getattr(self, "_table_names", ())}
         info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision, tables)
         tensors = (*fmt._tensors.values(), *pattern.values(), *tables.values())
         if not torch.compiler.is_compiling():
