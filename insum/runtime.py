@@ -392,7 +392,8 @@ class _Launcher:
         every launch of its extents bucket, the group is not."""
         if not self.kernel.plan.grid_joins:
             return config
-        return {**config, "GROUP_M": group_rows(self.kernel.plan, config, self.extents, *self.operand_bytes)}
+        share = _l2_share(self.device)
+        return {**config, "GROUP_M": group_rows(self.kernel.plan, config, self.extents, *self.operand_bytes, share)}
 
     def set_config(self, config: dict) -> None:
         config = self.fitted(config)
@@ -726,6 +727,14 @@ def _program_slots(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return os.cpu_count() or 1
+
+
+def _l2_share(device: torch.device) -> int | None:
+    """Half the device's L2 cache in bytes (`tune.group_rows`), None where it is not known
+    (the interpreter, or a torch that does not report it): tune.L2_SHARE, an H100's half."""
+    if device.type != "cuda" or _interpreting():
+        return None
+    return (getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) // 2) or None
 
 
 def _load(path: Path, source: str, digest: str):

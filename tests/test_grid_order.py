@@ -17,6 +17,7 @@ import torch
 from kernel_env import DEVICE, KERNEL_MARK  # before insum: the interpreter on CPU-only machines
 
 import insum
+import insum.runtime
 from insum.bind import bind
 from insum.codegen import tune
 from insum.codegen.schedule import KernelSpec, _grid_joins
@@ -112,6 +113,9 @@ def test_group_rows_from_the_operands(monkeypatch):
     assert tune.group_rows(plan, config, extents, 400 * mb, 400 * mb) == 8
     assert tune.group_rows(plan, config, extents, 4 * mb, 400 * mb) == 256  # every row (200, rounded up)
     assert tune.group_rows(plan, config, extents, 100_000 * mb, 400 * mb) == 1
+    # A device's own L2 (half of it given): a larger L2 holds more rows, and more of B.
+    assert tune.group_rows(plan, config, extents, 400 * mb, 400 * mb, 48 * mb) == 16
+    assert tune.group_rows(plan, config, extents, 400 * mb, 80 * mb, 48 * mb) == 1
     plan.grid_joins = "N"
     assert tune.group_rows(plan, config, extents, 400 * mb, 400 * mb) == 1
     plan.grid_joins = ""
@@ -122,6 +126,7 @@ def test_the_launch_sizes_its_group_from_its_operands(monkeypatch):
     """The launcher's configuration carries the group `group_rows` gives for its own tensors
     (not the tuned bucket's), and the product stays right."""
     monkeypatch.setattr(tune, "L2_SHARE", 50_000)  # small tensors behave as large ones
+    monkeypatch.setattr(insum.runtime, "_l2_share", lambda device: None)  # (a GPU's own L2 otherwise)
     g = torch.Generator().manual_seed(1)
     tensors = _tensors(BLOCK_ROWS, g, torch.int32)
     tensors["B"] = torch.randn(40, 24, 50, generator=g).to(DEVICE)  # 192 kB: more than twice the share
@@ -146,8 +151,7 @@ def test_block_ell_product_with_its_block_rows_in_the_order(monkeypatch, dtype):
     from insum.formats import BlockGroupCOO
 
     monkeypatch.setattr(tune, "L2_SHARE", 16_000)
-    import insum.runtime
-
+    monkeypatch.setattr(insum.runtime, "_l2_share", lambda device: None)  # (a GPU's own L2 otherwise)
     groups = []
     monkeypatch.setattr(insum.runtime, "group_rows", lambda *args: groups.append(tune.group_rows(*args)) or groups[-1])
     g = torch.Generator().manual_seed(4)

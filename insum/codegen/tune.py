@@ -35,8 +35,9 @@ _DOT = [
     (256, 32, 64, 4, 5), (64, 32, 256, 4, 5), (128, 64, 256, 8, 5),
 ]
 GROUP_M = 8  # row tiles per group in grouped program order
-# The bytes of the left operand one group of rows may hold in L2 (`group_rows`): about half
-# the L2 of an H100 or H200 (50 MB; an A100 has 40 MB), the rest for the right operand's tiles.
+# The bytes of the left operand one group of rows may hold in L2 (`group_rows`), where the
+# device's L2 size is not known: about half the L2 of an H100 or H200 (50 MB), the rest for
+# the right operand's tiles.
 L2_SHARE = 24 << 20
 # Broadcast-and-sum plans hold an M x K x N block in registers: keep it to 8192 elements.
 _REDUCE = [
@@ -62,15 +63,18 @@ def configs_for(plan: Plan) -> list[dict]:
     return _unique(out)
 
 
-def group_rows(plan: Plan, config: dict, extents: dict[str, int], left_bytes: int, right_bytes: int) -> int:
-    """GROUP_M where the grid variables join the grouped order (`Plan.grid_joins`).
+def group_rows(
+    plan: Plan, config: dict, extents: dict[str, int], left_bytes: int, right_bytes: int, share: int | None = None
+) -> int:
+    """GROUP_M where the grid variables join the grouped order (`Plan.grid_joins`); share:
+    half the device's L2 in bytes (default L2_SHARE).
 
     Grid values in the rows (M): a group's programs sweep every column of its rows, so its
     rows' tiles of the left operand are read from HBM once if they stay in L2 over the
     sweep, and each column's tiles of the right operand once per group. The group is the
-    most rows (a power of two) whose share of the left operand fits in L2_SHARE; one row (p
-    outside, in effect) when the right operand fits in L2 by itself (2 * L2_SHARE), which
-    then needs no sharing between groups.
+    most rows (a power of two) whose share of the left operand fits in half the L2; one row
+    (p outside, in effect) when the right operand fits in the L2 by itself, which then needs
+    no sharing between groups.
 
     Grid values in the columns (N): one M tile per group, so that every grid value's
     programs read that tile's rows of the shared left operand together.
@@ -95,11 +99,12 @@ def group_rows(plan: Plan, config: dict, extents: dict[str, int], left_bytes: in
         return 1
     if not plan.grid_joins:
         return config["GROUP_M"]
-    if right_bytes <= 2 * L2_SHARE:
+    share = share or L2_SHARE
+    if right_bytes <= 2 * share:
         return 1
     rows = -(-math.prod(extents[v] for v in plan.axis_vars("M")) // config["BLOCK_M"])
     rows *= math.prod(extents[v] for v in plan.grid)
-    fit = max(1, L2_SHARE // max(1, left_bytes // max(1, rows)))
+    fit = max(1, share // max(1, left_bytes // max(1, rows)))
     return min(1 << (fit.bit_length() - 1), next_power_of_2(max(1, rows)))
 
 
