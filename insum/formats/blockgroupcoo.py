@@ -349,7 +349,7 @@ class BlockGroupCOO(SparseFormat):
         if groups is None:
             AK, counts = self.AK, self._row_counts().long()
             per_row = torch.div(counts + J - 1, J, rounding_mode="floor")
-            T, stored = torch.stack([per_row.sum(), counts.sum()]).tolist()  # (the one sync)
+            T = int(per_row.sum())  # (the one sync)
             device = AK.device
             rows = torch.repeat_interleave(torch.arange(G, device=device), per_row, output_size=T)
             first = torch.cumsum(per_row, 0) - per_row  # each row's first group
@@ -358,17 +358,14 @@ class BlockGroupCOO(SparseFormat):
             scratch = G * g + torch.cumsum((~valid).reshape(-1), 0).reshape(T, J) - 1
             GF = torch.where(valid, rows[:, None] * g + q, scratch)
             GK = torch.where(valid, AK[rows[:, None], q.clamp(max=g - 1)], 0)
-            groups = derived["stored_groups"] = {
-                "GF": GF.to(AK.dtype), "GP": rows.to(AK.dtype), "GK": GK.to(AK.dtype),
-                "slots": G * g + T * J - stored,  # a scratch slot per padded entry
-            }
+            groups = derived["stored_groups"] = {"GF": GF.to(AK.dtype), "GP": rows.to(AK.dtype), "GK": GK.to(AK.dtype)}
         return groups
 
     def value_gradient_tables(self) -> dict[str, torch.Tensor]:
         """GF, GP, GK of `GROUPED_GRADIENT` (`_stored_groups`), whose count is a host sync:
         a layer that keeps them runs the grouped gradient under torch.compile too."""
         groups = None if self._row_counts() is None else self._stored_groups()
-        return {} if groups is None else {k: v for k, v in groups.items() if k != "slots"}
+        return groups or {}
 
     def value_gradient(self, name, dC, B, backend, precision, tables=None):
         """Block-ELL: AV's gradient runs on the stored blocks only (`STORED_GRADIENT`), not on
@@ -380,22 +377,18 @@ class BlockGroupCOO(SparseFormat):
             return None
         G, g, bm, bk = self.AV.shape
         dtype = torch.promote_types(dC.dtype, B.dtype)
-        if tables and "GF" in tables:
+        groups = tables if tables else self._stored_groups()
+        if groups:
             # A slot per group entry past the G * g real ones: enough for every padded entry.
-            groups = {**tables, "slots": G * g + tables["GF"].numel()}
-        else:
-            groups = self._stored_groups()
-        blocks = self._stored_blocks() if groups is None else None
-        if groups is None and blocks is None:
+            dW = torch.empty(G * g + groups["GF"].numel(), bm, bk, dtype=dtype, device=dC.device)
+            run_repeated(self, self.GROUPED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **groups},
+                         {"unique_indices": _UNIQUE_GROUP_SLOTS}, _STORED_VARYING, backend=backend, precision=precision)
+            return dW[: G * g].view(G, g, bm, bk)
+        blocks = self._stored_blocks()
+        if blocks is None:
             dW = insum(self.SLOT_GRADIENT, dC=dC, B=B, AK=self.AK, backend=backend, precision=precision)
             padding = torch.arange(g, device=dW.device) >= self._row_counts()[:, None]
             return dW.to(dtype).masked_fill(padding[:, :, None, None], 0)
-        if groups is not None:
-            tables = {k: groups[k] for k in ("GF", "GP", "GK")}
-            dW = torch.empty(groups["slots"], bm, bk, dtype=dtype, device=dC.device)
-            run_repeated(self, self.GROUPED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **tables},
-                         {"unique_indices": _UNIQUE_GROUP_SLOTS}, _STORED_VARYING, backend=backend, precision=precision)
-            return dW[: G * g].view(G, g, bm, bk)
         dW = torch.empty(G * g, bm, bk, dtype=dtype, device=dC.device)
         run_repeated(self, self.STORED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **blocks}, {"unique_indices": _UNIQUE_SLOTS},
                      _STORED_VARYING, backend=backend, precision=precision)
