@@ -40,6 +40,7 @@ from .codegen import (
     emit,
     emit_batch,
     group_rows,
+    operand_bytes,
     prune_configs,
     schedule,
 )
@@ -381,10 +382,7 @@ class _Launcher:
         self.zero_fill = not plan.stmt.accumulate and ((scatters and not self.half_scratch) or (not scatters and not covered))
         self.accumulate = plan.stmt.accumulate
         self.descriptors = bool(plan.boxes)
-        self.operand_bytes = tuple(
-            sum(bound.tensors[name].numel() * bound.tensors[name].element_size() for name in names)
-            for names in ({plan.stmt.factors[i].name for i in side} for side in (plan.left, plan.right))
-        )
+        self.operand_bytes = operand_bytes(plan, {name: t.numel() * t.element_size() for name, t in bound.tensors.items()})
 
     def fitted(self, config: dict) -> dict:
         """The configuration with GROUP_M sized for this launch's operands, where the plan's

@@ -21,6 +21,7 @@ import insum.runtime
 from insum.bind import bind
 from insum.codegen import tune
 from insum.codegen.schedule import KernelSpec, _grid_joins
+from insum.execute import length_facts
 from insum.parser import parse
 from insum.runtime import BareLaunch, Kernel, _ensure_descriptor_allocator, kernel_for
 
@@ -139,6 +140,22 @@ def test_the_launch_sizes_its_group_from_its_operands(monkeypatch):
     left, right = (t.numel() * t.element_size() for t in (tensors["AV"], tensors["B"]))
     assert config["GROUP_M"] == tune.group_rows(kernel.plan, config, dict(bound.extents), left, right) > 1
     torch.testing.assert_close(out, insum.insum(BLOCK_ROWS, **tensors, backend="torch"), rtol=1e-3, atol=1e-3)
+
+
+def test_padded_values_under_a_declared_length_count_as_half_read():
+    """A factor padded along a declared length (AV's slots past a block row's own count are
+    never read) counts LENGTH_FILL of its bytes in the group's sizing; B, reached through
+    the index, and a statement without the declaration count whole."""
+    g = torch.Generator().manual_seed(2)
+    tensors = _tensors(BLOCK_ROWS, g, torch.int32)
+    nbytes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    lengths = torch.tensor([3, 0, 2, 1, 3], dtype=torch.int32, device=DEVICE)
+    for declared, fill in (({}, 1.0), ({"q[p]": lengths}, tune.LENGTH_FILL)):
+        bound, facts = length_facts(bind(parse(BLOCK_ROWS), tensors), declared)
+        kernel = kernel_for(bound, precision="ieee", lengths=facts)
+        assert len(kernel.plan.lengths) == len(declared)
+        assert tune.operand_bytes(kernel.plan, nbytes) == (int(nbytes["AV"] * fill), nbytes["B"])
+        assert kernel.prepared(bound).operand_bytes == (int(nbytes["AV"] * fill), nbytes["B"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["rows", "columns"])

@@ -168,10 +168,11 @@ def test_block_ell_layer_skips_its_padding_forward_and_backward():
         assert bool((layer.AV.grad[padding] == 0).all())
 
 
-def test_transposed_pattern_column_lengths_are_counted_once_per_pattern():
-    """The input gradient's declared column lengths are kept per pattern tensor (its buffer
-    is the same object on every backward), recounted after an in-place change, and the
-    gradient stays right either way."""
+def test_transposed_pattern_keeps_its_column_lengths():
+    """The input gradient's declared column lengths (TL) are a buffer of the layer's pattern,
+    read as they are on every backward; a pattern without them (a layer saved before they
+    were kept) has them counted once per pattern tensor and again after an in-place change.
+    The gradient is right either way."""
     from insum.formats import transposed
 
     torch.manual_seed(3)
@@ -179,18 +180,27 @@ def test_transposed_pattern_column_lengths_are_counted_once_per_pattern():
                          backend="triton", precision="ieee")
     x = torch.randn(5, 40, requires_grad=True)
     layer(x).sum().backward()
-    TS = next(t for name, t in layer.named_buffers() if name.endswith("TS"))
+    buffers = dict(layer.named_buffers())
+    TS, TL = buffers["grad_TS"], buffers["grad_TL"]
     G, g = layer.weight.AV.shape[:2]
     zero_slot = G * g  # with_zero_slot appends it after every stored slot
-    first = transposed._column_lengths(TS, zero_slot)["lengths"]["q[c]"]
-    assert transposed._column_lengths(TS, zero_slot)["lengths"]["q[c]"] is first
-    torch.testing.assert_close(first, (TS != zero_slot).sum(1))
+    torch.testing.assert_close(TL, (TS != zero_slot).sum(1).to(TL.dtype))
+    assert transposed._column_lengths({"TS": TS, "TL": TL}, zero_slot)["lengths"]["q[c]"] is TL
     expected = layer.to_dense().double().sum(0).expand(5, 40)
     x.grad = None
     layer(x).sum().backward()
     torch.testing.assert_close(x.grad.double(), expected, rtol=1e-6, atol=1e-6)
+
+    first = transposed._column_lengths({"TS": TS}, zero_slot)["lengths"]["q[c]"]
+    assert transposed._column_lengths({"TS": TS}, zero_slot)["lengths"]["q[c]"] is first
+    torch.testing.assert_close(first, TL.to(first.dtype))
     TS.add_(0)  # an in-place change: counted again
-    assert transposed._column_lengths(TS, zero_slot)["lengths"]["q[c]"] is not first
+    assert transposed._column_lengths({"TS": TS}, zero_slot)["lengths"]["q[c]"] is not first
+    del layer._buffers["grad_TL"]  # the pattern as an older layer kept it
+    layer._pattern_names = ("TS", "TR")
+    x.grad = None
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad.double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_block_ell_layer_runs_in_inference_mode():

@@ -267,7 +267,8 @@ def test_compiled_block_ell_value_gradient(known_count):
 def test_compiled_block_ell_layer_runs_the_grouped_value_gradient():
     """A SparseLinear keeps Block-ELL's group tables as buffers (built outside tracing, not
     saved), so that its compiled backward runs the same grouped values' gradient as the
-    eager one (`GROUPED_GRADIENT`, not the per-block form), with the same result."""
+    eager one (`GROUPED_GRADIENT`, not the per-block form), with the same result; and the
+    transposed pattern's column lengths, so that it counts none per step."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     from insum.formats import BlockGroupCOO
@@ -275,7 +276,7 @@ def test_compiled_block_ell_layer_runs_the_grouped_value_gradient():
     layer = layer_for("BlockGroupCOO", {"block": (4, 4), "group_size": "row"}, out_features=16, seed=3)
     assert {"wgrad_GF", "wgrad_GP", "wgrad_GK"} <= {name for name, _ in layer.named_buffers()}
     assert not any(name.startswith("wgrad_") for name in layer.state_dict())
-    x = torch.randn(5, 12, dtype=torch.float64)
+    x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
     backend = AotEagerAndRecordGraphs()
     grads = []
     for run in (layer, torch.compile(layer, backend=backend, fullgraph=True)):
@@ -285,6 +286,8 @@ def test_compiled_block_ell_layer_runs_the_grouped_value_gradient():
     torch.testing.assert_close(grads[1], grads[0])
     backward = "\n".join(graph.code for graph in backend.bw_graphs)
     assert BlockGroupCOO.GROUPED_GRADIENT in backward and BlockGroupCOO.STORED_GRADIENT not in backward
+    # x's gradient reads the pattern's kept column lengths (grad_TL): no count in the graph
+    assert "DX[c, k, n] = WT[TS[c, q], m, k]" in backward and "aten.ne." not in backward
     padding = torch.arange(layer.AK.shape[1]) >= layer.AL[:, None]
     assert bool(padding.any()) and bool((grads[1][padding] == 0).all())
 

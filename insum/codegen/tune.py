@@ -14,11 +14,12 @@ tensor-core shape). Clamped configurations that coincide are kept once.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from ..arith import next_power_of_2
-from .schedule import Plan, segment_index
+from .schedule import LENGTH_FILL, Plan, segment_index
 
-__all__ = ["configs_for", "prune_configs", "group_rows"]
+__all__ = ["configs_for", "prune_configs", "group_rows", "operand_bytes"]
 
 # (BLOCK_M, BLOCK_K, BLOCK_N, num_warps, num_stages)
 _DOT = [
@@ -63,6 +64,34 @@ def configs_for(plan: Plan) -> list[dict]:
     return _unique(out)
 
 
+def operand_bytes(plan: Plan, nbytes: Mapping[str, int]) -> tuple[int, int]:
+    """The bytes the left and the right dot operands read (`group_rows`), from each factor
+    tensor's size in `nbytes`.
+
+    A factor indexed directly by a variable whose declared length the plan applies holds its
+    rows padded to the longest; the loop stops at each row's own length, so the factor is
+    taken LENGTH_FILL full, as the schedule's cost model takes it (no data is read: a mean
+    length would cost a host sync). Block-ELL's values AV[p, q, m, k] under `q < LEN[p]`
+    count so; B[AK[p, q], k, n], reached through an index, counts whole.
+
+    >>> from insum.parser import parse
+    >>> from types import SimpleNamespace
+    >>> stmt = parse("C[p, m, n] += AV[p, q, m, k] * B[AK[p, q], k, n]")
+    >>> plan = SimpleNamespace(stmt=stmt, left=(0,), right=(1,), lengths=(("q", "LEN", ("p",)),))
+    >>> operand_bytes(plan, {"AV": 1000, "B": 800, "AK": 40})
+    (500, 800)
+    """
+    padded = {fact[0] for fact in plan.lengths}
+    sides = []
+    for side in (plan.left, plan.right):
+        factors = {plan.stmt.factors[i].name: plan.stmt.factors[i] for i in side}  # each tensor once
+        sides.append(int(sum(
+            nbytes[name] * (LENGTH_FILL if any(index.variable in padded for index in factor.indices) else 1)
+            for name, factor in factors.items()
+        )))
+    return sides[0], sides[1]
+
+
 def group_rows(
     plan: Plan, config: dict, extents: dict[str, int], left_bytes: int, right_bytes: int, share: int | None = None
 ) -> int:
@@ -72,7 +101,9 @@ def group_rows(
     Grid values in the rows (M): a group's programs sweep every column of its rows, so its
     rows' tiles of the left operand are read from HBM once if they stay in L2 over the
     sweep, and each column's tiles of the right operand once per group. The group is the
-    most rows (a power of two) whose share of the left operand fits in half the L2; one row
+    most rows (a power of two) whose share of the left operand's read bytes
+    (`operand_bytes`: padding past a declared length counts LENGTH_FILL) fits in half the
+    L2; one row
     (p outside, in effect) when the right operand fits in the L2 by itself, which then needs
     no sharing between groups.
 

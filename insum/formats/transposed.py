@@ -51,9 +51,11 @@ def transpose_slots(
     """Slots (row, col) grouped by column: TM[G] column, TS[G, g] slot, TR[G, g] row.
 
     The group size is the paper's rule applied to columns. by_column: one group per column
-    (G = n_cols, g = the longest column, no TM), its entries first. Padded entries point at
-    slot S (one past the last: the zero slot of `with_zero_slot`) and row 0. stored: a bool
-    mask shaped like rows, False at a format's declared padding, which is left out.
+    (G = n_cols, g = the longest column, no TM), its entries first, and TL[G] their counts
+    (the product's declared lengths, kept with the pattern so that no call recounts them).
+    Padded entries point at slot S (one past the last: the zero slot of `with_zero_slot`) and
+    row 0. stored: a bool mask shaped like rows, False at a format's declared padding, which
+    is left out.
     """
     rows, cols = rows.reshape(-1).long(), cols.reshape(-1).long()
     S = rows.numel()
@@ -82,7 +84,7 @@ def transpose_slots(
     TR = torch.zeros((G, g), dtype=torch.int64, device=device)
     TR[group, slot] = rows[order]
     if by_column:
-        return {"TS": TS.to(itype), "TR": TR.to(itype)}
+        return {"TS": TS.to(itype), "TR": TR.to(itype), "TL": counts.to(itype)}
     return {"TM": TM.to(itype), "TS": TS.to(itype), "TR": TR.to(itype)}
 
 
@@ -91,20 +93,30 @@ def with_zero_slot(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([values, values.new_zeros(1, *values.shape[1:])])
 
 
-#: Column lengths per pattern tensor TS (the tensor object itself, while it lives): a layer's
-#: pattern is the same buffer on every call, so the counts (and the program order insum
-#: derives from them, `insum.execute.longest_first`) are computed once, not per backward.
+#: Column lengths per pattern tensor TS (the tensor object itself, while it lives), for a
+#: pattern kept without its counts TL (a layer saved before they were kept).
 _LENGTHS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _column_lengths(TS: torch.Tensor, zero_slot: int) -> dict:
+def _column_lengths(pattern: dict[str, torch.Tensor], zero_slot: int) -> dict:
     """One group per column holds its entries first, then padding at the zero slot: its
-    entry counts as `insum()`'s declared lengths, so that the product skips the padding.
-    Kept per TS object and version (an in-place change of TS recounts); traced code and
-    inference tensors count each call."""
+    entry counts (TL) are `insum()`'s declared lengths, so that the product skips the
+    padding. TL is a tensor the pattern keeps, so the program order insum derives from it
+    (`insum.execute.longest_first`) is computed once per layer, also under torch.compile;
+    without TL, the counts are kept per TS object and version (traced code counts each
+    call)."""
+    TS = pattern["TS"]
     if TS.shape[1] <= 1:
         return {}
-    return {"lengths": {"q[c]": kept_per_version(_LENGTHS, TS, zero_slot, lambda: (TS != zero_slot).sum(1))}}
+    lengths = pattern.get("TL")
+    if lengths is None:
+        lengths = kept_per_version(_LENGTHS, TS, zero_slot, lambda: (TS != zero_slot).sum(1))
+    return {"lengths": {"q[c]": lengths}}
+
+
+def _slots(pattern: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The pattern's tensors that the gradient statement reads (TL is its declared lengths)."""
+    return {name: t for name, t in pattern.items() if name != "TL"}
 
 
 #: What changes from one gradient call to the next: the output, the values with their zero
@@ -120,14 +132,14 @@ def scalar_gradient(
     the format object that keeps the call pinned from one backward to the next (`run_repeated`)."""
     WT = with_zero_slot(AV.reshape(-1))
     if "TM" not in pattern:  # one owner per output row: no atomics
-        facts = _column_lengths(pattern["TS"], WT.shape[0] - 1)
+        facts = _column_lengths(pattern, WT.shape[0] - 1)
         DX = DY.new_empty(pattern["TS"].shape[0], DY.shape[1], dtype=torch.promote_types(WT.dtype, DY.dtype))
         statement = SCALAR_ROW
     else:
         facts = {}
         DX = torch.zeros(K, DY.shape[1], dtype=compute_dtype(DY.dtype), device=DY.device)
         statement = SCALAR
-    run_repeated(owner, statement, {"DX": DX, "WT": WT, "DY": DY, **pattern}, facts, _VARYING,
+    run_repeated(owner, statement, {"DX": DX, "WT": WT, "DY": DY, **_slots(pattern)}, facts, _VARYING,
                  backend=backend, precision=precision)
     return DX
 
@@ -141,13 +153,13 @@ def block_gradient(
     bm, bk = AV.shape[-2:]
     WT = with_zero_slot(AV.reshape(-1, bm, bk))
     if "TM" not in pattern:
-        facts = _column_lengths(pattern["TS"], WT.shape[0] - 1)
+        facts = _column_lengths(pattern, WT.shape[0] - 1)
         DX = DY.new_empty(pattern["TS"].shape[0], bk, DY.shape[2], dtype=torch.promote_types(WT.dtype, DY.dtype))
         statement = BLOCK_ROW
     else:
         facts = {}
         DX = torch.zeros(KB, bk, DY.shape[2], dtype=compute_dtype(DY.dtype), device=DY.device)
         statement = BLOCK
-    run_repeated(owner, statement, {"DX": DX, "WT": WT, "DY": DY, **pattern}, facts, _VARYING,
+    run_repeated(owner, statement, {"DX": DX, "WT": WT, "DY": DY, **_slots(pattern)}, facts, _VARYING,
                  backend=backend, precision=precision)
     return DX
