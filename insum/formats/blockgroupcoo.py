@@ -36,6 +36,15 @@ __all__ = ["BlockGroupCOO"]
 #: Block grids up to this many cells find their nonzero blocks with a dense occupancy map
 #: (a fill, a scatter and a cumsum); larger, sparser grids sort the nonzeros' block keys.
 BITMAP_CELLS = 1 << 22
+# coarsen="tune" (the enumerate-and-coarsen paper's row coarsening): the factors tried, and
+# the bounds on a candidate before it is timed. A coarse block is at most COARSEN_ROWS rows
+# (the tallest M tile the tuner's table holds), and a packing may multiply at most
+# COARSEN_WORK times the fine blocks' elements (its explicit zero blocks included): a
+# taller tile reuses each slab of B for more rows, which on Hopper gained at most ~1.5x
+# (32 x 32 against 64 x 64 blocks at equal density), so a union twice as large cannot win.
+COARSEN_FACTORS = (2, 4)
+COARSEN_ROWS = 128
+COARSEN_WORK = 2.0
 
 
 def _block_of(block: int | tuple[int, int]) -> tuple[int, int]:
@@ -85,6 +94,15 @@ class BlockGroupCOO(SparseFormat):
     keeps the fastest.
     pad: allow sizes that are not multiples of the block (zero padding); with pad=False
     such a matrix raises InsumError.
+    coarsen: merge r neighbouring block rows into one block of r * bm rows, with explicit
+    zero blocks where a block row lacks a block of the union (Hsu et al.'s coarsening): the
+    kernel's tile is r times taller, so each slab of B it loads serves r times the rows, at
+    the cost of multiplying the zeros. An integer r >= 1, or "tune": time r = 1 and each of
+    COARSEN_FACTORS whose coarse block stays within COARSEN_ROWS rows and whose union holds
+    at most COARSEN_WORK times the fine blocks' elements (B with `tune_cols` columns), and
+    keep the fastest. Patterns whose neighbouring block rows share block columns gain;
+    uniformly random ones keep r = 1. The stored block is (r * bm, bk): a `SparseLinear`
+    refuses a coarsened weight, whose zero blocks training would fill in.
 
     `fmt.expression` is the statement of this instance: `expression` for groups,
     `row_expression` for group_size="row".
@@ -122,8 +140,12 @@ class BlockGroupCOO(SparseFormat):
         index_dtype: torch.dtype | None = None,
         tune_cols: int = 128,
         backend: str = "auto",
+        coarsen: int | str = 1,
     ) -> BlockGroupCOO:
         bm, bk = _block_of(block)
+        if coarsen != 1 or isinstance(coarsen, bool):
+            return cls._coarsened(coords, (bm, bk), coarsen, group_size=group_size, pad=pad, index_dtype=index_dtype,
+                                  tune_cols=tune_cols, backend=backend)
         M, K = coords.shape
         if not pad and (M % bm or K % bk):
             raise InsumError(
@@ -223,6 +245,42 @@ class BlockGroupCOO(SparseFormat):
         B = tuning_operand(coords, tune_cols)
         best, times = tune(candidates, build, B, backend)
         best.params["tuned_seconds"] = times
+        return best
+
+    @classmethod
+    def _coarsened(cls, coords: Coords, block: tuple[int, int], coarsen: int | str, **params: Any) -> BlockGroupCOO:
+        """The packing with r neighbouring block rows merged (see `coarsen` above)."""
+        bm, bk = block
+        if coarsen == "tune":
+            if params["group_size"] == "tune":
+                raise InsumError('coarsen="tune" takes a fixed group_size (an integer, None or "row"), not "tune"')
+            return cls._tuned_coarsening(coords, block, **params)
+        if isinstance(coarsen, bool) or not isinstance(coarsen, int) or coarsen < 1:
+            raise InsumError(f'coarsen must be an integer >= 1 or "tune", got {coarsen!r}')
+        if not params["pad"] and coords.shape[0] % (coarsen * bm):
+            raise InsumError(
+                f"coarsen={coarsen} merges blocks of {bm} rows into {coarsen * bm}, which does not divide the "
+                f"matrix's {coords.shape[0]} rows; pass pad=True to pad it with zeros"
+            )
+        fmt = cls._pack(coords, block=(coarsen * bm, bk), **params)
+        fmt.params.update(coarsen=coarsen, pattern_block=(bm, bk))
+        return fmt
+
+    @classmethod
+    def _tuned_coarsening(cls, coords: Coords, block: tuple[int, int], **params: Any) -> BlockGroupCOO:
+        coords = coords.checked()
+        bm, tune_cols = block[0], params.pop("tune_cols")
+        fine = cls._pack(coords, block=block, **params)
+        packed: dict[int, BlockGroupCOO] = {1: fine}
+        for r in COARSEN_FACTORS:
+            if r * bm > min(COARSEN_ROWS, max(coords.shape[0], 1)):
+                break
+            coarse = cls._coarsened(coords, block, r, **params)
+            if coarse.params["blocks"] * r <= COARSEN_WORK * fine.params["blocks"]:
+                packed[r] = coarse
+        B = tuning_operand(coords, tune_cols)
+        best, times = tune(list(packed), packed.__getitem__, B, params["backend"])
+        best.params["coarsen_seconds"] = times
         return best
 
     @property
@@ -419,4 +477,8 @@ class BlockGroupCOO(SparseFormat):
             shown["tuned"] = {
                 g: f"{t * 1e6:.0f}us" for g, t in self.params["tuned_seconds"].items()
             }
+        if self.params.get("coarsen", 1) != 1:
+            shown["coarsen"] = self.params["coarsen"]
+        if "coarsen_seconds" in self.params:
+            shown["coarsen_tuned"] = {r: f"{t * 1e6:.0f}us" for r, t in self.params["coarsen_seconds"].items()}
         return shown

@@ -256,6 +256,11 @@ class SparseLinear(nn.Module):
             raise InsumShapeError(
                 f"the weight has shape {fmt.shape}; this layer is ({self.out_features}, {self.in_features})"
             )
+        if fmt.params.get("coarsen", 1) != 1:
+            raise InsumError(
+                f"the weight is coarsened (coarsen={fmt.params['coarsen']}): its explicit zero blocks would "
+                "be trained like stored ones; pack a layer's weight with coarsen=1"
+            )
         for name in getattr(self, "_tensor_names", ()):
             delattr(self, name)
         self._format_cls = type(fmt)
