@@ -35,6 +35,7 @@ from .coords import check_positive_int, check_values, coords_of
 from .ell import ELL
 from .grouping import HALF_FAN_IN
 from .registry import format_class
+from .tuning import time_spmm
 
 __all__ = ["auto", "packer", "pruning_block", "Candidate", "RowStats", "rank", "row_stats"]
 
@@ -50,7 +51,6 @@ ELL_MAX_SLOTS = 1 << 26  # ELL pads every row to the longest: beyond this it is 
 GROUP_SIZES = tuple(1 << e for e in range(7))  # 1 .. 64
 MEASURED = 4  # candidates timed on CUDA
 CELL_MEASURED_NNZ = 1 << 18  # from here CELL is timed too
-HOST_COVER_CYCLES = 4_000_000  # ~2 ms of device sleep: covers the host queueing ten calls
 
 _CACHE: dict[tuple, tuple[str, dict[str, Any], str]] = {}
 
@@ -200,24 +200,9 @@ def pruning_block(format: str, params: Mapping[str, Any]) -> tuple[int, int] | N
     return None if format.lower() == "auto" else format_class(format).pruning_block(params)
 
 
-def _time_spmm(fmt: SparseFormat, B: torch.Tensor, reps: int = 10) -> float:
-    """Device microseconds per `fmt @ B` on CUDA, after a warm-up.
-
-    The calls are queued behind a device-side sleep, so that the events around them time
-    the GPU's work and not the host's (small SpMMs are host-bound: timing them by the wall
-    clock would rank the candidates by their Python overhead).
-    """
-    fmt.spmm(B)  # compiles and tunes tile sizes on first use
-    fmt.spmm(B)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(B.device)
-    torch.cuda._sleep(HOST_COVER_CYCLES)
-    start.record()
-    for _ in range(reps):
-        fmt.spmm(B)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+def _time_spmm(fmt: SparseFormat, B: torch.Tensor) -> float:
+    """Device microseconds per `fmt @ B` on CUDA (`tuning.device_seconds`)."""
+    return time_spmm(fmt, B) * 1e6
 
 
 def auto(
