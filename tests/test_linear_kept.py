@@ -344,31 +344,3 @@ def test_forward_without_gradients_runs_the_product_directly(monkeypatch):
     y = layer(x)
     assert applied == [1] and y.requires_grad
     torch.testing.assert_close(y.double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("skewed", [False, True], ids=["gathered", "one_long_column"])
-def test_block_ell_input_gradient_gathers_its_blocks_unless_one_column_dominates(monkeypatch, skewed):
-    """Block-ELL's x gradient gathers the blocks in the transposed pattern's order
-    (BLOCK_GATHERED) unless its padded columns would hold over GATHERED_SLOTS times the
-    stored blocks (one column with every block row): then BLOCK_ROW. The gradient equals the
-    float64 one either way, with empty columns and a width that is not a multiple of the block."""
-    from insum.formats import BlockGroupCOO, transposed
-
-    ran = []
-    real = transposed.run_repeated
-    monkeypatch.setattr(transposed, "run_repeated", lambda owner, stmt, *a, **k: ran.append(stmt) or real(owner, stmt, *a, **k))
-    g = torch.Generator().manual_seed(5)
-    rows, cols, b = 12, 12, 4
-    keep = torch.eye(rows, cols, dtype=torch.bool) if skewed else torch.rand(rows, cols, generator=g) < 0.3
-    keep[:, 0] = keep[:, 0] | skewed
-    keep[:, 5] = False
-    W = torch.randn(rows * b, cols * b, generator=g) * keep.repeat_interleave(b, 0).repeat_interleave(b, 1)
-    W = W[:, :-2]  # 46 input features
-    layer = SparseLinear.from_format(BlockGroupCOO.from_dense(W, block=b, group_size="row"), None,
-                                     backend="triton", precision="ieee")
-    x = torch.randn(6, W.shape[1], generator=g, requires_grad=True)
-    dy = torch.randn(6, W.shape[0], generator=g)
-    layer(x).backward(dy)
-    torch.testing.assert_close(x.grad.double(), dy.double() @ W.double(), rtol=1e-5, atol=1e-5)
-    expected = transposed.BLOCK_ROW if skewed else transposed.BLOCK_GATHERED
-    assert expected in ran

@@ -21,7 +21,6 @@ from .repeat import run_repeated
 
 __all__ = [
     "BLOCK",
-    "BLOCK_GATHERED",
     "BLOCK_ROW",
     "SCALAR",
     "SCALAR_ROW",
@@ -39,17 +38,6 @@ SCALAR = "DX[TM[p], n] += WT[TS[p, q]] * DY[TR[p, q], n]"
 SCALAR_ROW = "DX[c, n] = WT[TS[c, q]] * DY[TR[c, q], n]"
 BLOCK = "DX[TM[p], k, n] += WT[TS[p, q], m, k] * DY[TR[p, q], m, n]"
 BLOCK_ROW = "DX[c, k, n] = WT[TS[c, q], m, k] * DY[TR[c, q], m, n]"
-#: BLOCK_ROW on the blocks gathered in the pattern's order and transposed first (WG[c, q] =
-#: WT's block TS[c, q], transposed; padding gathers the zero slot): the forward's form, whose kernel loads each block as one
-#: contiguous box, where BLOCK_ROW reads it through an index and across its slow dimension.
-#: On the H200 (fp16, 4096 x 4096 at 90% 32 x 32 blocks, batch 4096; `python -m
-#: benchmarks.explore.dx_gather`, session 12): 148-155 us for BLOCK_ROW, 83 us for the gather
-#: (14 us) and this statement.
-BLOCK_GATHERED = "DX[c, k, n] = WG[c, q, k, m] * DY[TR[c, q], m, n]"
-#: The gathered blocks (the pattern's slots, padding included) are at most this many times
-#: the stored ones (a column much longer than the others pads every column to its length):
-#: beyond it, BLOCK_ROW.
-GATHERED_SLOTS = 4
 
 
 def transpose_slots(
@@ -134,7 +122,6 @@ def _slots(pattern: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 #: What changes from one gradient call to the next: the output, the values with their zero
 #: slot (copied anew: the values change in place between steps) and dC.
 _VARYING = frozenset({"DX", "WT", "DY"})
-_GATHERED_VARYING = frozenset({"DX", "WG", "DY"})
 
 
 def scalar_gradient(
@@ -165,15 +152,6 @@ def block_gradient(
     as for `scalar_gradient`."""
     bm, bk = AV.shape[-2:]
     WT = with_zero_slot(AV.reshape(-1, bm, bk))
-    if "TL" in pattern and pattern["TS"].numel() <= GATHERED_SLOTS * WT.shape[0]:
-        # One group per column with its counts: the blocks gathered in its order (padding:
-        # the zero slot), transposed, for the forward's form.
-        C, g = pattern["TS"].shape
-        WG = WT.transpose(1, 2).index_select(0, pattern["TS"].reshape(-1)).view(C, g, bk, bm)
-        DX = DY.new_empty(C, bk, DY.shape[2], dtype=torch.promote_types(WG.dtype, DY.dtype))
-        run_repeated(owner, BLOCK_GATHERED, {"DX": DX, "WG": WG, "DY": DY, "TR": pattern["TR"]},
-                     {"lengths": {"q[c]": pattern["TL"]}}, _GATHERED_VARYING, backend=backend, precision=precision)
-        return DX
     if "TM" not in pattern:
         facts = _column_lengths(pattern, WT.shape[0] - 1)
         DX = DY.new_empty(pattern["TS"].shape[0], bk, DY.shape[2], dtype=torch.promote_types(WT.dtype, DY.dtype))
