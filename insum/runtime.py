@@ -145,16 +145,7 @@ def spec_for(
         unique_indices=frozenset(unique_indices),
         sizes=tuple((v, min(next_power_of_2(int(e)), SIZE_CAP)) for v, e in bound.extents.items()),
         lengths=tuple(lengths),
-        unit_dims=frozenset((name, dim) for name, t in bound.tensors.items() if (dim := _unit_dim(t)) is not None),
     )
-
-
-def _unit_dim(t: torch.Tensor) -> int | None:
-    """The dimension of stride 1 of a tensor whose last dimension is not contiguous (x^T),
-    None for the usual layout (`KernelSpec.unit_dims`)."""
-    if t.dim() < 2 or t.shape[-1] <= 1 or t.stride()[-1] == 1:
-        return None
-    return next((d for d in range(t.dim() - 1) if t.stride(d) == 1 and t.shape[d] > 1), None)
 
 
 def _plan_here(spec: KernelSpec) -> Plan:

@@ -151,11 +151,10 @@ class _Emitter:
         level = max((a.level for a in atoms), default=0)
         return Value(" ".join(parts), axes, level)
 
-    def address(self, access: Access, axes: tuple[str, ...] | None = None) -> tuple[str, tuple[str, ...], int]:
-        """Pointer expression, block axes and level of an access (axes: the block's axes in
-        this order, each index over one axis at most; default the canonical order)."""
+    def address(self, access: Access) -> tuple[str, tuple[str, ...], int]:
+        """Pointer expression, block axes and level of an access."""
         indices = [self.index(i) for i in access.indices]
-        axes = axes or union(*(i.axes for i in indices))
+        axes = union(*(i.axes for i in indices))
         wide = access.name in self.plan.spec.wide
         terms = []
         for dim, (index, idx) in enumerate(zip(access.indices, indices)):
@@ -207,36 +206,12 @@ class _Emitter:
             return self.cache[key]
         pointer, axes, level = self.address(access)
         name = self.fresh(f"{access.name}_val")
-        swapped = self._gathered_unit_axes(access, axes)
-        if swapped:  # the tile's contiguous dimension fastest, then transposed to `axes`
-            pointer, _, _ = self.address(access, swapped)
-            mask = self.mask_for(swapped)
-            load = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
-            self.put(level, f"{name} = tl.trans({load})" + self.shape_comment(axes))
-        else:
-            mask = self.mask_for(axes)
-            load = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
-            self.put(level, f"{name} = {load}" + self.shape_comment(axes))
+        mask = self.mask_for(axes)
+        load = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
+        self.put(level, f"{name} = {load}" + self.shape_comment(axes))
         value = Value(name, axes, level)
         self.cache[key] = value
         return value
-
-    def _gathered_unit_axes(self, access: Access, axes: tuple[str, ...]) -> tuple[str, ...] | None:
-        """The two tile axes of a load swapped, where the tensor's contiguous dimension
-        (`KernelSpec.unit_dims`) is indexed through an index tensor on the first axis: the
-        compiler sees no contiguity through a gathered index and would make the last axis
-        fastest, whose lanes are a stride apart. Only for loads whose every index and mask
-        lies along one axis at most."""
-        unit = next((d for name, d in self.plan.spec.unit_dims if name == access.name), None)
-        if unit is None or len(axes) != 2 or not access.indices[unit].indirect_accesses():
-            return None
-        if self.index(access.indices[unit]).axes != axes[:1]:
-            return None
-        if any(len(self.index(i).axes) > 1 for i in access.indices):
-            return None
-        if any(len(m.axes) > 1 for m in self.length_masks if set(m.axes) <= set(axes)):
-            return None
-        return axes[::-1]
 
     def box_load(self, access: Access) -> Value:
         """Load a dot operand's tile through a tensor descriptor made once per program.

@@ -95,11 +95,6 @@ class KernelSpec:
     # variable, a tensor of that variable's values from the longest length to the shortest
     # (`Plan.ordered`), "" or absent where there is none.
     lengths: tuple[tuple, ...] = ()
-    # (tensor, dimension) of input tensors whose contiguous dimension (stride 1) is not the
-    # last, e.g. B = x^T (a layer's input seen transposed): a tile loaded through a gathered
-    # index on that dimension is laid out with it fastest (`emit`), so that neighbouring
-    # lanes read neighbouring addresses, where the compiler cannot see contiguity.
-    unit_dims: frozenset[tuple[str, int]] = frozenset()
 
     def role(self, var: str) -> Role:
         return dict(self.roles)[var]
