@@ -662,10 +662,13 @@ def test_half_output_with_many_contributions_is_accumulated_in_float32():
 
 def test_nm_operand_gives_the_gathered_rows_contiguous():
     """N:M gathers rows of B: a transposed operand (a layer's x^T) is copied to contiguous
-    rows once, a contiguous one passes as it is, and the product is the same."""
+    rows once (insum's transposing statement), a contiguous one passes as it is, and the
+    product is the same."""
     fmt = NM.from_dense(torch.randn(32, 24), n=2, m=4, vector_len=8)
-    x = torch.randn(5, 24)
-    assert fmt.operand(x.t()).is_contiguous() and fmt.operand(x.t()).data_ptr() != x.data_ptr()
+    x = torch.randn(5, 24, dtype=torch.float64)
+    copied = fmt.operand(x.t())
+    assert copied.is_contiguous() and copied.data_ptr() != x.data_ptr() and torch.equal(copied, x.t())
+    x = x.float()
     B = x.t().contiguous()
     assert fmt.operand(B) is B
     torch.testing.assert_close(fmt.spmm(x.t(), backend="torch"), fmt.to_dense() @ x.t())

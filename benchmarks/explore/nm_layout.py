@@ -6,7 +6,7 @@
 x^T, whose rows are x's columns (stride = the width): each gathered row's elements then lie
 a width apart, and the MLP table's N:M forward measured ~3x its kernel on a contiguous B.
 This times `fmt.spmm` on x^T as the layer passes it, on x^T copied contiguous (the copy
-included and alone), and Block-ELL beside it, with the device clock of
+included and alone; and the transposing copy as insum's generated kernel), and Block-ELL beside it, with the device clock of
 `insum.formats.tuning.device_seconds` (events behind a device-side sleep: no host time).
 """
 
@@ -16,10 +16,13 @@ import argparse
 
 import torch
 
+from insum import insum
 from insum.formats import NM, BlockGroupCOO
 from insum.formats.tuning import device_seconds
 
 from ..common import relative_error
+
+TRANSPOSE = "T[k, n] = X[n, k]"
 
 
 def main() -> None:
@@ -40,9 +43,12 @@ def main() -> None:
             "x^T as the layer passes it": lambda fmt=fmt: fmt.spmm(x.t()),
             "x^T made contiguous, then": lambda fmt=fmt: fmt.spmm(x.t().contiguous()),
             "  the copy alone": lambda: x.t().contiguous(),
+            "  insum's transpose copy": lambda: insum(TRANSPOSE, X=x),
         }
         for label, fn in rows.items():
-            if not label.startswith("  "):
+            if label.startswith("  insum"):
+                assert torch.equal(fn(), x.t())
+            elif not label.startswith("  "):
                 print(f"{name:20s} {label:28s} err {relative_error(fn(), expected):.1e}", flush=True)
         for label, fn in rows.items():
             print(f"{name:20s} {label:28s} {device_seconds(fn, device) * 1e6:8.1f} us", flush=True)
