@@ -1,28 +1,34 @@
-"""N:M's product on a column-major B (a layer's x^T) against the same B made contiguous first.
+"""Formats that gather rows of B, on a column-major B (a layer's x^T): as given, and through
+`SparseFormat.operand`'s transposing copy.
 
     python -m benchmarks.explore.nm_layout [--width 4096] [--batch 4096]
 
-`C[rb, l, n] += AV[rb, l, u] * B[AK[rb, u], n]` gathers rows of B. A SparseLinear multiplies
-x^T, whose rows are x's columns (stride = the width): each gathered row's elements then lie
-a width apart, and the MLP table's N:M forward measured ~3x its kernel on a contiguous B.
-This times `fmt.spmm` on x^T as the layer passes it, on x^T copied contiguous (the copy
-included and alone; and the transposing copy as insum's generated kernel), and Block-ELL beside it, with the device clock of
-`insum.formats.tuning.device_seconds` (events behind a device-side sleep: no host time).
+`C[rb, l, n] += AV[rb, l, u] * B[AK[rb, u], n]` (N:M; GroupCOO and ELL alike) gathers rows
+of B. A SparseLinear multiplies x^T, whose rows are x's columns (a width apart): the MLP
+table's N:M forward measured ~3x its kernel on a contiguous B. Per format (N:M 2:4, GroupCOO
+and ELL at 90% unstructured, Block-ELL 90% 32 x 32 beside them, whose own view gathers
+whole blocks): `fmt.spmm` on x^T without the copy (the base operand patched to return B as
+given, as before session 12), with it, and on a contiguous x^T; the copy alone, as torch's
+`.contiguous()` and as insum's generated kernel (`insum.formats.base.TRANSPOSE`). Times are
+the device clock of `insum.formats.tuning.device_seconds` (events behind a device-side
+sleep: no host time).
 """
 
 from __future__ import annotations
 
 import argparse
+from unittest import mock
 
 import torch
 
 from insum import insum
-from insum.formats import NM, BlockGroupCOO
+from insum.formats import ELL, NM, BlockGroupCOO, GroupCOO
+from insum.formats.base import SparseFormat
 from insum.formats.tuning import device_seconds
 
 from ..common import relative_error
 
-TRANSPOSE = "T[k, n] = X[n, k]"
+TRANSPOSE = "T[k, n] = X[n, k]"  # as insum.formats.base.TRANSPOSE
 
 
 def main() -> None:
@@ -34,24 +40,38 @@ def main() -> None:
     W = torch.randn(args.width, args.width, device="cuda", dtype=torch.float16)
     x = torch.randn(args.batch, args.width, device="cuda", dtype=torch.float16)
     device = x.device
-    for name, fmt in (("NM 2:4 L=128", NM.from_dense(W, n=2, m=4, vector_len=128)),
-                      ("Block-ELL 90% 32x32", BlockGroupCOO.from_dense(
-                          W * (torch.rand(args.width // 32, args.width // 32, device="cuda") < 0.1)
-                          .repeat_interleave(32, 0).repeat_interleave(32, 1), block=32, group_size="row"))):
+    unstructured = W * (torch.rand(args.width, args.width, device="cuda") < 0.1)
+    blocks = (torch.rand(args.width // 32, args.width // 32, device="cuda") < 0.1)
+    formats = {
+        "NM 2:4 L=128": NM.from_dense(W, n=2, m=4, vector_len=128),
+        "GroupCOO 90%": GroupCOO.from_dense(unstructured),
+        "ELL 90%": ELL.from_dense(unstructured),
+        "Block-ELL 90% 32x32": BlockGroupCOO.from_dense(
+            W * blocks.repeat_interleave(32, 0).repeat_interleave(32, 1), block=32, group_size="row"),
+    }
+    for name, fmt in formats.items():
         expected = fmt.to_dense().double() @ x.t().double()
         rows = {
-            "x^T as the layer passes it": lambda fmt=fmt: fmt.spmm(x.t()),
-            "x^T made contiguous, then": lambda fmt=fmt: fmt.spmm(x.t().contiguous()),
-            "  the copy alone": lambda: x.t().contiguous(),
+            "fmt.spmm(x^T), no copy": lambda fmt=fmt: _statement(fmt, x.t()),
+            "fmt.spmm(x^T), operand's copy": lambda fmt=fmt: fmt.spmm(x.t()),
+            "fmt.spmm(contiguous x^T)": lambda fmt=fmt: fmt.spmm(x.t().contiguous()),
+            "  torch's .contiguous()": lambda: x.t().contiguous(),
             "  insum's transpose copy": lambda: insum(TRANSPOSE, X=x),
         }
         for label, fn in rows.items():
             if label.startswith("  insum"):
                 assert torch.equal(fn(), x.t())
             elif not label.startswith("  "):
-                print(f"{name:20s} {label:28s} err {relative_error(fn(), expected):.1e}", flush=True)
+                print(f"{name:20s} {label:32s} err {relative_error(fn(), expected):.1e}", flush=True)
         for label, fn in rows.items():
-            print(f"{name:20s} {label:28s} {device_seconds(fn, device) * 1e6:8.1f} us", flush=True)
+            print(f"{name:20s} {label:32s} {device_seconds(fn, device) * 1e6:8.1f} us", flush=True)
+
+
+def _statement(fmt, B: torch.Tensor) -> torch.Tensor:
+    """`fmt.spmm(B)` with the base `SparseFormat.operand` taking B as given (no copy), as
+    before session 12; Block-ELL keeps its own operand view."""
+    with mock.patch.object(SparseFormat, "operand", lambda self, B: B):
+        return fmt.spmm(B)
 
 
 if __name__ == "__main__":

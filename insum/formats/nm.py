@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..api import insum
 from ..arith import cdiv
 from ..errors import InsumError, InsumShapeError
 from .base import SparseFormat, pad_rows
@@ -30,8 +29,6 @@ from .transposed import with_zero_slot
 __all__ = ["NM"]
 
 _GRADIENT_VARYING = frozenset({"DX", "WT", "DY"})  # what changes between x's gradient calls
-#: A transposing copy: X (N, K) into T (K, N) with contiguous rows (`NM.operand`).
-TRANSPOSE = "T[k, n] = X[n, k]"
 
 
 def _check_nm(n: int, m: int, vector_len: int) -> None:
@@ -212,17 +209,6 @@ class NM(SparseFormat):
     def fan_in(self) -> int:
         """Every output row has one owner."""
         return 1
-
-    def operand(self, B: torch.Tensor) -> torch.Tensor:
-        """B with contiguous rows, as the statement gathers them (`B[AK[rb, u], n]`). A
-        layer passes x^T, whose rows lie a width apart, so it is copied once, by insum's own
-        transposing kernel (TRANSPOSE: tiles loaded along x's rows, stored along x^T's).
-        H200, fp16 2:4 L=128, 4096 x 4096 by batch 4096 (`python -m
-        benchmarks.explore.nm_layout`, session 12): the product on x^T 435 us, on
-        contiguous rows 118 us; the copy 20 us, against 125 us for torch's `.contiguous()`."""
-        if B.dim() < 2 or B.stride(-1) == 1:
-            return B
-        return insum(TRANSPOSE, X=B.t())
 
     def output_shape(self, N: int) -> tuple[int, ...]:
         RB, L, _ = self.AV.shape
