@@ -29,13 +29,11 @@ import time
 
 import torch
 
-from insum.bind import bind
-from insum.execute import length_facts
 from insum.formats import BlockGroupCOO
-from insum.parser import parse
 from insum.runtime import BareLaunch, kernel_for
 
 from ..common import median_ms, relative_error, rotating
+from .grid_order import product_binding
 from .tensorcore import write_rows
 
 PATTERNS = ("random", "pairs", "fours")
@@ -58,13 +56,7 @@ def block_mask(pattern: str, rows: int, cols: int, density: float, gen: torch.Ge
 
 def bare_time(fmt: BlockGroupCOO, Bs: list, expected: torch.Tensor) -> tuple[float, float, dict]:
     """(ms, relative error, the tuner's config) of the format's product, one bare launch."""
-    (expr, tensors), = fmt.statements()
-    C = torch.empty(fmt.output_shape(Bs[0].shape[1]), device="cuda", dtype=Bs[0].dtype)
-    operands = [fmt.operand(B) for B in Bs]
-    bound = bind(parse(expr.replace("+=", "=")), {**tensors, "B": operands[0], "C": C})
-    declared = ()
-    if fmt.declared_lengths():
-        bound, declared = length_facts(bound, fmt.declared_lengths())
+    C, operands, bound, declared = product_binding(fmt, Bs)
     kernel = kernel_for(bound, lengths=declared)
     kernel.launch(bound, C)  # compiles and tunes
     prepared = kernel.prepared(bound)

@@ -61,18 +61,24 @@ def run_nm(size: int, n: int, m: int, vector_len: int, rows: list) -> None:
     compare(f"{size}^3 N:M {n}:{m} L={vector_len}", fmt, Bs, expected, t_cublas, {}, rows, m / n)
 
 
-def compare(point: str, fmt, Bs, expected, t_cublas: float, anchors: dict, rows: list, ideal: float) -> None:
-    """The product's kernel with the grid outside and inside the grouped order, one bare
-    launch each under the tuner's tiles, beside cuBLAS and the anchors (ms)."""
-    say(f"{point}: cuBLAS {t_cublas * 1e3:.1f} us" + "".join(f", {k} {v * 1e3:.1f} us" for k, v in anchors.items()))
-    size = Bs[0].shape[1]
+def product_binding(fmt, Bs: list) -> tuple:
+    """(C, B's operand views, the bound `=` statement, its declared lengths) of a
+    single-statement format's product with each B of `Bs`."""
     (expr, tensors), = fmt.statements()
-    C = torch.empty(fmt.output_shape(size), device="cuda", dtype=torch.float16)
+    C = torch.empty(fmt.output_shape(Bs[0].shape[1]), device="cuda", dtype=Bs[0].dtype)
     operands = [fmt.operand(B) for B in Bs]
     bound = bind(parse(expr.replace("+=", "=")), {**tensors, "B": operands[0], "C": C})
     declared = ()
     if fmt.declared_lengths():
         bound, declared = length_facts(bound, fmt.declared_lengths())
+    return C, operands, bound, declared
+
+
+def compare(point: str, fmt, Bs, expected, t_cublas: float, anchors: dict, rows: list, ideal: float) -> None:
+    """The product's kernel with the grid outside and inside the grouped order, one bare
+    launch each under the tuner's tiles, beside cuBLAS and the anchors (ms)."""
+    say(f"{point}: cuBLAS {t_cublas * 1e3:.1f} us" + "".join(f", {k} {v * 1e3:.1f} us" for k, v in anchors.items()))
+    C, operands, bound, declared = product_binding(fmt, Bs)
     tuned = kernel_for(bound, lengths=declared)
     tuned.launch(bound, C)
     config = dict(tuned.prepared(bound).config)
