@@ -10,7 +10,7 @@ its statements read B and write C through (`operand`, `output_shape`, `result`,
 a repeated product through the same prepared launches pinned to the format's tensors.
 
 The packers' helpers live beside it: `coords` (coordinates and checks), `grouping` (group
-sizes, the accumulation rule, slot grouping), `tuning` (group_size="tune"), `registry`.
+sizes, the accumulation rule, slot grouping), `tuning` (group_size and coarsen="tune"), `registry`.
 Formats never import the code generator or the runtime, so packing, inspecting and
 converting need neither Triton nor a GPU.
 
