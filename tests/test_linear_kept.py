@@ -344,3 +344,28 @@ def test_forward_without_gradients_runs_the_product_directly(monkeypatch):
     y = layer(x)
     assert applied == [1] and y.requires_grad
     torch.testing.assert_close(y.double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt_name, params", [
+    ("NM", {"n": 2, "m": 4, "vector_len": 4}),
+    ("BlockGroupCOO", {"block": (4, 4), "group_size": "row", "sparsity": 0.5}),
+    ("GroupCOO", {"sparsity": 0.5}),
+], ids=["NM", "BlockELL", "GroupCOO"])
+def test_frozen_weights_give_x_its_gradient_without_the_operand(monkeypatch, fmt_name, params):
+    """With the values frozen, the backward runs x's gradient on the transposed pattern only:
+    it never builds x's operand view (a transposing copy for formats that gather its rows)."""
+    torch.manual_seed(2)
+    layer = SparseLinear(12, 8, format=fmt_name, backend="triton", precision="ieee", **params)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(5, 12, requires_grad=True)
+    y = layer(x)
+    fmt_cls = type(layer.weight)
+    made = []
+    real = fmt_cls.operand
+    monkeypatch.setattr(fmt_cls, "operand", lambda self, B: made.append(B.shape) or real(self, B))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert made == []
+    torch.testing.assert_close(x.grad.double(), dy.double() @ layer.to_dense().double(), rtol=1e-5, atol=1e-5)
+    assert all(p.grad is None for p in layer.parameters())

@@ -94,7 +94,11 @@ class _SparseLinearFunction(torch.autograd.Function):
         tables = dict(zip(table_names, tensors[len(names) + len(pattern_names) :]))
         needs = ctx.needs_input_grad
         dtype = torch.promote_types(fmt.dtype, dy.dtype)
-        B, dC = fmt.operand(x2.t().to(dtype)), fmt.output_view(dy.t().to(dtype))
+        dC = fmt.output_view(dy.t().to(dtype))
+        wanted = {name for i, name in enumerate(names) if needs[3 + i]}
+        # x's operand view (a copy for formats that gather its rows): for the values' and the
+        # derived input gradients only
+        B = fmt.operand(x2.t().to(dtype)) if wanted or (needs[1] and not pattern) else None
         dx = None
         if needs[1]:
             if pattern:
@@ -102,8 +106,7 @@ class _SparseLinearFunction(torch.autograd.Function):
             else:
                 dB = _derived_input_gradient(fmt, gradients, B, dC, backend, precision)
             dx = fmt.from_operand(dB).t().to(x2.dtype)
-        wanted = {name for i, name in enumerate(names) if needs[3 + i]}
-        grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision, tables)
+        grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision, tables) if wanted else {}
         dbias = dy.sum(0) if ctx.biased and needs[2] else None
         return (None, dx, dbias, *(grads.get(name) for name in names), *([None] * (len(pattern_names) + len(tables))))
 
