@@ -71,7 +71,7 @@ def _check_product(fmt, A, B):
     assert plan.pinned.covers == (fmt.covering_block is not None)
     if plan.pinned.covers:
         C = torch.full(plan.shape, float("nan"), dtype=plan.acc, device=DEVICE)
-        assert plan.pinned.run({"C": C, "B": B})
+        assert plan.pinned.run({"C": C, "B": fmt.operand(B)})  # B as `spmm` gives it (its operand view)
         torch.testing.assert_close(C.double(), expected, rtol=1e-4, atol=1e-4)
 
 
