@@ -382,7 +382,10 @@ class _Launcher:
         self.zero_fill = not plan.stmt.accumulate and ((scatters and not self.half_scratch) or (not scatters and not covered))
         self.accumulate = plan.stmt.accumulate
         self.descriptors = bool(plan.boxes)
-        self.operand_bytes = operand_bytes(plan, {name: t.numel() * t.element_size() for name, t in bound.tensors.items()})
+        # (read by `fitted` only: plans whose grid joins the grouped order)
+        self.operand_bytes = operand_bytes(
+            plan, {name: t.numel() * t.element_size() for name, t in bound.tensors.items()}
+        ) if plan.grid_joins else (0, 0)
 
     def fitted(self, config: dict) -> dict:
         """The configuration with GROUP_M sized for this launch's operands, where the plan's

@@ -103,9 +103,8 @@ def group_rows(
     sweep, and each column's tiles of the right operand once per group. The group is the
     most rows (a power of two) whose share of the left operand's read bytes
     (`operand_bytes`: padding past a declared length counts LENGTH_FILL) fits in half the
-    L2; one row
-    (p outside, in effect) when the right operand fits in the L2 by itself, which then needs
-    no sharing between groups.
+    L2; one row (p outside, in effect) when the right operand fits in the L2 by itself,
+    which then needs no sharing between groups.
 
     Grid values in the columns (N): one M tile per group, so that every grid value's
     programs read that tile's rows of the shared left operand together.
