@@ -9,6 +9,8 @@ JSON file beside the source, so another process does not tune again.
 Tensor descriptors (TMA) are offered to the schedule for input tensors whose layout fits
 one (`box_layout`) on a GPU that has them (compute capability 9.0 and up, compiled code,
 INSUM_TMA not "0"); the start address's alignment is then part of the kernel's cache key.
+The launch makes them on the host (`_Descriptor`) and passes them as arguments, which the
+kernel loads through without making its own.
 
 Over 400 lines, as one module: a `Kernel` owns its loaded source, its prepared launches and
 its tuning (in memory and on disk), and each reads the others' state.
@@ -16,9 +18,11 @@ its tuning (in memory and on disk), and each reads the others' state.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -178,6 +182,7 @@ class Kernel:
         self.digest = generated.digest
         self.path = cache_dir() / "kernels" / f"insum_{self.digest}.py"
         self.fn = _load(self.path, self.source, self.digest)
+        self.param_names = tuple(inspect.signature(_python_fn(self.fn)).parameters)
         self.out_arg = f"{spec.stmt.output.name}_ptr"
         self.tuned: BoundedCache[tuple, dict] = BoundedCache()  # extents bucket -> configuration
         self._launchers: BoundedCache[tuple, _Launcher] = BoundedCache()  # tensor signature -> prepared launch
@@ -245,7 +250,7 @@ class Kernel:
             config = self._first_config(bucket, args, launcher, device, autotune)
         launcher.set_config(config if config is not None else self.tuned[bucket])
         if config is not None:  # else the autotuner's final run already produced the result
-            launcher.direct(self.fn, args)
+            launcher.direct(self.fn, launcher.with_blocks(args))
 
     def _first_config(self, bucket, args, launcher: _Launcher, device, autotune) -> dict | None:
         """Configuration for a new bucket: interpreter, untuned, disk cache, or autotune."""
@@ -259,13 +264,15 @@ class Kernel:
         else:
             config = self._disk_config(bucket, device)
         if config is None:
-            self.tuned[bucket] = self._autotune(args, grid, candidates)
+            self.tuned[bucket] = self._autotune(args, grid, candidates, launcher.blocks_hook(self.param_names))
             self._save_disk_config(bucket, device, self.tuned[bucket])
             return None
         self.tuned[bucket] = config
         return config
 
-    def _autotune(self, args, grid, candidates) -> dict:
+    def _autotune(self, args, grid, candidates, pre_hook=None) -> dict:
+        """The fastest of `candidates` (triton.autotune); pre_hook sizes each candidate's
+        descriptor arguments (`_Launcher.blocks_hook`)."""
         import triton
 
         configs = [
@@ -273,6 +280,7 @@ class Kernel:
                 {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                 num_warps=c["num_warps"],
                 num_stages=c["num_stages"],
+                pre_hook=pre_hook,
             )
             for c in candidates
         ]
@@ -323,6 +331,42 @@ class BareLaunch:
         self.fn[self.grid](*self.args, **self.config)
 
 
+class _Descriptor:
+    """How a launch makes one of its kernel's tensor-descriptor arguments (`emit.Source.args`):
+    the tensor's box layout, fixed by the launch's signature, and the tile sizes its box takes.
+
+    A tiled dimension is bounded by its variable's extent (what the box zero-fills past is the
+    tile's mask); a scalar-indexed one by the tensor's own size, one element wide. A call
+    copies the descriptor made for the same boxes and puts its tensor in (Triton's
+    constructor checks the layout, which the signature and the kernel's alignment key fix).
+    """
+
+    __slots__ = ("name", "shape", "strides", "blocks", "made")
+
+    def __init__(self, name: str, dims: tuple, tensor: torch.Tensor, extents: Mapping[str, int]):
+        self.name = name
+        # (An extent of 0, a loop that never runs, still needs a positive dimension.)
+        self.shape = [max(int(extents[var]) if var else tensor.shape[d], 1) for d, (var, _) in enumerate(dims)]
+        self.strides = [*tensor.stride()[:-1], 1]
+        self.blocks = [f"BLOCK_{axis}" if axis else None for _, axis in dims]
+        self.made: tuple | None = None  # (block shape, a descriptor made for it)
+
+    def block_shape(self, config: Mapping[str, Any] | None) -> list[int]:
+        """The box for `config`'s tiles (ones before a configuration is chosen)."""
+        return [config[b] if b and config is not None else 1 for b in self.blocks]
+
+    def __call__(self, tensor: torch.Tensor, config: Mapping[str, Any] | None):
+        block = self.block_shape(config)
+        made = self.made
+        if made is None or made[0] != block:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            made = self.made = (block, TensorDescriptor(tensor, list(self.shape), list(self.strides), block))
+        desc = copy.copy(made[1])
+        desc.base = tensor
+        return desc
+
+
 class _Launcher:
     """A launch prepared for one tensor signature: constant arguments, grid and config.
 
@@ -337,14 +381,16 @@ class _Launcher:
         self.pointers: list[tuple[int, str]] = []  # (position, tensor name)
         self.out_strides: list[tuple[int, int]] = []  # (position, output dimension)
         out_name = bound.output_name
+        self.descriptors: list[tuple[int, _Descriptor]] = []  # (position, how to make it)
         for position, arg in enumerate(kernel.args):
             if arg[0] == "ptr":
                 self.template.append(None)
                 self.pointers.append((position, arg[1]))
+            elif arg[0] == "desc":
+                self.template.append(None)
+                self.descriptors.append((position, _Descriptor(arg[1], arg[2], bound.tensors[arg[1]], self.extents)))
             elif arg[0] == "size":
                 self.template.append(self.extents[arg[1]])
-            elif arg[0] == "shape":
-                self.template.append(bound.tensors[arg[1]].shape[arg[2]])
             elif arg[1] == out_name:  # the output may be a float32 scratch buffer: per call
                 self.template.append(None)
                 self.out_strides.append((position, arg[2]))
@@ -381,7 +427,6 @@ class _Launcher:
         )
         self.zero_fill = not plan.stmt.accumulate and ((scatters and not self.half_scratch) or (not scatters and not covered))
         self.accumulate = plan.stmt.accumulate
-        self.descriptors = bool(plan.boxes)
         # (read by `fitted` only: plans whose grid joins the grouped order)
         self.operand_bytes = operand_bytes(
             plan, {name: t.numel() * t.element_size() for name, t in bound.tensors.items()}
@@ -406,6 +451,15 @@ class _Launcher:
         # Last: another thread (autograd's backward) that sees a configuration finds its launch.
         self.config = config
 
+    def with_blocks(self, args: list) -> list:
+        """`args` (made before this launch had a configuration) with its descriptors' boxes
+        sized for the configuration."""
+        if self.descriptors:
+            args = list(args)
+            for position, made in self.descriptors:
+                args[position] = made(args[position].base, self.config)
+        return args
+
     def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
         """Launch on `tensors` (of this launch's signature; or a `PinnedCall` of this launch,
         `pin`) into `out`; returns `out`.
@@ -416,8 +470,6 @@ class _Launcher:
             target = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
         elif self.zero_fill:
             out.zero_()
-        if self.descriptors:
-            _ensure_descriptor_allocator()
         if self.launched:
             pinned = type(tensors) is PinnedCall  # (pinned only where no float32 buffer stands in for out)
             kernel = self.kernel
@@ -437,16 +489,36 @@ class _Launcher:
 
     def pin(self, fixed: Mapping[str, torch.Tensor]) -> PinnedArguments | None:
         """The argument list with the tensors in `fixed` in place, the others (and the output)
-        coming with each call; None where a float32 buffer stands in for the output."""
-        return None if self.half_scratch else _pin_arguments([self], [fixed], [])
+        coming with each call; None where a float32 buffer stands in for the output, or before
+        a first call chose the configuration (which sizes the descriptors)."""
+        return None if self.half_scratch or self.config is None else _pin_arguments([self], [fixed], [])
 
-    def args(self, tensors, target: torch.Tensor) -> list:
+    def args(self, tensors, target: torch.Tensor, config: dict | None = None) -> list:
+        """The argument list for `tensors` into `target`; its descriptors' boxes sized for
+        `config` (default: this launch's; before it has one, the tuner sizes them per
+        candidate, `blocks_hook`)."""
         args = list(self.template)
         for position, name in self.pointers:
             args[position] = target if name == self.out_name else tensors[name]
         for position, dim in self.out_strides:
             args[position] = target.stride(dim)
+        config = config if config is not None else self.config
+        for position, made in self.descriptors:
+            args[position] = made(tensors[made.name], config)
         return args
+
+    def blocks_hook(self, names: Sequence[str]):
+        """A tuner's pre-hook that sizes the descriptors among a candidate's arguments (by
+        parameter name, `names` in signature order) for that candidate's tiles."""
+        if not self.descriptors:
+            return None
+        given = [(names[position], made) for position, made in self.descriptors]
+
+        def hook(nargs: dict) -> None:
+            for name, made in given:
+                nargs[name].block_shape = made.block_shape(nargs)
+
+        return hook
 
 
 class BatchLaunch:
@@ -491,7 +563,6 @@ class BatchLaunch:
         config.update({k: v for k, v in largest.config.items() if k in LAUNCH_OPTIONS})
         self.ends = ends
         self.total = total
-        self.descriptors = any(part.descriptors for part in parts)
         width = sum(len(part.template) for part in parts)
         pointers, offset = [], 0
         for part in parts:
@@ -503,8 +574,6 @@ class BatchLaunch:
     def run(self, calls) -> None:
         """Launch on `calls`: per part, (tensors, out) of its signature; or a `PinnedCall` of
         this batch (`pin`), its arguments made but for the varying tensors."""
-        if self.descriptors:
-            _ensure_descriptor_allocator()
         if self.total == 0:
             return
         if type(calls) is PinnedCall:
@@ -525,10 +594,16 @@ class BatchLaunch:
 def _pin_arguments(parts: Sequence[_Launcher], fixed: Sequence[Mapping[str, torch.Tensor]], tail: list) -> PinnedArguments:
     """The parts' argument lists one after the other, then `tail`, with the tensors in `fixed`
     (per part, by name) in place."""
-    template, slots, strides, aligned, free, addresses = [], [], [], [], [], []
+    template, slots, strides, aligned, free, addresses, descriptors = [], [], [], [], [], [], []
     for part, tensors in zip(parts, fixed):
         offset = len(template)
         template += part.template
+        for position, made in part.descriptors:
+            tensor = tensors.get(made.name)
+            if tensor is None:
+                descriptors.append((offset + position, made, part.config))
+            else:
+                template[offset + position] = made(tensor, part.config)
         for position, name in part.pointers:
             tensor = tensors.get(name) if name != part.out_name else None
             if tensor is None:
@@ -545,16 +620,21 @@ def _pin_arguments(parts: Sequence[_Launcher], fixed: Sequence[Mapping[str, torc
     by_address = list(template)
     for position, address in addresses:
         by_address[position] = address
-    return PinnedArguments(template, tuple(slots), tuple(strides), tuple(aligned), tuple(free), by_address)
+    return PinnedArguments(template, tuple(slots), tuple(strides), tuple(aligned), tuple(free), by_address,
+                           tuple(descriptors))
 
 
 class PinnedArguments:
     """A launch's argument list with its pinned tensors in place (`BatchLaunch.pin`): a call
     fills in the varying tensors by name, the outputs' strides, and their pointers' alignment."""
 
-    __slots__ = ("template", "by_address", "slots", "strides", "outputs", "aligned", "free", "names", "keys")
+    __slots__ = ("template", "by_address", "slots", "strides", "outputs", "aligned", "free", "names", "keys",
+                 "descriptors")
 
-    def __init__(self, template: list, slots: tuple, strides: tuple, aligned: tuple, free: tuple, by_address: list):
+    def __init__(
+        self, template: list, slots: tuple, strides: tuple, aligned: tuple, free: tuple, by_address: list,
+        descriptors: tuple = (),
+    ):
         self.template = template
         # The same list with the pinned tensors' device addresses in their place: what the
         # compiled launcher takes without asking the driver about each pointer (`Pinned.ready`
@@ -568,6 +648,8 @@ class PinnedArguments:
         self.names = tuple({name: None for _, name in free})  # the varying tensors' names
         # The varying tensors' alignments -> every pointer's (at most 16 per varying tensor).
         self.keys: BoundedCache[tuple, tuple] = BoundedCache(256)
+        # (position, _Descriptor, configuration) of each varying tensor's descriptor: made per call.
+        self.descriptors = descriptors
 
     def __call__(self, varying: Mapping[str, torch.Tensor]) -> PinnedCall:
         return PinnedCall(self, varying)
@@ -617,6 +699,8 @@ class PinnedCall:
             strides = {name: varying[name].stride() for name in pinned.outputs}
             for position, name, dim in pinned.strides:
                 args[position] = strides[name][dim]
+        for position, made, config in pinned.descriptors:
+            args[position] = made(varying[made.name], config)
         return args
 
     def alignments(self) -> tuple:
@@ -681,46 +765,6 @@ def _half_atomics(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     major, _ = _capability(device.index if device.index is not None else torch.cuda.current_device())
     return major >= (9 if dtype == torch.bfloat16 else 7)
-
-
-_SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, stream, size) -> a descriptor scratch buffer
-_SCRATCH_BUFFERS = 64  # distinct (device, stream, size) kept; past that each launch allocates
-
-
-def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """The scratch buffer Triton asks for at each launch of a kernel with device-side
-    descriptors (written by the kernel's prologue, read by its own programs only).
-
-    Kept per device, stream and size rather than allocated per launch (a host cost per
-    call): launches on one stream run one after the other, so they may share it, as
-    torch's caching allocator would hand the freed block to the next launch anyway. Kept
-    for good, so that a CUDA graph that captured its address never sees it freed; not
-    cached while a graph is being captured (the allocation then belongs to the graph's pool).
-    """
-    device = torch.cuda.current_device()
-    key = (device, stream, size)
-    buffer = _SCRATCH.get(key)
-    if buffer is None:
-        buffer = torch.empty(size, device="cuda", dtype=torch.int8)
-        if len(_SCRATCH) < _SCRATCH_BUFFERS and not torch.cuda.is_current_stream_capturing():
-            _SCRATCH[key] = buffer
-    return buffer
-
-
-def _ensure_descriptor_allocator() -> None:
-    """Device-side tensor descriptors live in a scratch buffer Triton asks for at launch.
-
-    Triton keeps its allocator in a ContextVar: a thread that never set one (autograd runs
-    CUDA backward passes on its own device threads) sees none. So this runs before every
-    launch of a kernel with descriptors, and keeps an allocator the caller set.
-    """
-    from triton.runtime import _allocation
-
-    current = _allocation._allocator
-    if isinstance(getattr(current, "get", lambda: current)(), _allocation.NullAllocator):
-        import triton
-
-        triton.set_allocator(_descriptor_scratch)
 
 
 def _program_slots(device: torch.device) -> int:

@@ -23,7 +23,7 @@ from insum.codegen import tune
 from insum.codegen.schedule import KernelSpec, _grid_joins
 from insum.execute import length_facts
 from insum.parser import parse
-from insum.runtime import BareLaunch, Kernel, _ensure_descriptor_allocator, kernel_for
+from insum.runtime import BareLaunch, Kernel, kernel_for
 
 pytestmark = KERNEL_MARK
 
@@ -56,8 +56,7 @@ def _run_in_order(stmt: str, tensors: dict, joins: str, group: int) -> torch.Ten
     out = torch.full(bound.out_shape, float("nan"), device=DEVICE)
     prepared = kernel.prepared(bound)
     config = {"BLOCK_M": 16, "BLOCK_K": 16, "BLOCK_N": 16, "GROUP_M": group, "num_warps": 4, "num_stages": 2}
-    _ensure_descriptor_allocator()  # a bare launch of a plan with tensor descriptors (on a GPU)
-    BareLaunch(kernel.fn, prepared.grid_fn(config), config, tuple(prepared.args(bound.tensors, out)))()
+    BareLaunch(kernel.fn, prepared.grid_fn(config), config, tuple(prepared.args(bound.tensors, out, config)))()
     return out
 
 

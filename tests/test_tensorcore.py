@@ -1,9 +1,10 @@
 """The tensor-core dot path: tensor-descriptor (TMA) selection, grouped program order and
 a K axis folded over several variables.
 
-The interpreter runs no TMA, so descriptor plans are checked as plans and source (the
-selection from shapes, strides and alignment, on CPU tensors); grouped order and folded K
-run in the interpreter (or compiled on a GPU) against a float64 product.
+Descriptor plans are checked as plans and source (the selection from shapes, strides and
+alignment, on CPU tensors), and run: the launch makes the descriptors on the host, which the
+interpreter runs too once descriptors are offered (on a GPU the Hopper TMA path); grouped
+order and folded K run in the interpreter (or compiled on a GPU) against a float64 product.
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ def test_descriptors_chosen_for_box_operands_only():
     A, B, C = _half(64, 32), _half(32, 48), _half(64, 48)
     plan = _plan(DENSE, A=A, B=B, C=C)
     assert plan.boxes == (0, 1) and plan.grouped
-    source = emit(plan).text
-    assert source.count("tl.make_tensor_descriptor") == 2 and "tl.load(A_ptr" not in source
+    source = emit(plan)
+    assert [a[:2] for a in source.args if a[0] == "desc"] == [("desc", "A"), ("desc", "B")]
+    assert source.text.count("_desc.load(") == 2 and "tl.load(A_ptr" not in source.text
+    assert "tl.make_tensor_descriptor" not in source.text  # made on the host, passed in
     # The gathered B is no box (Hopper has no TMA gather); A still is.
     gathered = _plan(GATHERED, A=A, B=B, C=C, I=torch.arange(32, dtype=torch.int32))
     assert gathered.boxes == (0,)
@@ -95,9 +98,10 @@ def test_descriptor_at_a_gathered_row_not_transposed():
     which measured slower than pointers: no descriptors there."""
     wide = _plan(BLOCK_ROW, **_block_row(bm=64, bk=64))
     assert wide.boxes == (0, 1) and not wide.folded and not wide.persistent  # a scalar loop: q
-    source = emit(wide).text
-    assert "B_desc.load([(AK_val).to(tl.int32), start_k, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)" in source
-    assert "shape_B_0" in source  # B's first dimension is no extent: passed as its own argument
+    source = emit(wide)
+    assert "B_desc.load([(AK_val).to(tl.int32), start_k, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)" in source.text
+    # B's first dimension is scalar-indexed: the host bounds it by B's own size, one row wide
+    assert ("desc", "B", ((None, None), ("k", "K"), ("n", "N"))) in source.args
     swapped = _plan(BLOCK_ROW, **_block_row(bm=32, bk=64, N=128))
     assert swapped.axis_var("M") == "n" and swapped.boxes == ()
     nt = _plan("C[m, n] = A[m, k] * B[n, k]", A=_half(64, 32), B=_half(48, 32), C=_half(64, 48))
@@ -202,3 +206,89 @@ def test_persistent_programs_cover_every_tile(monkeypatch, case):
     assert "tl.range(tl.program_id(0)" in kernel.source and "flatten=True" in kernel.source
     out = kernel.launch(bound, t["C"])
     torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=2e-2)
+
+
+# -- descriptors made on the host ------------------------------------------------------------
+
+
+@pytest.fixture
+def offered_descriptors(monkeypatch):
+    """Descriptors offered wherever a layout fits (the interpreter runs host-made ones), with
+    fresh kernel and prepared-call caches so that no earlier pointer-only launch is reused."""
+    from insum import execute, runtime
+    from insum.cache import BoundedCache
+
+    monkeypatch.setattr(runtime, "descriptors_supported", lambda device: True)
+    monkeypatch.setattr(runtime, "_BY_SIGNATURE", BoundedCache())
+    monkeypatch.setattr(runtime, "_KERNELS", BoundedCache())
+    monkeypatch.setattr(execute, "_PREPARED", BoundedCache())
+    monkeypatch.setattr(tune, "_DOT", [(16, 16, 16, 1, 1)])
+
+
+def _boxed_source(expr: str, **tensors) -> str:
+    source = insum.compile(expr, **tensors).source
+    assert "_desc.load(" in source and "tl.make_tensor_descriptor" not in source
+    return source
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "tiled"])
+def test_host_descriptors_dense_match_float64(offered_descriptors, monkeypatch, persistent):
+    """A dense product through two host-made descriptors: sizes no tile divides (the boxes
+    zero-fill past the extents), a repeated call on new operands (the prepared launch makes
+    new descriptors), and the persistent and tiled program orders."""
+    import dataclasses
+
+    from insum import runtime
+
+    if not persistent:
+        monkeypatch.setattr(runtime, "schedule", lambda spec, **kw: dataclasses.replace(schedule(spec, **kw), persistent=False))
+    gen = torch.Generator().manual_seed(21)
+    for m, k, n in [(70, 40, 56), (70, 40, 56), (33, 17 * 8, 24)]:  # rows of 16-byte multiples
+        A = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        B = torch.randn(k, n, generator=gen).half().to(DEVICE)
+        C = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        source = _boxed_source(DENSE, A=A, B=B, C=C)
+        assert ("for task in tl.range" in source) is persistent
+        insum.insum(DENSE, backend="triton", A=A, B=B, C=C)
+        torch.testing.assert_close(C.double(), A.double() @ B.double(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_host_descriptors_block_rows_match_float64(offered_descriptors, index_dtype):
+    """Block-ELL (`group_size="row"`, declared lengths) loads AV's blocks and B's block rows
+    at AK's data-dependent rows through host-made descriptors; its second product runs
+    pinned (AV's descriptor kept, B's made per call), the third on another B."""
+    from insum.formats import BlockGroupCOO
+
+    gen = torch.Generator().manual_seed(22)
+    keep = torch.rand(5, 6, generator=gen) < 0.5
+    keep[2] = False  # an empty block row
+    A = (torch.randn(80, 96, generator=gen) * keep.repeat_interleave(16, 0).repeat_interleave(16, 1)).half()
+    fmt = BlockGroupCOO.from_dense(A.to(DEVICE), block=(16, 16), group_size="row", index_dtype=index_dtype)
+    for n in (40, 40, 24):
+        B = torch.randn(96, n, generator=gen).half().to(DEVICE)
+        out = fmt.spmm(B, backend="triton")
+        torch.testing.assert_close(out.double(), A.double().to(DEVICE) @ B.double(), rtol=1e-2, atol=1e-2)
+    bound_tensors = dict(fmt.statements()[0][1], B=fmt.operand(B), C=torch.empty(fmt.output_shape(n), dtype=B.dtype))
+    _boxed_source(fmt.expression, **{k: v.to(DEVICE) for k, v in bound_tensors.items()})
+
+
+def test_tuner_sizes_each_candidates_descriptors(offered_descriptors):
+    """The tuner runs every candidate on one argument list: its pre-hook gives the
+    descriptors among them each candidate's boxes."""
+    from insum.runtime import kernel_for
+
+    A, B, C = _half(70, 40), _half(40, 56), _half(70, 56)
+    bound = bind(parse(DENSE), dict(A=A, B=B, C=C))
+    kernel = kernel_for(bound)
+    launcher = kernel.prepared(bound)
+    args = launcher.args(bound.tensors, C)
+    nargs = dict(zip(kernel.param_names, args))
+    hook = launcher.blocks_hook(kernel.param_names)
+    hook({**nargs, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 16})
+    assert nargs["A_desc"].block_shape == [64, 16] and nargs["B_desc"].block_shape == [16, 32]
+    assert nargs["A_desc"].shape == [70, 40] and nargs["B_desc"].base is B
+    # No layout fits a box (rows of 82 and 100 bytes): pointers only, nothing to size.
+    plain = bind(parse(DENSE), dict(A=_half(70, 41), B=_half(41, 50), C=_half(70, 50)))
+    pointers = kernel_for(plain)
+    assert pointers.prepared(plain).blocks_hook(pointers.param_names) is None

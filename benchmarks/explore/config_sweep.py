@@ -26,7 +26,7 @@ from insum.codegen.tune import prune_configs
 from insum.execute import length_facts
 from insum.formats import NM, BlockGroupCOO
 from insum.parser import parse
-from insum.runtime import BareLaunch, _ensure_descriptor_allocator, kernel_for
+from insum.runtime import BareLaunch, kernel_for
 
 from ..common import block_sparse, median_ms, relative_error, rotating
 from .tensorcore import write_rows
@@ -89,7 +89,6 @@ def sweep(label, fmt, dense, size, rows, deadline) -> None:
     prepared = kernel.prepared(bound)
     chosen = dict(prepared.config)
     say(f"{label}: cuBLAS {t_cublas * 1e3:.1f} us; plan {kernel.plan.tiles}; tuner's choice {chosen}")
-    _ensure_descriptor_allocator()
     timed = []
     for config in [chosen] + [c for c in grid(kernel.plan, dict(bound.extents)) if c != chosen]:
         if time.time() > deadline:

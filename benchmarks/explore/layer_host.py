@@ -38,6 +38,18 @@ def issue_us(fn, calls: int = 50, repeats: int = 9) -> float:
     return min(times)
 
 
+class _Empty(torch.autograd.Function):
+    """Allocates its output and passes the gradient through: the autograd machinery alone."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy
+
+
 def inside_backward(y: torch.Tensor, gy: torch.Tensor, calls: int = 200) -> None:
     """How much of a retained-graph backward runs inside `_SparseLinearFunction.backward`
     (the rest: the autograd engine, the bias's and the grads' accumulation)."""
@@ -103,11 +115,15 @@ def main() -> None:
     y = layer(x)
     rows["SparseLinear forward (grad)"] = lambda: layer(x)
     rows["SparseLinear backward (retained graph)"] = lambda: y.backward(gy, retain_graph=True)
+    # The floor of any Python autograd Function on this host: no kernel in either pass.
+    xe = x.detach().requires_grad_()
+    rows["empty autograd.Function fwd+bwd"] = lambda: _Empty.apply(xe).backward(gy)
     # The backward's parts, as it runs them (grad mode off).
     rows["views: operand + output_view"] = torch.no_grad()(lambda: (fmt.operand(x2t), fmt.output_view(dyt)))
     rows["x's gradient (input_gradient)"] = torch.no_grad()(lambda: fmt.input_gradient(pattern, dC, "auto", "tf32"))
+    tables = {n: getattr(layer, "wgrad_" + n) for n in getattr(layer, "_table_names", ())}
     rows["values' gradient (_value_gradients)"] = torch.no_grad()(lambda: _value_gradients(
-        fmt, layer._gradients, {"AV"}, B, dC, "auto", "tf32"))
+        fmt, layer._gradients, {"AV"}, B, dC, "auto", "tf32", tables))
     yd = y.detach()
     rows["bias add (y + b)"] = torch.no_grad()(lambda: yd + layer.bias)
     rows["bias gradient (dy.sum(0))"] = lambda: gy.sum(0)

@@ -21,7 +21,7 @@ import torch
 from insum.bind import bind
 from insum.execute import length_facts
 from insum.parser import parse
-from insum.runtime import BareLaunch, _ensure_descriptor_allocator, _load, cache_dir, kernel_for
+from insum.runtime import BareLaunch, _load, cache_dir, kernel_for
 
 from ..common import median_ms, relative_error, rotating
 from .tensorcore import block_ell, block_problem, write_rows
@@ -58,7 +58,6 @@ def case(size: int, block: int, s: float, rows: list) -> None:
     except Exception as e:
         say(f"  warp-specialized source does not load: {e!r}")
         return
-    _ensure_descriptor_allocator()
     variants = [("generated", kernel.fn, base)]
     for warps in (4, 8):
         for stages in (2, 3, 4):

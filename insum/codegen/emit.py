@@ -4,8 +4,10 @@ The kernel body is built from a few rules (index, gather, product, reduce or dot
 atomic), each emitting lines at the shallowest loop level its inputs allow, so loads that do
 not depend on an inner loop are hoisted out of it. Every named line carries a comment with
 its block shape. Dot operands the plan marks as boxes are loaded through a tensor
-descriptor made once per program (TMA on Hopper: no pointer block, no masks, since the
-descriptor's bounds zero-fill what lies outside the tensor); the rest through pointers.
+descriptor that the host makes and passes as an argument (TMA on Hopper: no pointer block,
+no masks, since the descriptor's bounds zero-fill what lies outside the tensor; made on the
+host, no program writes and fences a descriptor of its own before its first load); the rest
+through pointers. `Source.args` says how the host makes each one (`("desc", ...)`).
 
 Over 400 lines, as one module: every rule reads and extends the one `_Emitter` state (names,
 loop levels, hoisted loads), and the assembly below must see all of it.
@@ -37,7 +39,10 @@ class Source:
     """Generated kernel source and the order of its runtime arguments."""
 
     text: str
-    args: tuple[tuple, ...]  # ("ptr", tensor) | ("size", var) | ("stride", tensor, dim) | ("shape", tensor, dim)
+    # ("ptr", tensor) | ("desc", tensor, dims) | ("size", var) | ("stride", tensor, dim); a descriptor's dims:
+    # per dimension of its tensor, (variable, tile axis) where a tiled variable indexes it (its extent
+    # bounds the box, BLOCK_<axis> wide), else (None, None) (the tensor's own size, 1 wide).
+    args: tuple[tuple, ...]
     blocks: tuple[str, ...]  # constexpr tile sizes, e.g. ("BLOCK_M", "BLOCK_N")
     plan: Plan
 
@@ -55,7 +60,6 @@ class _Emitter:
         # (scalar loops and the K tile) share one flattened loop, which Triton pipelines.
         self.depth = 1 if plan.loops or plan.axis_var("K") else 0
         self.levels: list[list[str]] = [[] for _ in range(self.depth + 1)]
-        self.setup: list[str] = []  # once per program, before any tile: tensor descriptors
         self.epilogue: list[str] = []
         self.in_epilogue = False
         self.cache: dict[str, Value] = {}
@@ -85,7 +89,7 @@ class _Emitter:
         self.extent_k = " * ".join(self.size[v] for v in plan.axis_vars("K")) if k else None
         self.flat_k = self.fresh(f"offs_{''.join(plan.axis_vars('K'))}") if plan.folded else None
         self.strides: dict[tuple[str, int], str] = {}
-        self.shapes: dict[tuple[str, int], str] = {}  # dimensions a descriptor needs besides extents
+        self.descs: dict[tuple, str] = {}  # ("desc", tensor, dims) -> its parameter (`Source.args`)
         factors = self.stmt.factors
         self.boxes = {str(factors[i]) for i in plan.boxes}
 
@@ -107,12 +111,6 @@ class _Emitter:
         if key not in self.strides:
             self.strides[key] = self.fresh(f"stride_{tensor}_{dim}")
         return self.strides[key]
-
-    def shape(self, tensor: str, dim: int) -> str:
-        key = (tensor, dim)
-        if key not in self.shapes:
-            self.shapes[key] = self.fresh(f"shape_{tensor}_{dim}")
-        return self.shapes[key]
 
     def extent(self, axis: str) -> str:
         """The number of lanes along a tile axis: a product when variables share it."""
@@ -214,19 +212,18 @@ class _Emitter:
         return value
 
     def box_load(self, access: Access) -> Value:
-        """Load a dot operand's tile through a tensor descriptor made once per program.
+        """Load a dot operand's tile through a tensor descriptor the host passes.
 
         The block has a 1 for every scalar-indexed dimension; it is reshaped to the two tiled
         axes, which the tensor holds in the dot's order (`schedule` asks for no transposes)."""
         name = access.name
         indices = [self.index(i) for i in access.indices]
         tiled = [self.plan.var_axis(i.variable) if i.variable else None for i in access.indices]
-        desc = self.fresh(f"{name}_desc")
-        shape = [self.size[i.variable] if i.variable else self.shape(name, d) for d, i in enumerate(access.indices)]
-        strides = [self.stride(name, d) for d in range(len(indices) - 1)] + ["1"]  # box_layout: unit last stride
-        block = [f"BLOCK_{a}" if a else "1" for a in tiled]
-        self.setup.append(f"{desc} = tl.make_tensor_descriptor({self.ptr[name]}, shape=[{', '.join(shape)}], "
-                    f"strides=[{', '.join(strides)}], block_shape=[{', '.join(block)}])")
+        dims = tuple((i.variable, a) if a else (None, None) for a, i in zip(tiled, access.indices))
+        key = ("desc", name, dims)
+        if key not in self.descs:
+            self.descs[key] = self.fresh(f"{name}_desc")
+        desc = self.descs[key]
         # Coordinates are 32-bit; a gathered index may be int64.
         coords = [
             self.tile_start(a) if a else f"({idx.expr}).to(tl.int32)" if index.indirect_accesses() else idx.expr
@@ -567,12 +564,11 @@ def emit(plan: Plan) -> Source:
     # Assemble: signature, program-id split, prologue, loops, epilogue.
     blocks = tuple(f"BLOCK_{a}" for a, _ in plan.tiles) + (("GROUP_M",) if plan.grouped else ())
     tensor_order = list(em.ptr)
-    args = [("ptr", n) for n in em.ptr] + [("size", v) for v in em.size]
-    args += [("shape", t, d) for (t, d) in sorted(em.shapes, key=lambda k: (tensor_order.index(k[0]), k[1]))]
+    args = [("ptr", n) for n in em.ptr] + list(em.descs) + [("size", v) for v in em.size]
     args += [("stride", t, d) for (t, d) in sorted(em.strides, key=lambda k: (tensor_order.index(k[0]), k[1]))]
     arg_names = {("ptr", n): em.ptr[n] for n in em.ptr}
+    arg_names.update(em.descs)
     arg_names.update({("size", v): em.size[v] for v in em.size})
-    arg_names.update({("shape", t, d): em.shapes[(t, d)] for (t, d) in em.shapes})
     arg_names.update({("stride", t, d): em.strides[(t, d)] for (t, d) in em.strides})
 
     def group(kind):
@@ -583,10 +579,10 @@ def emit(plan: Plan) -> Source:
         out += _SEGMENT_ADD.splitlines() + ["", ""]
     out += ["@triton.jit", f"def {KERNEL_NAME}("]
     out.append(f"    # pointers\n    {group('ptr')},")
+    if em.descs:
+        out.append(f"    # tensor descriptors (made on the host)\n    {group('desc')},")
     if em.size:  # a statement without variables has no extents
         out.append(f"    # extents\n    {group('size')},")
-    if em.shapes:
-        out.append(f"    # tensor dimensions for descriptors\n    {group('shape')},")
     if em.strides:
         out.append(f"    # strides\n    {group('stride')},")
     if blocks:
@@ -602,9 +598,9 @@ def emit(plan: Plan) -> Source:
     if plan.persistent:
         # Programs stride over the tiles; flattening lets the pipeline run across tiles.
         counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.extent(a)}, BLOCK_{a})" for a, _ in plan.tiles if a != "K"]
-        body = [*em.setup, f"for task in tl.range(tl.program_id(0), {' * '.join(counts) or '1'}, tl.num_programs(0), flatten=True):"]
+        body = [f"for task in tl.range(tl.program_id(0), {' * '.join(counts) or '1'}, tl.num_programs(0), flatten=True):"]
         body += ["    " + ("pid = task" if line == "pid = tl.program_id(0)" else line) for line in tile]
     else:
-        body = em.setup + tile
+        body = tile
     out.extend("    " + line for line in body)
     return Source(text="\n".join(out) + "\n", args=tuple(args), blocks=blocks, plan=plan)

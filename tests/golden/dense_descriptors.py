@@ -6,10 +6,12 @@ import triton.language as tl
 def insum_kernel(
     # pointers
     C_ptr, A_ptr, B_ptr,
+    # tensor descriptors (made on the host)
+    A_desc, B_desc,
     # extents
     size_m, size_n, size_k,
     # strides
-    stride_C_0, stride_C_1, stride_A_0, stride_B_0,
+    stride_C_0, stride_C_1,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -27,8 +29,6 @@ def insum_kernel(
     accumulator: fp32
     output: store (one owner per element)
     """
-    A_desc = tl.make_tensor_descriptor(A_ptr, shape=[size_m, size_k], strides=[stride_A_0, 1], block_shape=[BLOCK_M, BLOCK_K])
-    B_desc = tl.make_tensor_descriptor(B_ptr, shape=[size_k, size_n], strides=[stride_B_0, 1], block_shape=[BLOCK_K, BLOCK_N])
     for task in tl.range(tl.program_id(0), tl.cdiv(size_m, BLOCK_M) * tl.cdiv(size_n, BLOCK_N), tl.num_programs(0), flatten=True):
         pid = task
         tiles_m = tl.cdiv(size_m, BLOCK_M)
