@@ -278,7 +278,7 @@ def test_tuner_sizes_each_candidates_descriptors(offered_descriptors):
     descriptors among them each candidate's boxes."""
     from insum.runtime import kernel_for
 
-    A, B, C = _half(70, 40), _half(40, 56), _half(70, 56)
+    A, B, C = (_half(*shape).to(DEVICE) for shape in [(70, 40), (40, 56), (70, 56)])
     bound = bind(parse(DENSE), dict(A=A, B=B, C=C))
     kernel = kernel_for(bound)
     launcher = kernel.prepared(bound)
@@ -289,6 +289,6 @@ def test_tuner_sizes_each_candidates_descriptors(offered_descriptors):
     assert nargs["A_desc"].block_shape == [64, 16] and nargs["B_desc"].block_shape == [16, 32]
     assert nargs["A_desc"].shape == [70, 40] and nargs["B_desc"].base is B
     # No layout fits a box (rows of 82 and 100 bytes): pointers only, nothing to size.
-    plain = bind(parse(DENSE), dict(A=_half(70, 41), B=_half(41, 50), C=_half(70, 50)))
+    plain = bind(parse(DENSE), {n: _half(*shape).to(DEVICE) for n, shape in zip("ABC", [(70, 41), (41, 50), (70, 50)])})
     pointers = kernel_for(plain)
     assert pointers.prepared(plain).blocks_hook(pointers.param_names) is None

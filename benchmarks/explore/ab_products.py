@@ -11,6 +11,7 @@ product; one line per point: insum's median, cuBLAS's, their ratio.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -23,20 +24,40 @@ BLOCKS = [(4096, 32, 0.9), (4096, 64, 0.9), (4096, 64, 0.5), (4096, 128, 0.9), (
           (8192, 64, 0.9), (8192, 128, 0.9), (8192, 128, 0.5)]
 NMS = [(4096, 2, 8), (4096, 1, 8), (8192, 1, 8)]
 GEMMS = [4096, 8192]
+HOST = False  # --host
 
 
 def point(label: str, name: str, fn, Bs: list, expected: torch.Tensor, t_dense: float) -> None:
     err = relative_error(fn(Bs[0]), expected)
     ms = median_ms(rotating(fn, [(B,) for B in Bs]))
-    print(f"{label:5s} {name:28s} {ms * 1e3:8.1f} us  cuBLAS {t_dense * 1e3:8.1f} us  {t_dense / ms:5.2f}x  err {err:.1e}",
-          flush=True)
+    line = f"{label:5s} {name:28s} {ms * 1e3:8.1f} us  cuBLAS {t_dense * 1e3:8.1f} us  {t_dense / ms:5.2f}x  err {err:.1e}"
+    if HOST:  # the host's issue time per call (no sync between calls) and the device's (a CUDA graph of 20 calls)
+        issues = []
+        for _ in range(7):  # the least of 7 runs of 30 calls: the host's load moves single runs by 2x
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(30):
+                fn(Bs[0])
+            issues.append((time.perf_counter() - start) / 30)
+        issue = min(issues)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                fn(Bs[0])
+        device = median_ms(graph.replay) / 20
+        line += f"  host {issue * 1e6:6.1f} us  graphed {device * 1e3:6.1f} us"
+    print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="")
     parser.add_argument("--quick", action="store_true", help="4096 points only")
+    parser.add_argument("--host", action="store_true", help="also host issue time and graphed device time per call")
     args = parser.parse_args()
+    global HOST
+    HOST = args.host
     dense_ms: dict[int, float] = {}
 
     def operands(size: int, seed: int):
@@ -72,6 +93,11 @@ def main() -> None:
         fmt = NM.from_dense(A, n=n, m=m, vector_len=128)
         point(args.label, f"N:M {n}:{m} {size}^3", lambda B, f=fmt: f @ B, Bs, fmt.to_dense().double() @ Bs[0].double(),
               dense_ms[size])
+    from insum import runtime
+
+    off = {str(k.spec.stmt): launch.direct.why_not for k in runtime._KERNELS.values()
+           for launch in k._launchers.values() if getattr(launch, "config", None) and launch.direct.why_not}
+    print(f"{args.label:5s} direct launches off: {off or 'none'}", flush=True)
 
 
 if __name__ == "__main__":
