@@ -92,10 +92,10 @@ def test_descriptors_chosen_for_box_operands_only():
     assert spec_for(bind(parse(DENSE), dict(A=A, B=B, C=C))).boxes == frozenset() or CUDA
 
 
-def test_descriptor_at_a_gathered_row_not_transposed():
+def test_descriptor_at_a_gathered_row_and_transposed():
     """A block row of B at the row AK[p, q] is a box with a 1 for the gathered dimension; in the
-    swapped orientation (32-row blocks: the dense columns on M) it would need a transpose,
-    which measured slower than pointers: no descriptors there."""
+    swapped orientation (32-row blocks: the dense columns on M) both operands are held in the
+    other order than the dot's: loaded as boxes, then transposed."""
     wide = _plan(BLOCK_ROW, **_block_row(bm=64, bk=64))
     assert wide.boxes == (0, 1) and not wide.folded and not wide.persistent  # a scalar loop: q
     source = emit(wide)
@@ -103,9 +103,12 @@ def test_descriptor_at_a_gathered_row_not_transposed():
     # B's first dimension is scalar-indexed: the host bounds it by B's own size, one row wide
     assert ("desc", "B", ((None, None), ("k", "K"), ("n", "N"))) in source.args
     swapped = _plan(BLOCK_ROW, **_block_row(bm=32, bk=64, N=128))
-    assert swapped.axis_var("M") == "n" and swapped.boxes == ()
+    assert swapped.axis_var("M") == "n" and swapped.boxes == (0, 1)
+    text = emit(swapped).text
+    assert "B_val = tl.trans(B_desc.load([(AK_val).to(tl.int32), start_k, pid_n * BLOCK_M]).reshape(BLOCK_K, BLOCK_M))" in text
+    assert "AV_val = tl.trans(AV_desc.load([i_p, i_q, pid_m * BLOCK_N, start_k]).reshape(BLOCK_N, BLOCK_K))" in text
     nt = _plan("C[m, n] = A[m, k] * B[n, k]", A=_half(64, 32), B=_half(48, 32), C=_half(64, 48))
-    assert nt.boxes == (0,)  # B holds (n, k): a transposed box
+    assert nt.boxes == (0, 1) and "tl.trans(B_desc.load(" in emit(nt).text  # B holds (n, k)
 
 
 def test_persistent_only_where_every_operand_is_a_descriptor():

@@ -215,7 +215,7 @@ class _Emitter:
         """Load a dot operand's tile through a tensor descriptor the host passes.
 
         The block has a 1 for every scalar-indexed dimension; it is reshaped to the two tiled
-        axes, which the tensor holds in the dot's order (`schedule` asks for no transposes)."""
+        axes, and transposed where the tensor holds them in the other order than the dot's."""
         name = access.name
         indices = [self.index(i) for i in access.indices]
         tiled = [self.plan.var_axis(i.variable) if i.variable else None for i in access.indices]
@@ -233,6 +233,8 @@ class _Emitter:
         load = f"{desc}.load([{', '.join(coords)}])"
         if len(axes) < len(tiled):
             load = f"{load}.reshape({', '.join(f'BLOCK_{a}' for a in axes)})"
+        if axes != union(axes):  # held in the other order than the dot's
+            load, axes = f"tl.trans({load})", union(axes)
         value_name = self.fresh(f"{name}_val")
         level = max((i.level for i in indices), default=0)
         self.put(level, f"{value_name} = {load}" + self.shape_comment(axes))

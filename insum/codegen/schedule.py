@@ -664,10 +664,12 @@ def _dtypes(spec: KernelSpec):
 
 def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, ...], folded: tuple[str, ...]) -> tuple[int, ...]:
     """Dot operands that are one box of their tensor: each tiled variable indexes its own
-    dimension directly (so the tensor's bounds are the tile's mask), in the dot's order (a
-    box that would need a transpose measured slower than pointers), the last dimension is
-    one of them, and every other index is a scalar per program or step. A folded K axis is
-    no box: its steps cross blocks."""
+    dimension directly (so the tensor's bounds are the tile's mask), the last dimension is
+    one of them, and every other index is a scalar per program or step. A box held in the
+    other order than the dot's is loaded so and transposed (`tl.trans`): with descriptors
+    made on the host that beat pointers too (Block-ELL's swapped 16- and 32-row blocks,
+    2-10%, benchmarks/explore/transposed_boxes.py). A folded K axis is no box: its steps
+    cross blocks."""
     if folded:
         return ()
     tiled = set(tiles.values())
@@ -679,9 +681,7 @@ def _box_factors(spec: KernelSpec, tiles: dict[str, str], positions: tuple[int, 
         direct = [i.variable for i in access.indices]
         on_tiles = [v for v in direct if v in tiled]
         scalar = all(v in tiled or not (set(i.variables()) & tiled) for v, i in zip(direct, access.indices))
-        order = [axis for axis in AXES if tiles.get(axis) in on_tiles]
-        in_order = [axis for v in on_tiles for axis in AXES if tiles.get(axis) == v] == order
-        if scalar and in_order and len(on_tiles) == len(set(on_tiles)) == 2 and direct[-1] in tiled:
+        if scalar and len(on_tiles) == len(set(on_tiles)) == 2 and direct[-1] in tiled:
             boxes.append(position)
     return tuple(sorted(boxes))
 
