@@ -256,11 +256,23 @@ def test_host_descriptors_dense_match_float64(offered_descriptors, monkeypatch, 
         torch.testing.assert_close(C.double(), A.double() @ B.double(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("m, k, n", [(1, 8, 8), (32, 0, 16), (0, 16, 16)], ids=["one-row", "empty-k", "empty-m"])
+def test_host_descriptors_edge_sizes(offered_descriptors, m, k, n):
+    """One row, an empty reduction (the box's dimension is 1, never loaded) and an empty output."""
+    A = torch.randn(m, k).half().to(DEVICE)
+    B = torch.randn(k, n).half().to(DEVICE)
+    C = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
+    _boxed_source(DENSE, A=A, B=B, C=C)
+    insum.insum(DENSE, backend="triton", A=A, B=B, C=C)
+    torch.testing.assert_close(C.double(), A.double() @ B.double(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
 def test_host_descriptors_block_rows_match_float64(offered_descriptors, index_dtype):
     """Block-ELL (`group_size="row"`, declared lengths) loads AV's blocks and B's block rows
-    at AK's data-dependent rows through host-made descriptors; its second product runs
-    pinned (AV's descriptor kept, B's made per call), the third on another B."""
+    at AK's data-dependent rows through host-made descriptors (held in the other order than
+    the dot's: transposed); its later products run pinned (AV's descriptor kept, B's made
+    per call), the last on another B."""
     from insum.formats import BlockGroupCOO
 
     gen = torch.Generator().manual_seed(22)
@@ -268,12 +280,13 @@ def test_host_descriptors_block_rows_match_float64(offered_descriptors, index_dt
     keep[2] = False  # an empty block row
     A = (torch.randn(80, 96, generator=gen) * keep.repeat_interleave(16, 0).repeat_interleave(16, 1)).half()
     fmt = BlockGroupCOO.from_dense(A.to(DEVICE), block=(16, 16), group_size="row", index_dtype=index_dtype)
-    for n in (40, 40, 24):
+    for n in (40, 128, 128):  # M = the block rows (straight boxes), then the swapped orientation
         B = torch.randn(96, n, generator=gen).half().to(DEVICE)
         out = fmt.spmm(B, backend="triton")
         torch.testing.assert_close(out.double(), A.double().to(DEVICE) @ B.double(), rtol=1e-2, atol=1e-2)
     bound_tensors = dict(fmt.statements()[0][1], B=fmt.operand(B), C=torch.empty(fmt.output_shape(n), dtype=B.dtype))
-    _boxed_source(fmt.expression, **{k: v.to(DEVICE) for k, v in bound_tensors.items()})
+    source = _boxed_source(fmt.expression, **{k: v.to(DEVICE) for k, v in bound_tensors.items()})
+    assert "tl.trans(AV_desc.load(" in source  # 16-row blocks: the swapped orientation, transposed boxes
 
 
 def test_tuner_sizes_each_candidates_descriptors(offered_descriptors):
