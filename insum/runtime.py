@@ -101,14 +101,15 @@ def _capability(index: int) -> tuple[int, int]:
 
 def box_tensors(bound: Bound, descriptors: bool) -> frozenset[str]:
     """Input value tensors whose layout fits a tensor descriptor (none unless `descriptors`,
-    and none for fake tensors seen while tracing, which have no address)."""
+    none for fake tensors seen while tracing, which have no address, and no empty tensor,
+    whose address the driver need not take for a descriptor's)."""
     if not descriptors or bound.signature is None:
         return frozenset()
     return frozenset(
         name
         for name in bound.value_names
-        if box_layout(tuple(bound.tensors[name].shape), bound.tensors[name].stride(),
-                      bound.tensors[name].element_size(), bound.tensors[name].data_ptr())
+        if bound.tensors[name].numel() and box_layout(tuple(bound.tensors[name].shape), bound.tensors[name].stride(),
+                                                      bound.tensors[name].element_size(), bound.tensors[name].data_ptr())
     )
 
 
