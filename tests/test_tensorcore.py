@@ -80,9 +80,11 @@ def test_descriptors_chosen_for_box_operands_only():
     assert [a[:2] for a in source.args if a[0] == "desc"] == [("desc", "A"), ("desc", "B")]
     assert source.text.count("_desc.load(") == 2 and "tl.load(A_ptr" not in source.text
     assert "tl.make_tensor_descriptor" not in source.text  # made on the host, passed in
+    assert [a for a in source.args if a[0] == "ptr"] == [("ptr", "C")]  # boxes take no pointer
     # The gathered B is no box (Hopper has no TMA gather); A still is.
     gathered = _plan(GATHERED, A=A, B=B, C=C, I=torch.arange(32, dtype=torch.int32))
     assert gathered.boxes == (0,)
+    assert [a[1] for a in emit(gathered).args if a[0] in ("ptr", "desc")] == ["C", "B", "I", "A"]
     # Layouts a descriptor cannot take fall back to pointers, operand by operand.
     assert _plan(DENSE, A=_half(32, 64).t(), B=B, C=C).boxes == (1,)
     assert _plan(DENSE, A=_half(64 * 32 + 1)[1:].view(64, 32), B=B, C=C).boxes == (1,)

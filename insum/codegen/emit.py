@@ -563,12 +563,28 @@ def emit(plan: Plan) -> Source:
     else:
         em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg})")
 
-    # Assemble: signature, program-id split, prologue, loops, epilogue.
+    # Assemble: body first (which pointers it reads), then signature and docstring.
+    tile = _launch_grid_lines(em)
+    tile.append(f"acc = tl.zeros(({acc_shape}), dtype={acc_tl})" + em.shape_comment(acc_axes))
+    tile.extend(em.levels[0])
+    tile.extend(_loop_lines(em))
+    tile.extend(em.epilogue)
+    if plan.persistent:
+        # Programs stride over the tiles; flattening lets the pipeline run across tiles.
+        counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.extent(a)}, BLOCK_{a})" for a, _ in plan.tiles if a != "K"]
+        body = [f"for task in tl.range(tl.program_id(0), {' * '.join(counts) or '1'}, tl.num_programs(0), flatten=True):"]
+        body += ["    " + ("pid = task" if line == "pid = tl.program_id(0)" else line) for line in tile]
+    else:
+        body = tile
+    # A tensor read only through its descriptors takes no pointer argument.
+    read = set(re.findall(r"\w+", "\n".join(body)))
+    boxed = {key[1] for key in em.descs}
+    pointers = [n for n in em.ptr if n not in boxed or em.ptr[n] in read]
     blocks = tuple(f"BLOCK_{a}" for a, _ in plan.tiles) + (("GROUP_M",) if plan.grouped else ())
     tensor_order = list(em.ptr)
-    args = [("ptr", n) for n in em.ptr] + list(em.descs) + [("size", v) for v in em.size]
+    args = [("ptr", n) for n in pointers] + list(em.descs) + [("size", v) for v in em.size]
     args += [("stride", t, d) for (t, d) in sorted(em.strides, key=lambda k: (tensor_order.index(k[0]), k[1]))]
-    arg_names = {("ptr", n): em.ptr[n] for n in em.ptr}
+    arg_names = {("ptr", n): em.ptr[n] for n in pointers}
     arg_names.update(em.descs)
     arg_names.update({("size", v): em.size[v] for v in em.size})
     arg_names.update({("stride", t, d): em.strides[(t, d)] for (t, d) in em.strides})
@@ -592,17 +608,5 @@ def emit(plan: Plan) -> Source:
     out.append("):")
     doc = [str(stmt), "", *str(plan).splitlines()]
     out.append('    """' + "\n".join(("    " + d if d and i else d) for i, d in enumerate(doc)) + '\n    """')
-    tile = _launch_grid_lines(em)
-    tile.append(f"acc = tl.zeros(({acc_shape}), dtype={acc_tl})" + em.shape_comment(acc_axes))
-    tile.extend(em.levels[0])
-    tile.extend(_loop_lines(em))
-    tile.extend(em.epilogue)
-    if plan.persistent:
-        # Programs stride over the tiles; flattening lets the pipeline run across tiles.
-        counts = [em.size[v] for v in plan.grid] + [f"tl.cdiv({em.extent(a)}, BLOCK_{a})" for a, _ in plan.tiles if a != "K"]
-        body = [f"for task in tl.range(tl.program_id(0), {' * '.join(counts) or '1'}, tl.num_programs(0), flatten=True):"]
-        body += ["    " + ("pid = task" if line == "pid = tl.program_id(0)" else line) for line in tile]
-    else:
-        body = tile
     out.extend("    " + line for line in body)
     return Source(text="\n".join(out) + "\n", args=tuple(args), blocks=blocks, plan=plan)
