@@ -29,6 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from insum.formats import BlockGroupCOO
 
 from ..common import block_sparse, median_ms, relative_error, rotating
+from .tensorcore import block_ell
 
 CASES = [(4096, 64, 0.9), (4096, 128, 0.9), (4096, 64, 0.75), (4096, 128, 0.5), (8192, 64, 0.9), (8192, 128, 0.9)]
 CONFIGS = [(128, 4, 3), (128, 4, 4), (256, 8, 3), (256, 4, 3), (128, 8, 4)]  # (BLOCK_N, warps, stages)
@@ -61,16 +62,9 @@ def _block_ell(C, AV, AK, AL, ORDER, B, N, K, ROWS, G, av_desc, b_desc, c_desc,
 
 
 def block_rows(A: torch.Tensor, keep: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
-    """Block-ELL of A: AV (rows, width, b, b), AK (rows, width), AL (rows,), ORDER (rows, longest first)."""
-    nb, kb = keep.shape
-    width = max(1, int(keep.sum(1).max()))
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]
-    valid = torch.gather(keep, 1, order)
-    blocks = A.reshape(nb, block, kb, block).permute(0, 2, 1, 3)
-    AV = blocks[torch.arange(nb, device=A.device)[:, None], order] * valid[:, :, None, None]
+    """Block-ELL of A (`tensorcore.block_ell`) with AL (blocks per row) and ORDER (rows, longest first)."""
     AL = keep.sum(1).to(torch.int32)
-    return {"AV": AV.contiguous(), "AK": torch.where(valid, order, 0).to(torch.int32).contiguous(), "AL": AL,
-            "ORDER": torch.argsort(AL, descending=True, stable=True).to(torch.int32)}
+    return {**block_ell(keep, A, block), "AL": AL, "ORDER": torch.argsort(AL, descending=True, stable=True).to(torch.int32)}
 
 
 def launch(variant: str, rows: dict, B: torch.Tensor, C: torch.Tensor, block: int, config: tuple) -> None:

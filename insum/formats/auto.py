@@ -200,11 +200,6 @@ def pruning_block(format: str, params: Mapping[str, Any]) -> tuple[int, int] | N
     return None if format.lower() == "auto" else format_class(format).pruning_block(params)
 
 
-def _time_spmm(fmt: SparseFormat, B: torch.Tensor) -> float:
-    """Device microseconds per `fmt @ B` on CUDA (`tuning.device_seconds`)."""
-    return time_spmm(fmt, B) * 1e6
-
-
 def auto(
     A: torch.Tensor,
     n_cols: int | None = None,
@@ -259,7 +254,7 @@ def auto(
         extra = [c for c in ranked[MEASURED:] if c.format == "CELL"][:1] if stats.nnz >= CELL_MEASURED_NNZ else []
         for candidate in ranked[:MEASURED] + extra:
             fmt = _pack(candidate, A, dtype, index_dtype)
-            timed.append((_time_spmm(fmt, B), candidate, fmt))
+            timed.append((time_spmm(fmt, B) * 1e6, candidate, fmt))  # device microseconds
         seconds, best, fmt = min(timed, key=lambda t: t[0])
         times = ", ".join(f"{c.format}{c.params or ''} {t:.1f}us" for t, c, _ in timed)
         why = f"auto: {best.format}{best.params or ''} measured fastest at N={n_cols} ({times}); model ranked: {model}"
