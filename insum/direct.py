@@ -18,6 +18,14 @@ each pointer's 16-byte alignment, so that is the key, with the current device; t
 is read the way the JIT reads it. A launch hook (a profiler) takes the JIT path, as do the
 interpreter and INSUM_DIRECT_LAUNCH=0. Any exception on the direct path switches it
 off for good for that launch and falls back to the JIT.
+
+Tensor descriptors: Triton 3.6's launcher encodes every descriptor argument on every launch
+(`make_tensordesc_arg`: a `cuTensorMapEncodeTiled` per descriptor, inside a Python loop over
+all the arguments). The 128-byte map it makes is a function of the tensor's address, shape,
+strides and box only, and in one prepared launch all but the address are fixed; so
+`_TensorMaps` keeps each map it encoded by (argument, address) and hands the launcher's C
+function the expanded arguments itself (`INSUM_KEEP_TENSOR_MAPS=0`: encode on every launch,
+through Triton). Where the launcher is not laid out as 3.6's, descriptors go through it.
 """
 
 from __future__ import annotations
@@ -45,6 +53,70 @@ def _triton_runtime():
         _TRITON.extend((triton.runtime.driver, triton.knobs.runtime))
     driver, knobs = _TRITON
     return driver.active, knobs
+
+
+#: The base arguments Triton 3.6's C launcher takes before the kernel's parameters.
+_LAUNCHER_BASE_FORMAT = "iiiKKppOOOOOO"
+_TENSOR_MAPS_KEPT = 256  # maps one launch keeps (addresses of rotating inputs, outputs)
+
+
+class _TensorMaps:
+    """A compiled kernel's launch with its tensor descriptors encoded once per address.
+
+    Made from Triton 3.6's `CudaLauncher` (`for_launcher`): the C launch function behind its
+    descriptor wrapper, each descriptor parameter's position and metadata (swizzle, element
+    type, box), and Triton's own `make_tensordesc_arg` to encode with. A parameter's map is
+    keyed by its position and the descriptor's address, shape, strides and box, so a map is
+    reused only where it would encode the same bytes."""
+
+    __slots__ = ("launch", "descriptors", "encode", "base", "maps")
+
+    def __init__(self, launch: Callable, descriptors: tuple, encode: Callable, cooperative: bool, pdl: bool):
+        self.launch = launch
+        self.descriptors = descriptors  # ((position, metadata), ...) in order
+        self.encode = encode
+        self.base = (cooperative, pdl, None, None)  # launch flags; no global or profile scratch
+        self.maps: dict[tuple, list] = {}
+
+    @classmethod
+    def for_launcher(cls, run) -> _TensorMaps | None:
+        """The kept-map launch of `run` (a compiled kernel's launcher), None where it has no
+        descriptor parameters or is not laid out as Triton 3.6's."""
+        inner = getattr(run, "launch", None)
+        code, cells = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
+        if code is None or not cells:
+            return None
+        captured = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells)))
+        metas, positions = captured.get("tensordesc_meta"), captured.get("tensordesc_indices")
+        if "launcher" not in captured or not metas or positions is None or any(m is None for m in metas):
+            return None
+        if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+            return None  # the launcher would allocate scratch per launch
+        try:
+            from triton.backends.nvidia import driver as nvidia
+        except ImportError:
+            return None
+        if getattr(nvidia, "_BASE_ARGS_FORMAT", None) != _LAUNCHER_BASE_FORMAT or len(metas) != len(positions):
+            return None
+        return cls(captured["launcher"], tuple(zip(sorted(positions), metas)), nvidia.make_tensordesc_arg,
+                   run.launch_cooperative_grid, run.launch_pdl)
+
+    def __call__(self, grid3: tuple, stream: int, function, metadata, enter, leave, parameters: tuple) -> None:
+        arguments = [*grid3, stream, function, *self.base, metadata, None, enter, leave]
+        maps, start = self.maps, 0
+        for position, meta in self.descriptors:
+            arguments += parameters[start:position]
+            desc = parameters[position]
+            key = (position, desc.base.data_ptr(), *desc.shape, *desc.strides, *desc.block_shape)
+            expanded = maps.get(key)
+            if expanded is None:
+                if len(maps) >= _TENSOR_MAPS_KEPT:
+                    maps.clear()
+                expanded = maps[key] = self.encode(desc, meta)
+            arguments += expanded
+            start = position + 1
+        arguments += parameters[start:]
+        self.launch(*arguments)
 
 
 def _has_calls(hook) -> bool:
@@ -129,12 +201,16 @@ class DirectLaunch:
                     if hasattr(kernel, "result"):  # a future while compiling asynchronously
                         kernel = kernel.result()
                     run = kernel.run  # (initialises the handles first)
-                    self.compiled[key] = (run, kernel.function, kernel.packed_metadata)
+                    self.compiled[key] = (run, kernel.function, kernel.packed_metadata, _TensorMaps.for_launcher(run))
                 except Exception as error:  # not a compiled kernel this module knows: the JIT path
                     self.enabled, self.why_not = False, f"the JIT returned {type(kernel).__name__}: {error!r}"
             return
-        run, function, metadata = compiled
+        run, function, metadata, maps = compiled
         try:
+            if maps is not None and flag("INSUM_KEEP_TENSOR_MAPS", default=True):
+                maps(self.grid3, driver.get_current_stream(device), function, metadata, enter, leave,
+                     (*(addresses() if addresses is not None else argument_list()), *self.constexprs))
+                return
             run(*self.grid3, driver.get_current_stream(device), function, metadata, None, enter, leave,
                 *(addresses() if addresses is not None else argument_list()), *self.constexprs)
         except Exception as error:

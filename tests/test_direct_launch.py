@@ -374,3 +374,145 @@ def test_cuda_pinned_products_go_direct_and_match(name, monkeypatch):
     plan = next(iter(fmt.__dict__["_spmm_plans"].values()))
     direct = plan.pinned.launch.launch.direct if name == "CELL" else plan.pinned.launch.launcher.direct
     assert direct.enabled and direct.compiled, "the pinned launch did not go direct"
+
+
+# ----------------------------------------------------------------- kept tensor maps
+
+
+def _launcher_36(c_launch, positions, metas):
+    """A launcher laid out as Triton 3.6's `CudaLauncher`: its `launch` wraps the C launch
+    function and expands each descriptor (at `positions`, after the 13 base arguments) with
+    `make_tensordesc_arg` on every call, as 3.6's `wrap_handle_tensordesc` does."""
+    from triton.backends.nvidia import driver as nvidia
+
+    tensordesc_indices, tensordesc_meta, launcher = set(positions), list(metas), c_launch
+
+    def inner(*args):
+        final = list(args[:13])
+        k = 0
+        for i, arg in enumerate(args[13:]):
+            if i in tensordesc_indices:
+                final.extend(nvidia.make_tensordesc_arg(arg, tensordesc_meta[k]))
+                k += 1
+            else:
+                final.append(arg)
+        return launcher(*final)
+
+    run = type("CudaLauncher", (), {})()
+    run.launch, run.global_scratch_size, run.profile_scratch_size = inner, 0, 0
+    run.launch_cooperative_grid, run.launch_pdl = False, False
+    return run
+
+
+@pytest.fixture
+def encoder(monkeypatch):
+    """Triton 3.6's launcher layout and an encoder that counts its calls (a map is a tuple of
+    what it encodes)."""
+    from triton.backends.nvidia import driver as nvidia
+
+    encoded = []
+
+    def make_tensordesc_arg(desc, meta):
+        encoded.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), tuple(desc.block_shape), meta), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOO", raising=False)
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", make_tensordesc_arg)
+    return encoded
+
+
+def _descriptor(tensor, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
+
+
+def test_kept_maps_pass_what_the_launcher_would(encoder):
+    """The kept-map launch gives the C function the argument list Triton's wrapper would,
+    encoding a descriptor only for an address (or box) it has not seen."""
+    calls = []
+    run = _launcher_36(lambda *a: calls.append(a), positions=[1, 3], metas=["meta-a", "meta-b"])
+    maps = direct._TensorMaps.for_launcher(run)
+    assert maps is not None
+    A, B, B2 = torch.randn(64, 32), torch.randn(32, 16), torch.randn(32, 16)
+    base = ((4, 1, 1), 7, "fn", "packed", None, None)
+
+    def both(*parameters):
+        run.launch(*base[0], base[1], base[2], False, False, None, None, base[3], None, None, None, *parameters)
+        expected = calls.pop()
+        maps(*base, parameters)
+        assert calls.pop() == expected
+
+    both(11, _descriptor(A, [16, 16]), 5, _descriptor(B, [16, 8]), "constexpr")
+    assert len(encoder) == 4  # the wrapper's two, the kept maps' first two
+    both(11, _descriptor(A, [16, 16]), 5, _descriptor(B, [16, 8]), "constexpr")
+    assert len(encoder) == 6  # the wrapper's only: both maps kept
+    both(11, _descriptor(A, [16, 16]), 5, _descriptor(B2, [16, 8]), "constexpr")
+    assert encoder[-1] == B2.data_ptr() and len(encoder) == 9  # a new address: encoded
+    both(11, _descriptor(A, [32, 16]), 5, _descriptor(B2, [16, 8]), "constexpr")
+    assert len(encoder) == 12  # a new box for A: encoded
+
+
+def test_kept_maps_only_for_the_known_layout(encoder, monkeypatch):
+    from triton.backends.nvidia import driver as nvidia
+
+    run = _launcher_36(lambda *a: None, positions=[0], metas=["meta"])
+    assert direct._TensorMaps.for_launcher(run) is not None
+    run.global_scratch_size = 128  # scratch allocated per launch by the launcher
+    assert direct._TensorMaps.for_launcher(run) is None
+    assert direct._TensorMaps.for_launcher(_launcher_36(lambda *a: None, positions=[0], metas=[None])) is None
+    assert direct._TensorMaps.for_launcher(_launcher_36(lambda *a: None, positions=[], metas=[])) is None
+    assert direct._TensorMaps.for_launcher(_MockKernel().run) is None
+    monkeypatch.setattr(nvidia, "_BASE_ARGS_FORMAT", "iiiKKppOOOOOOOOO")
+    assert direct._TensorMaps.for_launcher(_launcher_36(lambda *a: None, positions=[0], metas=["meta"])) is None
+
+
+def test_direct_launch_goes_through_kept_maps(mock_triton, encoder, monkeypatch):
+    """A compiled kernel whose launcher is laid out as 3.6's launches through its kept maps;
+    INSUM_KEEP_TENSOR_MAPS=0 sends it through the launcher (which encodes every time)."""
+    launch, args, _ = _direct("block row descriptors")
+    position = next(i for i, a in enumerate(args) if type(a).__name__ == "TensorDescriptor")
+    calls = []
+    compiled = _MockKernel()
+    compiled.run = _launcher_36(lambda *a: calls.append(a), positions=[position], metas=["meta"])
+    compiled.run.__class__.__call__ = lambda self, *call: compiled.calls.append(call)
+    jit = _MockJIT(compiled)
+    launch(jit, args)
+    launch(jit, args)
+    launch(jit, args)
+    assert len(calls) == 2 and not compiled.calls and len(encoder) == 1
+    assert calls[0][:13] == (*launch.grid3, 1000, "function-handle", False, False, None, None, "packed", None, None,
+                             None)
+    monkeypatch.setenv("INSUM_KEEP_TENSOR_MAPS", "0")
+    launch(jit, args)
+    assert len(calls) == 2 and len(compiled.calls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the compiled kernels' own launchers")
+def test_cuda_block_ell_through_kept_maps_matches(monkeypatch):
+    """Block-ELL products through tensor descriptors, repeated over rotating operands and new
+    outputs: right every time; on a launcher laid out as Triton 3.6's, through kept maps."""
+    from insum import runtime
+    from insum.formats import BlockGroupCOO
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need sm_90")
+    monkeypatch.delenv("INSUM_KEEP_TENSOR_MAPS", raising=False)
+    gen = torch.Generator().manual_seed(12)
+    keep = torch.rand(4, 3, generator=gen) < 0.6
+    keep[0] = True
+    A = (torch.randn(256, 192, generator=gen) * keep.repeat_interleave(64, 0).repeat_interleave(64, 1)).half().cuda()
+    fmt = BlockGroupCOO.from_dense(A, block=(64, 64), group_size="row")
+    Bs = [torch.randn(192, 80, generator=gen).half().cuda() for _ in range(3)]
+    for i in range(9):
+        B = Bs[i % 3]
+        got = fmt @ B
+        torch.testing.assert_close(got.double(), A.double() @ B.double(), rtol=1e-2, atol=1e-2)
+    compiled = [entry for k in runtime._KERNELS.values() for launch in k._launchers.values()
+                if getattr(launch, "direct", None) is not None for entry in launch.direct.compiled.values()]
+    kept = [entry[3] for entry in compiled if entry[3] is not None]
+    from triton.backends.nvidia import driver as nvidia
+
+    if getattr(nvidia, "_BASE_ARGS_FORMAT", None) == direct._LAUNCHER_BASE_FORMAT:
+        assert any(maps.maps for maps in kept), "the descriptor launch did not keep its maps"
