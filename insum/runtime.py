@@ -248,11 +248,10 @@ class Kernel:
         config = self.tuned.get(bucket)
         if config is None:
             config = self._first_config(bucket, args, launcher, device, autotune)
-        launcher.set_config(config if config is not None else self.tuned[bucket])
-        if config is not None:  # else the autotuner's final run already produced the result
-            launcher.direct(self.fn, launcher.with_blocks(args))
+        launcher.set_config(config)
+        launcher.direct(self.fn, launcher.with_blocks(args))
 
-    def _first_config(self, bucket, args, launcher: _Launcher, device, autotune) -> dict | None:
+    def _first_config(self, bucket, args, launcher: _Launcher, device, autotune) -> dict:
         """Configuration for a new bucket: interpreter, untuned, disk cache, or autotune."""
         candidates = [launcher.fitted(c) for c in prune_configs(self.plan, configs_for(self.plan), launcher.extents)]
         grid = launcher.grid_fn
@@ -264,15 +263,18 @@ class Kernel:
         else:
             config = self._disk_config(bucket, device)
         if config is None:
-            self.tuned[bucket] = self._autotune(args, grid, candidates, launcher.blocks_hook(self.param_names))
-            self._save_disk_config(bucket, device, self.tuned[bucket])
-            return None
+            config = self.tuned[bucket] = self._autotune(launcher.tuning_args(args), grid, candidates,
+                                                         launcher.blocks_hook(self.param_names))
+            self._save_disk_config(bucket, device, config)
+            return config
         self.tuned[bucket] = config
         return config
 
     def _autotune(self, args, grid, candidates, pre_hook=None) -> dict:
-        """The fastest of `candidates` (triton.autotune); pre_hook sizes each candidate's
-        descriptor arguments (`_Launcher.blocks_hook`)."""
+        """The fastest of `candidates` (triton.autotune), each timed as CUDA-graph replays of its
+        launch (`graphed_bench`); `args` write a scratch output (`_Launcher.tuning_args`), so no
+        candidate's timing includes saving and restoring the caller's. pre_hook sizes each
+        candidate's descriptor arguments (`_Launcher.blocks_hook`)."""
         import triton
 
         configs = [
@@ -284,9 +286,11 @@ class Kernel:
             )
             for c in candidates
         ]
-        tuner = triton.autotune(configs=configs, key=[], restore_value=[self.out_arg])(self.fn)
+        if len(configs) == 1:
+            return candidates[0]
+        tuner = triton.autotune(configs=configs, key=[], do_bench=graphed_bench)(self.fn)
         tuner[grid](*args)
-        best = tuner.best_config if len(configs) > 1 else configs[0]
+        best = tuner.best_config
         return {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
 
     def _disk_path(self) -> Path:
@@ -316,6 +320,53 @@ class Kernel:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
         os.replace(tmp, path)
+
+
+#: Launches a tuning candidate's graph holds at most (its replays then time them together).
+GRAPHED_LAUNCHES = 200
+
+
+def graphed_bench(kernel_call, quantiles: Sequence[float], rep_ms: float = 20.0) -> list[float]:
+    """A tuning candidate's device time per launch (ms, at `quantiles` of 10 replays): its
+    launches captured as one CUDA graph, replayed back to back.
+
+    Triton's `do_bench` times each launch between events with the host in the loop: where a
+    product takes a few tens of µs and the host needs about as long to launch it (Triton's
+    binding, the descriptors' encoding), the host's time decides, and the tuner picks by
+    noise (a Block-ELL 64x64 product at 4096^3, s = 0.9, tuned 12% slower than its best
+    candidate: benchmarks/results/h200/session14/call6). Falls back to `do_bench` where a
+    capture fails. Each graph replays one input set, so the L2 is warm (do_bench flushes it)."""
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            kernel_call()  # compiled and warm outside the capture
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                kernel_call()
+            end.record()
+            end.synchronize()
+            launches = max(1, min(GRAPHED_LAUNCHES, int(rep_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                for _ in range(launches):
+                    kernel_call()
+            times = []
+            for _ in range(10):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / launches)
+    except RuntimeError:
+        torch.cuda.current_stream().wait_stream(stream)
+        return triton.testing.do_bench(kernel_call, quantiles=list(quantiles))
+    torch.cuda.current_stream().wait_stream(stream)
+    ordered = torch.tensor(times, dtype=torch.float64)
+    return [float(torch.quantile(ordered, q)) for q in quantiles]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,6 +561,22 @@ class _Launcher:
         for position, made in self.descriptors:
             args[position] = made(tensors[made.name], config)
         return args
+
+    def tuning_args(self, args: list) -> list:
+        """`args` with a scratch tensor of the output's layout for the output: the tuner runs
+        every candidate many times, and a `+=` statement would add into the caller's output
+        each time (Triton's `restore_value` saves and restores it around every timed launch,
+        two copies of the output that the timing then includes)."""
+        tuned = list(args)
+        scratch = None
+        for position, name in self.pointers:
+            if name == self.out_name:
+                out = args[position]
+                if scratch is None:
+                    # (zeros: what the candidates add into stays finite)
+                    scratch = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device).zero_()
+                tuned[position] = scratch
+        return tuned
 
     def blocks_hook(self, names: Sequence[str]):
         """A tuner's pre-hook that sizes the descriptors among a candidate's arguments (by

@@ -95,9 +95,13 @@ def main() -> None:
               dense_ms[size])
     from insum import runtime
 
-    off = {str(k.spec.stmt): launch.direct.why_not for k in runtime._KERNELS.values()
-           for launch in k._launchers.values() if getattr(launch, "config", None) and launch.direct.why_not}
+    launches = [(k, launch) for k in runtime._KERNELS.values() for launch in k._launchers.values()
+                if getattr(launch, "config", None)]
+    off = {str(k.spec.stmt): launch.direct.why_not for k, launch in launches if launch.direct.why_not}
     print(f"{args.label:5s} direct launches off: {off or 'none'}", flush=True)
+    for k, launch in launches:  # the tuner's choices
+        extents = ",".join(f"{v}={e}" for v, e in launch.extents.items())
+        print(f"{args.label:5s} tuned {k.spec.stmt}  [{extents}]  {launch.config}", flush=True)
 
 
 if __name__ == "__main__":

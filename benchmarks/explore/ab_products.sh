@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B of the tensor-core products (explore/ab_products.py): an older insum tree (in
-# .carry-ab/old) against this one, alternated in separate processes, ROUNDS times (default 2).
+# .carry-ab/old) against this one, alternated in separate processes, ROUNDS times (default 2),
+# each process with an empty kernel cache of its own (so each tunes as a user's first call).
 #   rm -rf .carry-ab/old && mkdir -p .carry-ab/old && git archive <rev> insum | tar -x -C .carry-ab/old
 #   bash benchmarks/explore/ab_products.sh [--quick]   # (device, carry .whl and .carry-ab)
 pip install -q --no-index --target /tmp/site .whl/*.whl 2>/dev/null
@@ -12,7 +13,7 @@ rm -rf .carry-ab/old/benchmarks && cp -r benchmarks .carry-ab/old/
 for i in $(seq "${ROUNDS:-2}"); do
   for tree in old new; do
     if [ $tree = old ]; then cd "$ROOT/.carry-ab/old"; else cd "$ROOT"; fi
-    INSUM_CACHE_DIR=/tmp/insum-cache-$tree PYTHONPATH=/tmp/site:$PWD python -m benchmarks.explore.ab_products --label "$tree" "$@" \
+    INSUM_CACHE_DIR=/tmp/insum-cache-$tree-$i PYTHONPATH=/tmp/site:$PWD python -m benchmarks.explore.ab_products --label "$tree" "$@" \
       2>&1 | grep -v "Warn" | tee -a "$OUTDIR/ab_products.log"
   done
 done
