@@ -128,4 +128,7 @@ def test_cuda_tuned_accumulation_adds_once():
     C = torch.randn(301, 53, device="cuda", generator=gen)
     start = C.clone()
     insum.insum("C[m, n] += A[m, k] * B[k, n]", C=C, A=A, B=B, backend="triton", autotune=True)
-    torch.testing.assert_close(C.double(), start.double() + A.double() @ B.double(), rtol=2e-3, atol=2e-3)
+    product = A.double() @ B.double()
+    # (tf32 products: a relative error near 1e-3 of the product; adding it twice would be 1)
+    error = float((C.double() - start.double() - product).norm() / product.norm())
+    assert error < 5e-3, error
