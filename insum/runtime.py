@@ -324,17 +324,19 @@ class Kernel:
 
 #: Launches a tuning candidate's graph holds at most (its replays then time them together).
 GRAPHED_LAUNCHES = 200
+GRAPH_REPLAYS = 10
 
 
 def graphed_bench(kernel_call, quantiles: Sequence[float], rep_ms: float = 20.0) -> list[float]:
-    """A tuning candidate's device time per launch (ms, at `quantiles` of 10 replays): its
-    launches captured as one CUDA graph, replayed back to back.
+    """A tuning candidate's device time per launch (ms, at `quantiles` of `GRAPH_REPLAYS`
+    replays, about `rep_ms` of device time in all): its launches captured as one CUDA graph,
+    replayed back to back.
 
     Triton's `do_bench` times each launch between events with the host in the loop: where a
     product takes a few tens of µs and the host needs about as long to launch it (Triton's
-    binding, the descriptors' encoding), the host's time decides, and the tuner picks by
-    noise (a Block-ELL 64x64 product at 4096^3, s = 0.9, tuned 12% slower than its best
-    candidate: benchmarks/results/h200/session14/call6). Falls back to `do_bench` where a
+    binding, the descriptors' encoding), the host's time decides, and the tuner can pick by
+    noise (seen once: a Block-ELL 64x64 product at 4096^3, s = 0.9, tuned 12% slower than its
+    best candidate, benchmarks/results/h200/session14/call6). Falls back to `do_bench` where a
     capture fails. Each graph replays one input set, so the L2 is warm (do_bench flushes it)."""
     import triton.testing
 
@@ -349,13 +351,14 @@ def graphed_bench(kernel_call, quantiles: Sequence[float], rep_ms: float = 20.0)
                 kernel_call()
             end.record()
             end.synchronize()
-            launches = max(1, min(GRAPHED_LAUNCHES, int(rep_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+            per_launch = max(start.elapsed_time(end) / 3, 1e-3)
+            launches = max(1, min(GRAPHED_LAUNCHES, int(rep_ms / GRAPH_REPLAYS / per_launch)))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 for _ in range(launches):
                     kernel_call()
             times = []
-            for _ in range(10):
+            for _ in range(GRAPH_REPLAYS):
                 start.record()
                 graph.replay()
                 end.record()
