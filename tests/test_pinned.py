@@ -226,3 +226,52 @@ def test_pinned_call_with_lengths_checks_only_its_varying_tensors_alignment(monk
     shifted = torch.randn(9, generator=gen)[1:].view(4, 2)  # same signature, 4 bytes past an aligned start
     assert shifted.data_ptr() % 16 != 0
     assert not pinned.run({"C": torch.empty(5, 2), "B": shifted})  # ran nothing: the full path must run
+
+
+def _plan(fmt):
+    return next(iter(fmt.__dict__["_spmm_plans"].values()))
+
+
+@pytest.mark.parametrize("K, kept", [(16, "window"), (15, "method")], ids=["whole-blocks", "padded"])
+def test_pinned_views_follow_each_operands_offset(K, kept, monkeypatch):
+    """A pinned Block-ELL product views B and C as the format would (`_SpmmPlan._views`): B
+    given as windows of one larger tensor at other offsets each call (the plan's key has no
+    offset) is read where it lies; with K not a whole number of blocks the operand is a
+    padded copy, which the format's own method makes on every call."""
+    gen = torch.Generator().manual_seed(21)
+    A = torch.randn(10, K, generator=gen) * (torch.rand(10, K, generator=gen) < 0.5)
+    fmt = BlockGroupCOO.from_dense(A, block=(4, 4), group_size="row")
+    storage = torch.randn(6 * K + 3, 5, generator=gen)
+    for _ in range(3):
+        fmt.spmm(storage[:K], backend="triton")
+    plan = _plan(fmt)
+    assert plan.pinned is not None
+    operand, result = plan.views
+    assert result is not None and result != ()  # C (12, 5) viewed as its first 10 rows
+    assert (operand is not None) == (kept == "window")
+    runs = _count_pinned(monkeypatch)
+    for start in (1, K + 2, 3 * K, 5 * K + 3):
+        B = storage[start:start + K]
+        got = fmt.spmm(B, backend="triton")
+        assert got.shape == (10, 5)
+        _close(got, A.double() @ B.double())
+    assert len(runs) == 4
+
+
+def test_pinned_views_of_a_cast_operand_and_a_vector(monkeypatch):
+    """B cast per call (a half B into a float32 format) is a new tensor each time: its view
+    is made by the format's method; a vector B is viewed as one column."""
+    gen = torch.Generator().manual_seed(22)
+    A = torch.randn(8, 12, generator=gen) * (torch.rand(8, 12, generator=gen) < 0.5)
+    fmt = BlockGroupCOO.from_dense(A, block=(4, 4), group_size="row")
+    runs = _count_pinned(monkeypatch)
+    for _ in range(4):
+        B = torch.randn(12, 3, generator=gen).half()
+        _close(fmt.spmm(B, backend="triton"), A.double() @ B.double())
+    assert _plan(fmt).views[0] is None and len(runs) == 2
+    for _ in range(4):
+        v = torch.randn(12, generator=gen)
+        got = fmt.spmm(v, backend="triton")
+        assert got.shape == (8,)
+        _close(got, A.double() @ v.double())
+    assert len(runs) == 4

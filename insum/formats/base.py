@@ -562,7 +562,7 @@ class _SpmmPlan:
     __slots__ = (
         "vector", "empty", "dtype", "cast", "acc", "shape", "zeros", "statements", "disjoint", "covering", "single", "options",
         "M", "N", "biased", "fused", "varying",
-        "pinned", "tries",
+        "pinned", "tries", "views",
     )
 
     def __init__(
@@ -610,6 +610,8 @@ class _SpmmPlan:
         # Repeats that tried to pin them; none where values are cast per call (a copy per
         # value tensor: not a call that the host's time limits).
         self.tries = PIN_TRIES if self.empty or any(cast for _, _, cast, _ in self.statements) else 0
+        # How the format views B and C (`_views`), learnt on the call that pins the plan.
+        self.views: tuple | None = None
 
     def _bias(self, fmt: SparseFormat, bias: torch.Tensor) -> torch.Tensor:
         """The bias as the fused statement reads it (`D`)."""
@@ -656,6 +658,36 @@ class _SpmmPlan:
             C = C + bias.to(self.dtype)[:, None]
         return C.squeeze(1) if self.vector else C
 
+    def _learn_views(self, fmt: SparseFormat, B: torch.Tensor | None, operand: torch.Tensor, C: torch.Tensor) -> None:
+        """Record how `fmt.operand(B)` and `fmt.result(C)` view B and C, where they are views:
+        B's and C's layouts are fixed for the plan (its key, its allocation), so a pinned call
+        takes the same views directly (`_views`) instead of through the format's methods (a
+        few µs of Python each). Where a view is not the same strided window of the same
+        memory, the format's method runs on every call (B None: B is cast per call, a copy)."""
+        result = fmt.result(C)
+
+        def window(view: torch.Tensor, of: torch.Tensor | None) -> tuple | None:
+            if view is of:
+                return ()
+            if of is None or not view.numel() or view.untyped_storage().data_ptr() != of.untyped_storage().data_ptr():
+                return None
+            return (tuple(view.shape), view.stride(), view.storage_offset() - of.storage_offset())
+
+        self.views = (window(operand, B), window(result, C))
+
+    def _views(self, fmt: SparseFormat, B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B's operand view, C's result view) for a pinned call (`_learn_views`)."""
+        operand, result = self.views
+        if operand is None:
+            B = fmt.operand(B)
+        elif operand:
+            B = B.as_strided(operand[0], operand[1], B.storage_offset() + operand[2])
+        if result is None:
+            C = fmt.result(C)
+        elif result:
+            C = C.as_strided(result[0], result[1], C.storage_offset() + result[2])
+        return B, C
+
     def repeat(self, fmt: SparseFormat, B: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Another product with a B (and bias) of the plan's kind, outside torch.compile:
         through the pinned launch (`insum.execute.Pinned`: the format's tensors checked once,
@@ -673,6 +705,8 @@ class _SpmmPlan:
                 calls, varying=self.varying, check_indices=False, disjoint=self.disjoint, covering=self.covering,
                 **self.options,
             )
+            if self.pinned is not None:
+                self._learn_views(fmt, None if self.cast else B, calls[0][1]["B"], C)
             return self._finish(fmt, C, bias)
         ready = pinned.ready(B, bias) if self.fused else pinned.ready(B)
         if not ready:
@@ -686,9 +720,10 @@ class _SpmmPlan:
             B = B.to(self.dtype)
         # A launch that writes every element of C (covering buckets) needs no zero fill.
         C = (torch.zeros if self.zeros and not pinned.covers else torch.empty)(self.shape, dtype=self.acc, device=B.device)
-        varying = {"C": C, "B": fmt.operand(B)}
+        operand, result = self._views(fmt, B, C)
+        varying = {"C": C, "B": operand}
         if self.fused:
             varying["D"] = self._bias(fmt, bias)
         if not pinned.run(varying):
             return self(fmt, original, bias)
-        return self._finish(fmt, C, bias)
+        return self._finish(fmt, result, bias, viewed=True)
