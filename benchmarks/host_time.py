@@ -13,7 +13,8 @@ its covering layout (one launch of stores into `torch.empty`), "CELL cover=False
 one (the same launch adding into a zero-filled C). "GroupCOO short rows" and "COO short rows"
 pack a matrix of rows of 0 to 6 entries (their covering layout: one launch of stores into
 `torch.empty`), "... cover=False" the same matrix plainly (a zero fill, then the launch); the
-skewed matrix's hub row keeps "GroupCOO" and "COO" plain. The formats run through `fmt.spmm(B, backend="triton")` there, since
+skewed matrix's hub row keeps "GroupCOO" and "COO" plain. "Block-ELL" packs the skewed
+matrix in 16 x 16 blocks, one group per block row (B and C reach its kernel through views). The formats run through `fmt.spmm(B, backend="triton")` there, since
 `fmt @ B` takes the torch lowering on the CPU.
 
 On CUDA nothing is stubbed: beside the same rows it times the bare JIT launch of the
@@ -45,7 +46,7 @@ import torch
 import insum
 from insum import runtime
 from insum.bind import bind
-from insum.formats import CELL, COO, ELL, GroupCOO
+from insum.formats import CELL, COO, ELL, BlockGroupCOO, GroupCOO
 from insum.nn import SparseLinear
 from insum.parser import parse
 
@@ -91,6 +92,8 @@ def cases(device: torch.device, formats_out: dict | None = None) -> dict[str, Ca
     tensors = dict(group.tensors, B=B, C=torch.zeros(M, N, device=device))
     dense_A = torch.randn(M, K, generator=gen).to(device)
     formats = {"GroupCOO": group, "ELL": ELL.from_dense(A), "CELL": CELL.from_dense(A), "COO": COO.from_dense(A)}
+    # Block-ELL (16 x 16 blocks, whole blocks of M and K: B and C through views, no padding copy).
+    formats["Block-ELL"] = BlockGroupCOO.from_dense(A, block=(16, 16), group_size="row")
     if "cover" in inspect.signature(CELL._pack).parameters:  # (an older tree, for an A/B, has no plain layout to ask for)
         formats["CELL cover=False"] = CELL.from_dense(A, cover=False)
     # GroupCOO and COO on short rows (their covering layout by default) beside the same matrix
