@@ -246,9 +246,11 @@ def environment(device: torch.device) -> dict:
 
 
 def shorten_autotune(warmup: int = 5, rep: int = 20) -> Callable[[], None]:
-    """Make triton.autotune (which insum's runtime uses) measure each candidate for `rep` ms
-    instead of 100, so that the many shape buckets of a sweep fit the time budget. Returns
-    the function that undoes it. The costs study measures the unshortened default.
+    """Make `triton.testing.do_bench`, as triton.autotune calls it, measure each candidate
+    for `rep` ms instead of 100, so that the many shape buckets of a sweep fit the time
+    budget: the anchors' own Triton kernels, and insum's tuner where it cannot capture a
+    CUDA graph (it times candidates as ~20 ms of graph replays, `insum.runtime.graphed_bench`).
+    Returns the function that undoes it. The costs study measures the unshortened default.
     """
     import triton.testing
 
