@@ -235,6 +235,7 @@ def write_report(results: dict, out: Path, plots: bool = True, mlp: dict | None 
         [("study", field("study")), *[(k, lambda r, k=k: r["env"][k]) for k in ("date", "device", "torch", "triton")],
          ("mode", field("mode")), ("configs", lambda r: len(r.get("rows", []))),
          ("failed checks", lambda r: sum(not x.get("ok") for x in r.get("rows", []))),
+         ("timing", lambda r: "two rounds" if any("rounds_ms" in x for x in r.get("rows", [])) else "one round"),
          ("time / budget", lambda r: f"{r.get('elapsed_s', 0):.0f} s / {r.get('budget_s', 0):.0f} s"), ("status", field("status"))],
     )
     lines += ["", "Measured ceilings (each run measures its own, before its studies):", ""]
