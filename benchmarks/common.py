@@ -61,6 +61,16 @@ def median_ms(fn, rotations: int = 1, *, warmup: int = 25, rep: int = 100) -> fl
     return _do_bench()(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graphed_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """Device milliseconds per call of `fn`: `calls` calls captured as one CUDA graph, the
+    median of its replays (do_bench) divided by `calls` (no host time, no L2 flush between)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay) / calls
+
+
 def cuda_graph(fn: Callable[[], object], warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
     """`fn` captured as a CUDA graph (and what the captured call returned), after `warmups`
     runs on a side stream: compiling, tuning and allocating happen outside the capture."""

@@ -183,7 +183,6 @@ class Kernel:
         self.path = cache_dir() / "kernels" / f"insum_{self.digest}.py"
         self.fn = _load(self.path, self.source, self.digest)
         self.param_names = tuple(inspect.signature(_python_fn(self.fn)).parameters)
-        self.out_arg = f"{spec.stmt.output.name}_ptr"
         self.tuned: BoundedCache[tuple, dict] = BoundedCache()  # extents bucket -> configuration
         self._launchers: BoundedCache[tuple, _Launcher] = BoundedCache()  # tensor signature -> prepared launch
         self._siblings: BoundedCache[KernelSpec, Kernel] = BoundedCache()  # re-planned for other extents
@@ -365,9 +364,11 @@ def graphed_bench(kernel_call, quantiles: Sequence[float], rep_ms: float = 20.0)
                 end.synchronize()
                 times.append(start.elapsed_time(end) / launches)
     except RuntimeError:
+        times = None
+    finally:
         torch.cuda.current_stream().wait_stream(stream)
+    if times is None:
         return triton.testing.do_bench(kernel_call, quantiles=list(quantiles))
-    torch.cuda.current_stream().wait_stream(stream)
     ordered = torch.tensor(times, dtype=torch.float64)
     return [float(torch.quantile(ordered, q)) for q in quantiles]
 

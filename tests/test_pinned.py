@@ -180,6 +180,16 @@ def test_pinned_arguments_equal_the_parts_arguments():
         assert a == (b.data_ptr() if isinstance(b, torch.Tensor) else b), position
 
 
+def _vector_products(fmt, A: torch.Tensor, gen: torch.Generator) -> None:
+    """Four products of `fmt` with vectors (the first two run, prepare and pin), each a vector
+    of A's rows, checked."""
+    for _ in range(4):
+        v = torch.randn(A.shape[1], generator=gen)
+        got = fmt.spmm(v, backend="triton")
+        assert got.shape == (A.shape[0],)
+        _close(got, A.double() @ v.double())
+
+
 def test_vector_and_half_products_repeat_pinned(monkeypatch):
     A = _skewed(8)
     fmt = CELL.from_dense(A.half())  # half values and B: float32 accumulation, rounded once
@@ -190,12 +200,7 @@ def test_vector_and_half_products_repeat_pinned(monkeypatch):
         torch.testing.assert_close(fmt.spmm(B, backend="triton").double(), A.half().double() @ B.double(),
                                    rtol=1e-2, atol=1e-2)
     assert len(runs) == 2
-    vec = GroupCOO.from_dense(A)
-    for _ in range(4):
-        v = torch.randn(13, generator=gen)
-        got = vec.spmm(v, backend="triton")
-        assert got.shape == (19,)
-        _close(got, A.double() @ v.double())
+    _vector_products(GroupCOO.from_dense(A), A, gen)
     assert len(runs) == 4
 
 
@@ -269,9 +274,5 @@ def test_pinned_views_of_a_cast_operand_and_a_vector(monkeypatch):
         B = torch.randn(12, 3, generator=gen).half()
         _close(fmt.spmm(B, backend="triton"), A.double() @ B.double())
     assert _plan(fmt).views[0] is None and len(runs) == 2
-    for _ in range(4):
-        v = torch.randn(12, generator=gen)
-        got = fmt.spmm(v, backend="triton")
-        assert got.shape == (8,)
-        _close(got, A.double() @ v.double())
+    _vector_products(fmt, A, gen)
     assert len(runs) == 4

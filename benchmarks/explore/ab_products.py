@@ -18,7 +18,7 @@ import torch
 from insum import insum
 from insum.formats import NM, BlockGroupCOO
 
-from ..common import block_sparse, median_ms, relative_error, rotating
+from ..common import block_sparse, graphed_ms, median_ms, relative_error, rotating
 
 BLOCKS = [(4096, 32, 0.9), (4096, 64, 0.9), (4096, 64, 0.5), (4096, 128, 0.9), (4096, 128, 0.5),
           (8192, 64, 0.9), (8192, 128, 0.9), (8192, 128, 0.5)]
@@ -41,11 +41,7 @@ def point(label: str, name: str, fn, Bs: list, expected: torch.Tensor, t_dense: 
             issues.append((time.perf_counter() - start) / 30)
         issue = min(issues)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                fn(Bs[0])
-        device = median_ms(graph.replay) / 20
+        device = graphed_ms(lambda: fn(Bs[0]))
         line += f"  host {issue * 1e6:6.1f} us  graphed {device * 1e3:6.1f} us"
     print(line, flush=True)
 

@@ -18,7 +18,14 @@ import torch
 
 from insum.formats import NM, BlockGroupCOO
 
-from ..common import block_sparse, median_ms, print_python_profile, relative_error, rotating
+from ..common import (
+    block_sparse,
+    graphed_ms,
+    median_ms,
+    print_python_profile,
+    relative_error,
+    rotating,
+)
 from .layer_host import issue_us
 
 MODES = {"kept": "1", "encoded": "0"}  # INSUM_KEEP_TENSOR_MAPS
@@ -52,11 +59,7 @@ def main() -> None:
             line[f"issue {mode}"] = issue_us(lambda f=fmt, B=Bs[0]: f @ B, calls=50, repeats=7)
             line[f"do_bench {mode}"] = median_ms(rotating(lambda B, f=fmt: f @ B, [(B,) for B in Bs])) * 1e3
         os.environ["INSUM_KEEP_TENSOR_MAPS"] = "1"
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                fmt @ Bs[0]
-        line["graphed"] = median_ms(graph.replay) / 20 * 1e3
+        line["graphed"] = graphed_ms(lambda f=fmt, B=Bs[0]: f @ B) * 1e3
         rows.append(line)
         print(f"{name:28s} err {err:.1e}  " + "  ".join(f"{k} {v:7.1f}" for k, v in line.items()
                                                         if k not in ("name", "err")), flush=True)

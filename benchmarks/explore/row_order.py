@@ -18,7 +18,7 @@ import torch
 
 from insum.formats import BlockGroupCOO
 
-from ..common import block_sparse, median_ms, relative_error, rotating
+from ..common import block_sparse, graphed_ms, median_ms, relative_error, rotating
 
 POINTS = [(4096, 64, 0.9), (4096, 32, 0.9), (4096, 128, 0.9), (4096, 64, 0.75), (8192, 64, 0.9)]
 
@@ -46,11 +46,7 @@ def main() -> None:
             fmt = BlockGroupCOO.from_dense(matrix, block=(block, block), group_size="row")
             err = relative_error(fmt @ Bs[0], matrix.double() @ Bs[0].double())
             t = median_ms(rotating(lambda B, f=fmt: f @ B, [(B,) for B in Bs])) * 1e3
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(20):
-                    fmt @ Bs[0]
-            graphed = median_ms(graph.replay) / 20 * 1e3
+            graphed = graphed_ms(lambda f=fmt, B=Bs[0]: f @ B) * 1e3
             print(f"{name:24s} {order:10s} {graphed:10.1f} {t:11.1f} {dense:9.1f} {dense / t:5.2f}x  err {err:.1e}",
                   flush=True)
     from insum import runtime
