@@ -1,6 +1,7 @@
 """Tile configurations beyond the tuner's table, for the products issue 11 still misses:
 
     python -m benchmarks.explore.config_sweep [--out DIR] [--budget 420] [--cases nm,block,big-blocks]
+        [--tiles "N=256,512;K=32,64"]
 
 N:M 1:8 at 4096^3 reaches ~50% of its ideal and Block-ELL 32x32 at s = 0.9 ~2.1x cuBLAS.
 Both run few K steps per program (8 and ~13), where pipeline depth, warps and a second
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import time
 
@@ -55,14 +57,22 @@ def cases(size: int, gen: torch.Generator, which: str):
         yield f"Block-ELL {block}x{block} s={s} {size}^3", fmt, dense
 
 
-def grid(plan, extents: dict) -> list[dict]:
+#: The swept tile sizes per axis (`--tiles` replaces some).
+TILES = {"M": (64, 128, 256), "K": (32, 64, 128), "N": (64, 128, 256)}
+
+
+def grid(plan, extents: dict, tiles: dict = TILES) -> list[dict]:
     """The swept configurations: tiles 64-256 (K 32-128), warps 4/8, stages 2-5, clamped to
-    the extents (a 32 x 32 block's k and m stay 32) and without duplicates."""
+    the extents (a 32 x 32 block's k and m stay 32) and without duplicates. A tile of more
+    than 128 x 256 elements runs with 8 warps only (its accumulator alone would take 256
+    registers a thread in 4)."""
     axes = [a for a, _ in plan.tiles]
-    choices = {"M": (64, 128, 256), "K": (32, 64, 128), "N": (64, 128, 256)}
     out = []
-    for sizes in itertools.product(*(choices[a] for a in axes)):
+    for sizes in itertools.product(*(tiles[a] for a in axes)):
+        area = math.prod(s for a, s in zip(axes, sizes) if a != "K")
         for warps, stages in itertools.product((4, 8), (2, 3, 4, 5)):
+            if area > 128 * 256 or (area > 64 * 256 and warps == 4):
+                continue
             config = {f"BLOCK_{a}": s for a, s in zip(axes, sizes)}
             if plan.grouped:
                 config["GROUP_M"] = 8
@@ -70,7 +80,7 @@ def grid(plan, extents: dict) -> list[dict]:
     return prune_configs(plan, out, extents)
 
 
-def sweep(label, fmt, dense, size, rows, deadline) -> None:
+def sweep(label, fmt, dense, size, rows, deadline, tiles: dict = TILES) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     Bs = [torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2)]
     D = torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen)
@@ -90,7 +100,7 @@ def sweep(label, fmt, dense, size, rows, deadline) -> None:
     chosen = dict(prepared.config)
     say(f"{label}: cuBLAS {t_cublas * 1e3:.1f} us; plan {kernel.plan.tiles}; tuner's choice {chosen}")
     timed = []
-    for config in [chosen] + [c for c in grid(kernel.plan, dict(bound.extents)) if c != chosen]:
+    for config in [chosen] + [c for c in grid(kernel.plan, dict(bound.extents), tiles) if c != chosen]:
         if time.time() > deadline:
             say("  deadline reached")
             break
@@ -124,7 +134,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget", type=float, default=420.0)
     parser.add_argument("--cases", default="nm,block", help="nm, block, big-blocks (comma-separated)")
+    parser.add_argument("--tiles", default="", help='tile sizes per axis replacing the defaults, e.g. "N=256,512;K=32,64"')
     args = parser.parse_args()
+    tiles = dict(TILES)
+    for part in filter(None, args.tiles.split(";")):
+        axis, sizes = part.split("=")
+        tiles[axis.strip()] = tuple(int(v) for v in sizes.split(","))
     start = time.time()
     say(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     rows: list = []
@@ -132,7 +147,7 @@ def main() -> None:
     all_cases = [c for which in args.cases.split(",") for c in cases(4096, gen, which)]
     for i, (label, fmt, dense) in enumerate(all_cases):
         share = (args.budget - (time.time() - start)) / (len(all_cases) - i)
-        sweep(label, fmt, dense, 4096, rows, time.time() + share)
+        sweep(label, fmt, dense, 4096, rows, time.time() + share, tiles)
         write_rows(args.out, "config_sweep", rows)
 
 

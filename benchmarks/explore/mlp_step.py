@@ -4,7 +4,10 @@ step: the host's issue time (steps queued without a sync), the wall time, the de
 (the step replayed as a CUDA graph), the host syncs (`set_sync_debug_mode`), and the
 profiler's kernels and host ops.
 
-    python -m benchmarks.explore.mlp_step [--width 4096] [--profile]
+    python -m benchmarks.explore.mlp_step [--width 4096] [--profile] [--compiled]
+
+--compiled measures the same steps through torch.compile(model) (its default mode: the
+compiled graphs call insum's operators, with no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def measure(name: str, model, x, gy, profile: bool) -> None:
         graphed = triton.testing.do_bench(graph.replay, return_mode="median")
     except Exception as e:  # noqa: BLE001
         print(f"{name}: capture failed: {type(e).__name__}: {str(e)[:200]}")
-    print(f"{name:12s} issue {min(issue):.3f} ms (median {sorted(issue)[2]:.3f})  wall {min(wall):.3f}  "
+    print(f"{name:21s} issue {min(issue):.3f} ms (median {sorted(issue)[2]:.3f})  wall {min(wall):.3f}  "
           f"do_bench eager {eager:.3f}  graph replay {graphed:.3f}  syncs {len(syncs)}", flush=True)
     for s in syncs[:5]:
         print("   sync:", s)
@@ -86,7 +89,7 @@ def measure(name: str, model, x, gy, profile: bool) -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70))
-        print_python_profile(step, 5)
+        print_python_profile(step, 5, orders=("tottime", "cumulative"), limit=40)
 
 
 def main() -> None:
@@ -94,12 +97,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--formats", default="dense,Block-ELL")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compiled", action="store_true", help="torch.compile(model) first")
     args = parser.parse_args()
     x = torch.randn(args.width, args.width, device="cuda", dtype=torch.float16)
     gy = torch.randn_like(x)
     for fmt in args.formats.split(","):
         model = build(args.width, None if fmt == "dense" else fmt)
-        measure(fmt, model, x, gy, args.profile)
+        if args.compiled:
+            model = torch.compile(model)
+        measure(fmt + (" compiled" if args.compiled else ""), model, x, gy, args.profile)
 
 
 if __name__ == "__main__":
