@@ -10,19 +10,22 @@ Variable roles:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .cache import BoundedCache, memoize
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .ir import Access, Role, Statement
 
-__all__ = ["Bound", "bind", "tensor_signature", "tensor_version", "kept_per_version", "PLAIN_TENSORS", "check_aliasing"]
+__all__ = [
+    "Bound", "bind", "tensor_signature", "tensor_version", "kept_per_version", "PerTensor", "PLAIN_TENSORS",
+    "check_aliasing",
+]
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,39 @@ def tensor_version(t: torch.Tensor) -> int | None:
     return t._version
 
 
-def kept_per_version(cache: WeakIdKeyDictionary, tensor: torch.Tensor, key, compute: Callable[[], object]):
+class PerTensor:
+    """Values kept per tensor object, each dropped when its tensor dies.
+
+    What `torch.utils.weak.WeakIdKeyDictionary` does, looked up by `id()` and one weak
+    reference's call instead of a key object built and hashed per lookup: the declared
+    lengths' order is looked up on every call of a Block-ELL product (3.0 -> 0.4 µs a lookup
+    on the development VM)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, tensor: torch.Tensor):
+        entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:  # (an id reused by a newer object)
+            return None
+        return entry[1]
+
+    def __setitem__(self, tensor: torch.Tensor, value) -> None:
+        key, entries = id(tensor), self._entries
+
+        def drop(ref: weakref.ref) -> None:
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(tensor, drop), value)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def kept_per_version(cache: PerTensor, tensor: torch.Tensor, key, compute: Callable[[], object]):
     """`compute()`, something derived from `tensor`'s values, kept in `cache` per tensor
     object (held weakly: the entry dies with it), version and `key`: an in-place change
     recomputes it. Computed on each call where there is no version to trust (traced code,

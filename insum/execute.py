@@ -25,9 +25,16 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .bind import PLAIN_TENSORS, Bound, bind, check_aliasing, kept_per_version, tensor_signature
+from .bind import (
+    PLAIN_TENSORS,
+    Bound,
+    PerTensor,
+    bind,
+    check_aliasing,
+    kept_per_version,
+    tensor_signature,
+)
 from .bounds import check_indices as _check_indices
 from .cache import BoundedCache, memoize
 from .dtypes import INDEX_DTYPES
@@ -176,7 +183,7 @@ def order_name(length_name: str) -> str:
 
 
 #: Per lengths tensor (held weakly: an entry dies with its tensor), its version and order.
-_ORDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_ORDERS: PerTensor = PerTensor()
 
 
 def longest_first(lengths: torch.Tensor) -> torch.Tensor:

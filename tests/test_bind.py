@@ -248,3 +248,29 @@ def test_devices_must_agree_cuda():
 def test_every_error_is_a_value_error():
     for cls in (InsumError, InsumShapeError, InsumTypeError):
         assert issubclass(cls, InsumError) and issubclass(cls, ValueError)
+
+
+def test_per_tensor_cache_holds_values_per_object_and_drops_them_with_it():
+    """`PerTensor` (the lengths' orders and counts kept per tensor): a value per tensor
+    object, not per equal tensor; gone when its tensor dies, also where a new tensor reuses
+    the dead one's id()."""
+    import gc
+
+    from insum.bind import PerTensor, kept_per_version
+
+    cache = PerTensor()
+    a, b = torch.zeros(3), torch.zeros(3)
+    cache[a] = "a"
+    assert cache.get(a) == "a" and cache.get(b) is None
+    cache[b] = "b"
+    cache[a] = "a2"  # replaced: the old entry's reference no longer drops the new one
+    assert (cache.get(a), cache.get(b), len(cache)) == ("a2", "b", 2)
+    del a
+    gc.collect()
+    assert len(cache) == 1 and cache.get(b) == "b"
+    calls = []
+    counts = torch.tensor([3, 1, 2])
+    first = kept_per_version(cache, counts, (), lambda: calls.append(1) or counts.argsort())
+    assert kept_per_version(cache, counts, (), lambda: calls.append(1)) is first and len(calls) == 1
+    counts[0] = 0  # an in-place change: computed again
+    assert kept_per_version(cache, counts, (), lambda: calls.append(1) or "new") == "new" and len(calls) == 2

@@ -11,10 +11,9 @@ grouped SpMM. Measured faster than the scatter on the H200 (`benchmarks/torch_ch
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..arith import cdiv
-from ..bind import kept_per_version
+from ..bind import PerTensor, kept_per_version
 from ..dtypes import compute_dtype
 from .grouping import default_group_size
 from .repeat import run_repeated
@@ -95,7 +94,7 @@ def with_zero_slot(values: torch.Tensor) -> torch.Tensor:
 
 #: Column lengths per pattern tensor TS (the tensor object itself, while it lives), for a
 #: pattern kept without its counts TL (a layer saved before they were kept).
-_LENGTHS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_LENGTHS: PerTensor = PerTensor()
 
 
 def _column_lengths(pattern: dict[str, torch.Tensor], zero_slot: int) -> dict:
