@@ -5,7 +5,11 @@ Square problems (4096^3 and 8192^3), fp16 and bf16, square blocks of 16, 32, 64 
 blocks drawn uniformly at random with probability s. At every point the group-size
 candidates (the paper's rule; one group per block row, as `group_size="row"` where the
 format offers it, else the widest row's block count) are packed, checked and timed, and
-the fastest is kept. Then the kept product and its anchors are timed a second time and each
+the fastest is kept. Blocks narrower than a Hopper warp-group tile (16 and 32 rows, under
+`NARROW`) also get `group_size="row", coarsen="tune", tune_cols=size`: the format's tuner
+merges 2 or 4 neighbouring block rows where that times faster on B of the product's width
+(issue 11's coarsening; at 8192^3, 32 x 32, s = 0.5 it took 1859 -> 1650 µs,
+`session15/call6`), a candidate only where it chose r > 1. Then the kept product and its anchors are timed a second time and each
 keeps the lower of its two do_bench medians (`rounds_ms` in the rows): a product of a few
 tens of µs is timed with the host's load in it where its launch falls behind do_bench's L2
 flush. Curves run in priority order (fp16 4096^3 first) until the budget is spent; the
@@ -14,8 +18,11 @@ report derives the sparsity where insum overtakes dense.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
+from insum.codegen.schedule import NARROW
 from insum.formats import BlockGroupCOO
 
 from .common import block_sparse, dtype_name, relative_error, rotations_for
@@ -43,6 +50,11 @@ def plan(ctx: Context) -> list[tuple]:
     # 128 x 128 blocks (the MegaBlocks/stk regime, issue 11's "90% of ideal from s = 0.5"), last.
     curves += [(dtype, size, 128, S_BIG_BLOCKS) for size in (4096, 8192) for dtype in (fp16, bf16)]
     return curves
+
+
+def coarsening_supported() -> bool:
+    """Whether BlockGroupCOO packs with coarsen= (an older checkout, for an A/B, does not)."""
+    return "coarsen" in inspect.signature(BlockGroupCOO._pack).parameters
 
 
 def row_groups_supported(device) -> bool:
@@ -81,18 +93,26 @@ def point(ctx, dtype, size, block, s, gen, by_row, bsr_dense_mm) -> None:
     expected = A.double() @ Bs[0].double()
     kept = float(keep.float().mean())
     widest = int(keep.sum(1).max())
-    candidates = [None, "row" if by_row else widest]
+    candidates = [(None, 1), ("row" if by_row else widest, 1)]
+    if by_row and block < NARROW and coarsening_supported():
+        candidates.append(("row", "tune"))
     best, times = None, {}
-    for g in candidates:
-        fmt = BlockGroupCOO.from_dense(A, block=(block, block), group_size=g)
+    for g, coarsen in candidates:
+        extra = {} if coarsen == 1 else {"coarsen": coarsen, "tune_cols": size}  # (tuned at the product's N)
+        fmt = BlockGroupCOO.from_dense(A, block=(block, block), group_size=g, **extra)
+        r = fmt.params.get("coarsen", 1)
+        if coarsen != 1 and r == 1:
+            continue  # the tuner kept the fine blocks: the "row" candidate already timed
         label = f"{'row' if g == 'row' else 'rule' if g is None else 'widest'} g={fmt.group_size}"
-        if any(k.endswith(f" g={fmt.group_size}") for k in times) and g != "row":
+        if r != 1:
+            label = f"row coarsen={r} g={fmt.group_size}"
+        elif any(k.endswith(f" g={fmt.group_size}") for k in times) and g != "row":
             continue  # the same grouping as a candidate already timed
         err = relative_error(fmt.spmm(Bs[0], backend=ctx.backend), expected)
         t = ctx.bench(lambda B, f=fmt: f.spmm(B, backend=ctx.backend), inputs)
         times[label] = round(t, 5)
         if best is None or t < best[0]:
-            best = (t, fmt, err, g)
+            best = (t, fmt, err, g if r == 1 else f"row coarsen={r}")
     t_insum, fmt, err, g = best
     size_b = A.element_size()
     used_cols = int(keep.any(0).sum())

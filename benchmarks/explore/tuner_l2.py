@@ -1,0 +1,92 @@
+"""Does the tuner's warm-L2 timing pick what a cold-L2 benchmark would?
+
+    python -m benchmarks.explore.tuner_l2 [--cases 64:0.9,64:0.75,32:0.6] [--size 4096]
+
+The tuner times each candidate as CUDA-graph replays of one input set (`runtime.graphed_bench`):
+B stays in the L2 between launches. The studies time `fmt @ B` with do_bench, which flushes
+the L2 before every launch. For Block-ELL products at 4096^3 (B: 32 MB, the H200's L2: 50 MB)
+the two can rank the candidates differently. Per case this times every candidate the tuner
+considers both ways (do_bench over two rotating B operands for the cold side), checked against a
+float64 product, and prints the tuner's own choice, each side's best and what each side's
+best costs on the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from insum.bind import bind
+from insum.codegen.tune import configs_for, prune_configs
+from insum.execute import length_facts
+from insum.formats import BlockGroupCOO
+from insum.parser import parse
+from insum.runtime import BareLaunch, graphed_bench, kernel_for
+
+from ..common import block_sparse, median_ms, relative_error, rotating
+
+
+def run_case(size: int, block: int, s: float) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(size + block)
+    dense, _ = block_sparse(size, block, s, torch.float16, gen, "cuda")
+    fmt = BlockGroupCOO.from_dense(dense, block=(block, block), group_size="row")
+    Bs = [torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2)]
+    expected = dense.double() @ Bs[0].double()
+    (expr, tensors), = fmt.statements()
+    expr = expr.replace("+=", "=")
+    C = torch.empty(fmt.output_shape(size), device="cuda", dtype=torch.float16)
+    operands = [fmt.operand(B) for B in Bs]
+    bound = bind(parse(expr), {**tensors, "B": operands[0], "C": C})
+    bound, declared = length_facts(bound, fmt.declared_lengths())
+    kernel = kernel_for(bound, lengths=declared)
+    kernel.launch(bound, C)  # the tuner's choice
+    prepared = kernel.prepared(bound)
+    chosen = dict(prepared.config)
+    candidates = [prepared.fitted(c) for c in prune_configs(kernel.plan, configs_for(kernel.plan), dict(bound.extents))]
+    rows = []
+    for config in candidates:
+        prepared.set_config(config)
+        launches = [BareLaunch(kernel.fn, prepared.grid, config,
+                               tuple(prepared.args(bound.with_tensors({**bound.tensors, "B": B}).tensors, C)))
+                    for B in operands]
+        try:
+            C.fill_(float("nan"))
+            launches[0]()
+            err = relative_error(fmt.result(C), expected)
+            warm = graphed_bench(launches[0], [0.5])[0]
+            cold = median_ms(rotating(lambda f: f(), [(f,) for f in launches]))
+        except Exception as e:  # (a configuration that does not fit fails to compile)
+            print(f"  {config}: {type(e).__name__}", flush=True)
+            continue
+        if err <= 1e-2:
+            rows.append((config, warm, cold))
+    prepared.set_config(chosen)
+    by_warm = min(rows, key=lambda r: r[1])
+    by_cold = min(rows, key=lambda r: r[2])
+    mine = next((r for r in rows if r[0] == chosen), None)
+
+    def show(label, row):
+        print(f"  {label:15s} warm {row[1] * 1e3:6.1f} us  cold {row[2] * 1e3:6.1f} us  {row[0]}", flush=True)
+
+    print(f"Block-ELL {block}x{block} s={s} {size}^3: {len(rows)} candidates", flush=True)
+    if mine:
+        show("tuner's choice", mine)
+    show("best warm", by_warm)
+    show("best cold", by_cold)
+    print(f"  cold cost of the warm pick: {by_warm[2] / by_cold[2] - 1:+.1%}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="64:0.9,64:0.75,64:0.5,32:0.6")
+    parser.add_argument("--size", type=int, default=4096)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    for case in args.cases.split(","):
+        block, s = case.split(":")
+        run_case(args.size, int(block), float(s))
+
+
+if __name__ == "__main__":
+    main()
