@@ -14,7 +14,9 @@ one (the same launch adding into a zero-filled C). "GroupCOO short rows" and "CO
 pack a matrix of rows of 0 to 6 entries (their covering layout: one launch of stores into
 `torch.empty`), "... cover=False" the same matrix plainly (a zero fill, then the launch); the
 skewed matrix's hub row keeps "GroupCOO" and "COO" plain. "Block-ELL" packs the skewed
-matrix in 16 x 16 blocks, one group per block row (B and C reach its kernel through views). The formats run through `fmt.spmm(B, backend="triton")` there, since
+matrix in 16 x 16 blocks, one group per block row (B and C reach its kernel through views); its
+statement with declared lengths also runs as `insum()` and as the `insum::insum_` operator that
+a torch.compile graph calls. The formats run through `fmt.spmm(B, backend="triton")` there, since
 `fmt @ B` takes the torch lowering on the CPU.
 
 On CUDA nothing is stubbed: beside the same rows it times the bare JIT launch of the
@@ -109,6 +111,20 @@ def cases(device: torch.device, formats_out: dict | None = None) -> dict[str, Ca
         "insum() GroupCOO +=, C given": lambda: insum.insum(GROUPCOO, backend=backend, **tensors),
         "insum() dense =, C allocated": lambda: insum.insum(DENSE, backend=backend, A=dense_A, B=B),
     }
+    # Block-ELL's statement with its declared lengths, as insum() and as the operator a
+    # torch.compile graph calls (its lengths among the tensors), into a given C.
+    ell = formats["Block-ELL"]
+    (ell_expr, ell_tensors), = ell.statements()
+    ell_expr = ell_expr.replace("+=", "=")
+    ell_C = torch.empty(ell.output_shape(N), device=device)
+    ell_B, ell_lengths = ell.operand(B), ell.declared_lengths()
+    rows["insum() Block-ELL, declared lengths"] = lambda: insum.insum(
+        ell_expr, backend=backend, check_indices=False, lengths=ell_lengths, C=ell_C, B=ell_B, **ell_tensors)
+    if hasattr(torch.ops.insum, "insum_"):
+        names = ["B", *ell_tensors, *(f"lengths:{k}" for k in ell_lengths)]
+        values = [ell_B, *ell_tensors.values(), *ell_lengths.values()]
+        rows["insum::insum_ operator, Block-ELL"] = lambda: torch.ops.insum.insum_(
+            ell_expr, ell_C, names, values, backend, "tf32", None, False)
     for name, fmt in formats.items():
         if cuda:
             rows[f"{name} @ B"] = lambda f=fmt: f @ B

@@ -146,7 +146,7 @@ class PerTensor:
 
     What `torch.utils.weak.WeakIdKeyDictionary` does, looked up by `id()` and one weak
     reference's call instead of a key object built and hashed per lookup: the declared
-    lengths' order is looked up on every call of a Block-ELL product (3.0 -> 0.4 µs a lookup
+    lengths' order is looked up on every call of a Block-ELL statement (3.0 -> 0.4 µs a lookup
     on the development VM)."""
 
     __slots__ = ("_entries",)
