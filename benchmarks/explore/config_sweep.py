@@ -28,10 +28,10 @@ from insum.codegen.tune import prune_configs
 from insum.execute import length_facts
 from insum.formats import NM, BlockGroupCOO
 from insum.parser import parse
-from insum.runtime import BareLaunch, kernel_for
+from insum.runtime import kernel_for
 
-from ..common import block_sparse, median_ms, relative_error, rotating
-from .tensorcore import write_rows
+from ..common import block_sparse, median_ms, rotating
+from .tensorcore import bare_launches, check_and_time, write_rows
 
 
 def say(line: str) -> None:
@@ -104,15 +104,9 @@ def sweep(label, fmt, dense, size, rows, deadline, tiles: dict = TILES) -> None:
         if time.time() > deadline:
             say("  deadline reached")
             break
-        prepared.set_config(config)
-        launches = [BareLaunch(kernel.fn, prepared.grid, config,
-                               tuple(prepared.args(bound.with_tensors({**bound.tensors, "B": B}).tensors, C)))
-                    for B in operands]
         try:
-            C.fill_(float("nan"))
-            launches[0]()
-            err = relative_error(fmt.result(C), expected)
-            ms = median_ms(rotating(lambda f: f(), [(f,) for f in launches]))
+            err, ms = check_and_time(bare_launches(kernel.fn, prepared, bound, config, operands, C), C, fmt.result,
+                                     expected)
         except Exception as e:
             say(f"  {config} failed: {type(e).__name__}: {str(e)[:80]}")
             continue

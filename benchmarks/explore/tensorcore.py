@@ -40,7 +40,7 @@ from insum.bind import bind
 from insum.codegen import schedule, tune
 from insum.formats import NM
 from insum.parser import parse
-from insum.runtime import Kernel, spec_for
+from insum.runtime import BareLaunch, Kernel, spec_for
 
 from ..common import DTYPES, block_sparse, median_ms, relative_error, rotating
 
@@ -181,6 +181,23 @@ def block_problem(size: int, block: int, s: float, dtype=torch.float16):
     t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
     A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
     return Bs, t_cublas, A, keep, A.double() @ Bs[0].double()
+
+
+def bare_launches(fn, launcher, bound, config: dict, operands: list, C: torch.Tensor) -> list[BareLaunch]:
+    """One bare launch of `fn` (a kernel's JIT function or a rewrite of it) under `config`
+    per operand in `operands` (each bound as B), with `launcher`'s grid and argument list."""
+    launcher.set_config(config)
+    return [BareLaunch(fn, launcher.grid, config, tuple(launcher.args(bound.with_tensors({**bound.tensors, "B": B}).tensors, C)))
+            for B in operands]
+
+
+def check_and_time(launches: list, C: torch.Tensor, result, expected: torch.Tensor) -> tuple[float, float]:
+    """(relative error of the first launch's output, C filled with NaN before it and read
+    through `result`; the do_bench median in ms of the launches taken in turn)."""
+    C.fill_(float("nan"))
+    launches[0]()
+    err = relative_error(result(C), expected)
+    return err, median_ms(rotating(lambda f: f(), [(f,) for f in launches]))
 
 
 def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int, rows: int = 1) -> dict[str, torch.Tensor]:

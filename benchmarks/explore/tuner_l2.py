@@ -22,9 +22,10 @@ from insum.codegen.tune import configs_for, prune_configs
 from insum.execute import length_facts
 from insum.formats import BlockGroupCOO
 from insum.parser import parse
-from insum.runtime import BareLaunch, graphed_bench, kernel_for
+from insum.runtime import graphed_bench, kernel_for
 
-from ..common import block_sparse, median_ms, relative_error, rotating
+from ..common import block_sparse
+from .tensorcore import bare_launches, check_and_time
 
 
 def run_case(size: int, block: int, s: float) -> None:
@@ -46,16 +47,10 @@ def run_case(size: int, block: int, s: float) -> None:
     candidates = [prepared.fitted(c) for c in prune_configs(kernel.plan, configs_for(kernel.plan), dict(bound.extents))]
     rows = []
     for config in candidates:
-        prepared.set_config(config)
-        launches = [BareLaunch(kernel.fn, prepared.grid, config,
-                               tuple(prepared.args(bound.with_tensors({**bound.tensors, "B": B}).tensors, C)))
-                    for B in operands]
         try:
-            C.fill_(float("nan"))
-            launches[0]()
-            err = relative_error(fmt.result(C), expected)
+            launches = bare_launches(kernel.fn, prepared, bound, config, operands, C)
+            err, cold = check_and_time(launches, C, fmt.result, expected)
             warm = graphed_bench(launches[0], [0.5])[0]
-            cold = median_ms(rotating(lambda f: f(), [(f,) for f in launches]))
         except Exception as e:  # (a configuration that does not fit fails to compile)
             print(f"  {config}: {type(e).__name__}", flush=True)
             continue

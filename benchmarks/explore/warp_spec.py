@@ -21,10 +21,9 @@ import torch
 from insum.bind import bind
 from insum.execute import length_facts
 from insum.parser import parse
-from insum.runtime import BareLaunch, _load, cache_dir, kernel_for
+from insum.runtime import _load, cache_dir, kernel_for
 
-from ..common import median_ms, relative_error, rotating
-from .tensorcore import block_ell, block_problem, write_rows
+from .tensorcore import bare_launches, block_ell, block_problem, check_and_time, write_rows
 
 EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 LOOP = "for step in range(0, len_q * steps_k):"
@@ -64,16 +63,9 @@ def case(size: int, block: int, s: float, rows: list) -> None:
             variants.append((f"ws {warps}w {stages}st", fn, {**base, "num_warps": warps, "num_stages": stages}))
     variants.append(("ws tuned config", fn, base))
     for label, f, config in variants:
-        prepared.set_config(config)
-        launches = []
-        for B in Bv:
-            b = bound.with_tensors({**bound.tensors, "B": B})
-            launches.append(BareLaunch(f, prepared.grid, config, tuple(prepared.args(b.tensors, C))))
         try:
-            C.fill_(float("nan"))
-            launches[0]()
-            err = relative_error(C.reshape(size, size), expected)
-            ms = median_ms(rotating(lambda g: g(), [(g,) for g in launches]))
+            err, ms = check_and_time(bare_launches(f, prepared, bound, config, Bv, C), C,
+                                     lambda out: out.reshape(size, size), expected)
         except Exception as e:
             say(f"  {label:18s} FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
