@@ -23,15 +23,11 @@ import time
 
 import torch
 
-from insum.bind import bind
 from insum.codegen.tune import prune_configs
-from insum.execute import length_facts
 from insum.formats import NM, BlockGroupCOO
-from insum.parser import parse
-from insum.runtime import kernel_for
 
 from ..common import block_sparse, median_ms, rotating
-from .tensorcore import bare_launches, check_and_time, write_rows
+from .tensorcore import bare_launches, check_and_time, format_product, write_rows
 
 
 def say(line: str) -> None:
@@ -86,17 +82,7 @@ def sweep(label, fmt, dense, size, rows, deadline, tiles: dict = TILES) -> None:
     D = torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen)
     t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
     expected = dense.double() @ Bs[0].double()
-    (expr, tensors), = fmt.statements()
-    expr = expr.replace("+=", "=")
-    C = torch.empty(fmt.output_shape(size), device="cuda", dtype=torch.float16)
-    operands = [fmt.operand(B) for B in Bs]
-    bound = bind(parse(expr), {**tensors, "B": operands[0], "C": C})
-    declared = ()
-    if fmt.declared_lengths():
-        bound, declared = length_facts(bound, fmt.declared_lengths())
-    kernel = kernel_for(bound, lengths=declared)
-    kernel.launch(bound, C)  # the tuner's choice
-    prepared = kernel.prepared(bound)
+    kernel, bound, prepared, C, operands = format_product(fmt, Bs)
     chosen = dict(prepared.config)
     say(f"{label}: cuBLAS {t_cublas * 1e3:.1f} us; plan {kernel.plan.tiles}; tuner's choice {chosen}")
     timed = []

@@ -26,7 +26,7 @@ from insum.execute import length_facts
 from insum.parser import parse
 from insum.runtime import _load, cache_dir, kernel_for
 
-from .tensorcore import bare_launches, block_ell, block_problem, check_and_time, write_rows
+from .tensorcore import block_ell, block_problem, time_variants, write_rows
 
 EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 LOOP = "    for step in range(0, len_q * steps_k):\n"
@@ -73,16 +73,8 @@ def case(size: int, block: int, s: float, rows: list) -> None:
             variants += [(f"generated {stages}st", kernel.fn, {**base, "num_stages": stages}),
                          (f"preloaded {stages}st", fn, {**base, "num_stages": stages})]
     for _ in range(2):  # two rounds, alternating
-        for label, f, config in variants:
-            try:
-                err, ms = check_and_time(bare_launches(f, prepared, bound, config, Bv, C), C,
-                                         lambda out: out.reshape(size, size), expected)
-            except Exception as e:
-                say(f"  {label:16s} FAILED {type(e).__name__}: {str(e)[:200]}")
-                continue
-            rows.append(dict(point=point, label=label, config=config, ms=ms, err=err, vs_cublas=t_cublas / ms))
-            say(f"  {label:16s} {ms * 1e3:8.1f} us  x{t_cublas / ms:.2f} cuBLAS  err {err:.1e}")
-    prepared.set_config(base)
+        time_variants(point, variants, prepared, bound, Bv, C, lambda out: out.reshape(size, size), expected,
+                      t_cublas, rows)
 
 
 def main() -> None:

@@ -38,9 +38,10 @@ import torch
 
 from insum.bind import bind
 from insum.codegen import schedule, tune
+from insum.execute import length_facts
 from insum.formats import NM
 from insum.parser import parse
-from insum.runtime import BareLaunch, Kernel, spec_for
+from insum.runtime import BareLaunch, Kernel, kernel_for, spec_for
 
 from ..common import DTYPES, block_sparse, median_ms, relative_error, rotating
 
@@ -198,6 +199,39 @@ def check_and_time(launches: list, C: torch.Tensor, result, expected: torch.Tens
     launches[0]()
     err = relative_error(result(C), expected)
     return err, median_ms(rotating(lambda f: f(), [(f,) for f in launches]))
+
+
+def time_variants(point: str, variants: list, launcher, bound, operands: list, C: torch.Tensor, result, expected,
+                  t_cublas: float, rows: list) -> None:
+    """Time each (label, JIT function, configuration) of `variants` with bare launches
+    (`bare_launches`, `check_and_time`) beside cuBLAS's `t_cublas` ms, keep a row per
+    variant that ran, report the ones that fail; the launcher's configuration is restored."""
+    base = dict(launcher.config)
+    for label, fn, config in variants:
+        try:
+            err, ms = check_and_time(bare_launches(fn, launcher, bound, config, operands, C), C, result, expected)
+        except Exception as e:  # a rewrite or configuration that does not compile or run is reported
+            say(f"  {label:18s} FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rows.append(dict(point=point, label=label, config=config, ms=ms, err=err, vs_cublas=t_cublas / ms))
+        say(f"  {label:18s} {ms * 1e3:8.1f} us  x{t_cublas / ms:.2f} cuBLAS  err {err:.1e}  {config}")
+    launcher.set_config(base)
+
+
+def format_product(fmt, Bs: list) -> tuple:
+    """A format's statement (overwriting) as one generated kernel, tuned on `Bs[0]`:
+    (kernel, bound, launcher, C, operands), operands being each B as the statement reads it,
+    C the output they write (fp16, as the B's)."""
+    (expr, tensors), = fmt.statements()
+    C = torch.empty(fmt.output_shape(Bs[0].shape[1]), device=Bs[0].device, dtype=Bs[0].dtype)
+    operands = [fmt.operand(B) for B in Bs]
+    bound = bind(parse(expr.replace("+=", "=")), {**tensors, "B": operands[0], "C": C})
+    declared = ()
+    if fmt.declared_lengths():
+        bound, declared = length_facts(bound, fmt.declared_lengths())
+    kernel = kernel_for(bound, lengths=declared)
+    kernel.launch(bound, C)  # the tuner's choice
+    return kernel, bound, kernel.prepared(bound), C, operands
 
 
 def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int, rows: int = 1) -> dict[str, torch.Tensor]:

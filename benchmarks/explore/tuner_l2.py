@@ -17,15 +17,12 @@ import argparse
 
 import torch
 
-from insum.bind import bind
 from insum.codegen.tune import configs_for, prune_configs
-from insum.execute import length_facts
 from insum.formats import BlockGroupCOO
-from insum.parser import parse
-from insum.runtime import graphed_bench, kernel_for
+from insum.runtime import graphed_bench
 
 from ..common import block_sparse
-from .tensorcore import bare_launches, check_and_time
+from .tensorcore import bare_launches, check_and_time, format_product
 
 
 def run_case(size: int, block: int, s: float) -> None:
@@ -34,15 +31,7 @@ def run_case(size: int, block: int, s: float) -> None:
     fmt = BlockGroupCOO.from_dense(dense, block=(block, block), group_size="row")
     Bs = [torch.randn(size, size, device="cuda", dtype=torch.float16, generator=gen) for _ in range(2)]
     expected = dense.double() @ Bs[0].double()
-    (expr, tensors), = fmt.statements()
-    expr = expr.replace("+=", "=")
-    C = torch.empty(fmt.output_shape(size), device="cuda", dtype=torch.float16)
-    operands = [fmt.operand(B) for B in Bs]
-    bound = bind(parse(expr), {**tensors, "B": operands[0], "C": C})
-    bound, declared = length_facts(bound, fmt.declared_lengths())
-    kernel = kernel_for(bound, lengths=declared)
-    kernel.launch(bound, C)  # the tuner's choice
-    prepared = kernel.prepared(bound)
+    kernel, bound, prepared, C, operands = format_product(fmt, Bs)
     chosen = dict(prepared.config)
     candidates = [prepared.fitted(c) for c in prune_configs(kernel.plan, configs_for(kernel.plan), dict(bound.extents))]
     rows = []
