@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..api import insum
 from ..arith import cdiv, next_power_of_2
+from ..dtypes import as_dtype
 from ..errors import InsumError
 from .base import SparseFormat, pad_rows
 from .coords import Coords, check_positive_int, index_dtype_for
@@ -465,7 +466,7 @@ class BlockGroupCOO(SparseFormat):
 
     def input_gradient(self, pattern, dC, backend, precision) -> torch.Tensor:
         KB = self.padded_shape[1] // self.block[1]
-        return block_gradient(self.AV.to(dC.dtype), pattern, dC, KB, backend, precision, owner=self)
+        return block_gradient(as_dtype(self.AV, dC.dtype), pattern, dC, KB, backend, precision, owner=self)
 
     def _describe(self) -> dict[str, Any]:
         shown = {"block": self.block, "group_size": self.group_size}

@@ -18,7 +18,7 @@ import torch
 
 from ..api import insum
 from ..autograd import derive
-from ..dtypes import compute_dtype
+from ..dtypes import as_dtype, compute_dtype
 from ..formats.base import FORMATS, SparseFormat
 
 __all__ = [
@@ -94,18 +94,18 @@ class _SparseLinearFunction(torch.autograd.Function):
         tables = dict(zip(table_names, tensors[len(names) + len(pattern_names) :]))
         needs = ctx.needs_input_grad
         dtype = torch.promote_types(fmt.dtype, dy.dtype)
-        dC = fmt.output_view(dy.t().to(dtype))
+        dC = fmt.output_view(as_dtype(dy.t(), dtype))
         wanted = {name for i, name in enumerate(names) if needs[3 + i]}
         # x's operand view (a copy for formats that gather its rows): for the values' and the
         # derived input gradients only
-        B = fmt.operand(x2.t().to(dtype)) if wanted or (needs[1] and not pattern) else None
+        B = fmt.operand(as_dtype(x2.t(), dtype)) if wanted or (needs[1] and not pattern) else None
         dx = None
         if needs[1]:
             if pattern:
                 dB = fmt.input_gradient(pattern, dC, backend, precision)
             else:
                 dB = _derived_input_gradient(fmt, gradients, B, dC, backend, precision)
-            dx = fmt.from_operand(dB).t().to(x2.dtype)
+            dx = as_dtype(fmt.from_operand(dB).t(), x2.dtype)
         grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision, tables) if wanted else {}
         dbias = dy.sum(0) if ctx.biased and needs[2] else None
         return (None, dx, dbias, *(grads.get(name) for name in names), *([None] * (len(pattern_names) + len(tables))))
@@ -138,12 +138,12 @@ def _value_gradients(
                 continue
             own = fmt.value_gradient(name, dC, B, backend, precision, tables)  # a cheaper statement of the format's
             if own is not None:
-                grad = own.to(tensors[local].dtype)
+                grad = as_dtype(own, tensors[local].dtype)
                 grads[name] = grad if name not in grads else grads[name] + grad
                 continue
             for stmt, reads in stmts:
                 grad = insum(stmt, backend=backend, precision=precision, **{n: env[n] for n in reads})
-                grad = grad.to(tensors[local].dtype)
+                grad = as_dtype(grad, tensors[local].dtype)
                 grads[name] = grad if name not in grads else grads[name] + grad
     return grads
 
