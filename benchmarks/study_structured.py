@@ -9,11 +9,11 @@ the fastest is kept. Blocks narrower than a Hopper warp-group tile (16 and 32 ro
 `NARROW`) also get `group_size="row", coarsen="tune", tune_cols=size`: the format's tuner
 merges 2 or 4 neighbouring block rows where that times faster on B of the product's width
 (issue 11's coarsening; at 8192^3, 32 x 32, s = 0.5 it took 1859 -> 1650 µs,
-`session15/call6`), a candidate only where it chose r > 1. Then the kept product and its anchors are timed a second time and each
-keeps the lower of its two do_bench medians (`rounds_ms` in the rows): a product of a few
-tens of µs is timed with the host's load in it where its launch falls behind do_bench's L2
-flush. Curves run in priority order (fp16 4096^3 first) until the budget is spent; the
-report derives the sparsity where insum overtakes dense.
+`session15/call6`), a candidate only where it chose r > 1. Then the kept product and its
+anchors are timed a second time and each keeps the lower of its two do_bench medians
+(`rounds_ms` in the rows): a product of a few tens of µs is timed with the host's load in it
+where its launch falls behind do_bench's L2 flush. Curves run in priority order (fp16 4096^3
+first) until the budget is spent; the report derives the sparsity where insum overtakes dense.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ import torch
 
 from .autograd import Derivation, derive
 from .bind import PLAIN_TENSORS, bind
-from .dtypes import HALF_DTYPES, compute_dtype
+from .dtypes import HALF_DTYPES, as_dtype, compute_dtype
 from .execute import prepared, run_and_prepare
 from .ir import Statement
 from .parser import parse
@@ -263,7 +263,7 @@ def _gradient(
             dtype if result is None else None,
             *options,
         )
-    return result if result.dtype == tensor.dtype else result.to(tensor.dtype)
+    return as_dtype(result, tensor.dtype)
 
 
 insum_functional.register_autograd(_backward, setup_context=_setup_context)

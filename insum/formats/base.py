@@ -37,6 +37,7 @@ import torch
 from ..api import insum, insum_many
 from ..bind import PLAIN_TENSORS
 from ..cache import BoundedCache
+from ..dtypes import as_dtype
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import PIN_TRIES, Pinned, pin
 from .coords import (
@@ -615,7 +616,7 @@ class _SpmmPlan:
 
     def _bias(self, fmt: SparseFormat, bias: torch.Tensor) -> torch.Tensor:
         """The bias as the fused statement reads it (`D`)."""
-        return fmt.bias_view(bias if bias.dtype == self.dtype else bias.to(self.dtype))
+        return fmt.bias_view(as_dtype(bias, self.dtype))
 
     def _calls(self, fmt: SparseFormat, B: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, list]:
         """The output to write and the calls that write it, for B as given (not a vector)."""

@@ -59,6 +59,7 @@ from torch import nn
 
 from ..api import insum
 from ..bind import PLAIN_TENSORS
+from ..dtypes import as_dtype
 from ..errors import InsumShapeError
 from ..execute import PIN_TRIES, Pinned, pin
 from .cg_tables import (
@@ -561,7 +562,7 @@ class TensorProduct(nn.Module):
             weight = weight if weight.shape[:-1] == lead else weight.expand(*lead, self.weight_numel)
             weight = weight if len(lead) == 1 else weight.reshape(batch, -1)
         # (a .to() that changes nothing still costs a dispatch per call)
-        return tuple(t if t.dtype == dtype else t.to(dtype) for t in (x1, x2, weight))
+        return tuple(as_dtype(t, dtype) for t in (x1, x2, weight))
 
     def _operands(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor):
         """The statement's (Y, X, W) from flat inputs: input 1 gathered component-major, the
