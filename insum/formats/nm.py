@@ -65,6 +65,7 @@ class NM(SparseFormat):
     expression = "C[rb,l,n] += AV[rb,l,u]*B[AK[rb,u],n]"
     input_gradient_expression = "DX[k, n] += WT[IU[rb, k], l] * DY[rb, l, n]"
     _value_names = ("AV",)
+    aligned_tensors = ("AV", "AK")  # rows K * n / m wide, loaded as dot tiles
 
     @classmethod
     def from_dense(
@@ -185,7 +186,7 @@ class NM(SparseFormat):
         params = {"n": n, "m": m, "vector_len": L}
         return cls(
             (R, K),
-            {"AK": AK.to(itype), "AV": AV},
+            cls.with_aligned_rows({"AK": AK.to(itype), "AV": AV}),
             nnz=int(torch.count_nonzero(AV)),
             dtype=AV.dtype,
             index_dtype=itype,

@@ -28,7 +28,7 @@ from ..arith import cdiv
 from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..errors import InsumError, InsumShapeError
 from ..formats.auto import packer, pruning_block
-from ..formats.base import SparseFormat, format_class
+from ..formats.base import SparseFormat, aligned_rows, format_class
 from .sparse_autograd import (
     apply_linear,
     apply_sparse_linear,
@@ -267,10 +267,15 @@ class SparseLinear(nn.Module):
         self._format_meta = format_meta(fmt)
         names = []
         for name, tensor in fmt.packed_tensors.items():
-            if fmt._is_value(name):
-                self.register_parameter(name, nn.Parameter(tensor.detach().clone()))
+            tensor = tensor.detach()
+            if name in fmt.aligned_tensors:  # a copy in aligned rows (`clone` would pack them densely)
+                tensor = aligned_rows(tensor.new_empty_strided(tensor.shape, tensor.stride()).copy_(tensor))
             else:
-                self.register_buffer(name, tensor.detach().clone())
+                tensor = tensor.clone()
+            if fmt._is_value(name):
+                self.register_parameter(name, nn.Parameter(tensor))
+            else:
+                self.register_buffer(name, tensor)
             names.append(name)
         self._tensor_names = tuple(names)
         self._make_plan()
@@ -311,10 +316,16 @@ class SparseLinear(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         # .to() / .half() / .cuda() swap the tensors' data under the same Parameter objects.
+        # A move packs a tensor with aligned rows densely (`aligned_rows`): stored aligned again.
         self._drop_kept()
         try:
             return super()._apply(fn, recurse)
         finally:
+            for name in self._format_cls.aligned_tensors if hasattr(self, "_format_cls") else ():
+                tensor = getattr(self, name)
+                aligned = aligned_rows(tensor.data)
+                if aligned is not tensor.data:
+                    tensor.data = aligned
             self._drop_kept()
 
     def __getstate__(self) -> dict[str, Any]:

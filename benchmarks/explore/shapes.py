@@ -1,0 +1,297 @@
+"""Block-ELL and N:M on shapes the suites do not time: rectangular (an LLM MLP's 4096 x 11008
+and 11008 x 4096 weights), sizes that are not multiples of the block or the tile, a batch
+whose rows are not 16-byte aligned, and SparseLinear layers of those shapes.
+
+    python -m benchmarks.explore.shapes [--out DIR] [--budget 480] [--only block,nm,layer]
+
+The suites time squares (4096^3, 8192^3) drawn one way; users' weights are neither. Each
+point is packed the way a user would (`BlockGroupCOO.from_dense(group_size="row")`,
+`NM.from_dense` with the vector lengths the N:M study offers), checked against a float64
+product, and timed with do_bench medians (two B operands rotated) beside cuBLAS on the same
+dense matrix, zeros included, and TorchBSR where the shape allows. Also the first call's
+wall time (packing excluded: compile and tune), which is what a new shape costs. A shape
+that runs far below the square points of REPORT.md at the same sparsity points at a tuning
+or layout path that does not generalise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+
+import torch
+
+from insum.formats import CELL, ELL, NM, BlockGroupCOO, GroupCOO, auto, power_law_matrix
+from insum.formats.base import aligned_rows
+from insum.nn import SparseLinear
+
+from ..common import host_us_per_call, median_ms, print_python_profile, relative_error, rotating
+from .tensorcore import write_rows
+
+#: (M, K, N) of C = A @ B with A (M x K) sparse: rows of an MLP's weights, odd sizes.
+BLOCK_SHAPES = (
+    (11008, 4096, 4096),
+    (4096, 11008, 4096),
+    (4096, 4096, 1000),
+    (3000, 5000, 2048),
+    (4096, 4096, 1001),
+)
+BLOCK_POINTS = ((32, 0.9), (64, 0.9), (64, 0.5), (128, 0.75))
+NM_SHAPES = ((11008, 4096, 4096), (4096, 11008, 4096), (3000, 5000, 2048))
+NM_PATTERNS = ((2, 4), (2, 8), (1, 8))
+#: (in, out, batch) of SparseLinear layers: x (batch x in) -> (batch x out).
+LAYERS = ((4096, 11008, 4096), (11008, 4096, 4096), (4096, 4096, 1000))
+DEVICE = "cuda"
+PROFILE = False  # --profile: the layers' host work under cProfile (the strides part)
+
+
+def block_random(rows: int, cols: int, block: int, s: float, dtype, gen) -> torch.Tensor:
+    """A rows x cols matrix whose block x block tiles (the last ones cut) are zero with probability s."""
+    keep = (
+        torch.rand(math.ceil(rows / block), math.ceil(cols / block), device=DEVICE, generator=gen)
+        >= s
+    )
+    keep[0, 0] = True
+    mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return torch.randn(rows, cols, device=DEVICE, generator=gen).to(dtype) * mask
+
+
+def first_call_s(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def timed_product(A: torch.Tensor, expected_of, fmts: dict, N: int, gen) -> dict:
+    """Times each packing in `fmts` and cuBLAS on the same B operands; the fastest packing kept."""
+    M, K = A.shape
+    Bs = [torch.randn(K, N, device=DEVICE, generator=gen).to(A.dtype) for _ in range(2)]
+    row: dict = {}
+    best = None
+    for label, fmt in fmts.items():
+        compile_s = first_call_s(lambda f=fmt: f.spmm(Bs[0]))
+        err = relative_error(fmt.spmm(Bs[0]), expected_of(fmt, Bs[0]))
+        ms = median_ms(rotating(lambda B, f=fmt: f.spmm(B), [(B,) for B in Bs]))
+        row[f"{label}_ms"] = round(ms, 4)
+        if best is None or ms < best[0]:
+            best = (ms, label, err, compile_s)
+    row.update(
+        insum_ms=round(best[0], 4), packing=best[1], err=best[2], first_call_s=round(best[3], 2)
+    )
+    row["cublas_ms"] = round(median_ms(rotating(lambda B: A @ B, [(B,) for B in Bs])), 4)
+    row["vs_cublas"] = round(row["cublas_ms"] / best[0], 3)
+    return row | {"_Bs": Bs}
+
+
+def block_points(gen, dtype, rows: list) -> None:
+    for M, K, N in BLOCK_SHAPES:
+        for block, s in BLOCK_POINTS:
+            report(block_point(gen, dtype, M, K, N, block, s), rows)
+
+
+def block_point(gen, dtype, M: int, K: int, N: int, block: int, s: float) -> dict:
+    from torch.sparse._triton_ops import bsr_dense_mm
+
+    A = block_random(M, K, block, s, dtype, gen)
+    fmt = BlockGroupCOO.from_dense(A, block=(block, block), group_size="row")
+    kept = float((A.view(-1) != 0).float().mean())
+    row = dict(
+        kind="block", shape=f"{M}x{K}x{N}", block=block, sparsity=s, ideal=round(1 / kept, 2)
+    )
+    row |= timed_product(A, lambda f, B: A.double() @ B.double(), {"row": fmt}, N, gen)
+    Bs = row.pop("_Bs")
+    if M % block == 0 and K % block == 0 and N % 16 == 0:  # (bsr_dense_mm asks N % 16 == 0)
+        bsr = A.to_sparse_bsr((block, block))
+        row["torchbsr_ms"] = round(
+            median_ms(rotating(lambda B: bsr_dense_mm(bsr, B), [(B,) for B in Bs])), 4
+        )
+        row["vs_torchbsr"] = round(row["torchbsr_ms"] / row["insum_ms"], 3)
+    row["of_ideal"] = round(row["vs_cublas"] / row["ideal"], 3)
+    return row
+
+
+def nm_points(gen, dtype, rows: list) -> None:
+    for M, K, N in NM_SHAPES:
+        A = torch.randn(M, K, device=DEVICE, generator=gen).to(dtype)
+        for n, m in NM_PATTERNS:
+            fmts = {f"L{L}": NM.from_dense(A, n=n, m=m, vector_len=L) for L in (32, 128, 256)}
+            row = dict(kind="nm", shape=f"{M}x{K}x{N}", pattern=f"{n}:{m}", ideal=m / n)
+            row |= timed_product(A, lambda f, B: f.to_dense().double() @ B.double(), fmts, N, gen)
+            row.pop("_Bs")
+            row["of_ideal"] = round(row["vs_cublas"] / row["ideal"], 3)
+            report(row, rows)
+
+
+def layer_points(gen, dtype, rows: list) -> None:
+    for fan_in, fan_out, batch in LAYERS:
+        report(layer_point(gen, dtype, fan_in, fan_out, batch), rows)
+
+
+def layer_point(gen, dtype, fan_in: int, fan_out: int, batch: int) -> dict:
+    """A 90% 32 x 32 Block-ELL SparseLinear against nn.Linear: forward, forward + backward."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(fan_in, fan_out, device=DEVICE, dtype=dtype)
+    layer = SparseLinear.from_linear(
+        dense, "BlockGroupCOO", sparsity=0.9, block=(32, 32), group_size="row"
+    )
+    weight = layer.to_dense().double()
+    x = torch.randn(batch, fan_in, device=DEVICE, dtype=dtype, generator=gen, requires_grad=True)
+    gy = torch.randn(batch, fan_out, device=DEVICE, dtype=dtype, generator=gen)
+    row = dict(kind="layer", shape=f"{fan_in}->{fan_out} batch {batch}", block=32, sparsity=0.9)
+    row["first_call_s"] = round(first_call_s(lambda: layer(x).backward(gy)), 2)
+    expected = x.detach().double() @ weight.t() + dense.bias.detach().double()
+    row["err"] = relative_error(layer(x).detach(), expected)
+    x.grad = None
+    layer(x).backward(gy)
+    row["dx_err"] = relative_error(x.grad, gy.double() @ weight)
+    row["insum_fwd_ms"] = round(median_ms(lambda: layer(x)), 4)
+    row["dense_fwd_ms"] = round(median_ms(lambda: dense(x)), 4)
+    row["insum_step_ms"] = round(median_ms(lambda: layer(x).backward(gy)), 4)
+    row["dense_step_ms"] = round(median_ms(lambda: dense(x).backward(gy)), 4)
+    row["insum_step_host_us"] = round(host_us_per_call(lambda: layer(x).backward(gy), calls=200), 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            layer(x).backward(gy)
+        torch.cuda.synchronize()
+    row["step_kernels_us"] = {e.key[:50]: round(e.device_time_total / 5, 1) for e in prof.key_averages()
+                              if e.device_time_total > 0}
+    row["fwd_vs_dense"] = round(row["dense_fwd_ms"] / row["insum_fwd_ms"], 3)
+    row["step_vs_dense"] = round(row["dense_step_ms"] / row["insum_step_ms"], 3)
+    return row
+
+
+def in_aligned_storage(t: torch.Tensor) -> torch.Tensor:
+    """t's values in storage whose rows start 16 elements apart (the last dimension padded)."""
+    width = -(-t.shape[-1] // 16) * 16
+    return t.new_zeros(*t.shape[:-1], width)[..., : t.shape[-1]].copy_(t)
+
+
+def stride_points(gen, dtype, rows: list) -> None:
+    """The same products with operands whose rows start 16 elements apart or not: Triton
+    specialises a stride on divisibility by 16 only, and vectorises loads and stores by it."""
+    M = K = 4096
+    A = block_random(M, K, 64, 0.9, dtype, gen)
+    fmt = BlockGroupCOO.from_dense(A, block=(64, 64), group_size="row")
+    for N, aligned_b in ((1024, False), (1008, False), (1000, False), (1000, True)):
+        B = torch.randn(K, N, device=DEVICE, generator=gen).to(dtype)
+        B = in_aligned_storage(B) if aligned_b else B
+        err = relative_error(fmt.spmm(B), A.double() @ B.double())
+        ms = median_ms(lambda B=B: fmt.spmm(B))
+        report(dict(kind="strides", case="Block-ELL 64x64 s=0.9 4096x4096xN", N=N, B_stride=B.stride(0),
+                    err=err, insum_ms=round(ms, 4)), rows)
+    A = torch.randn(3000, 5000, device=DEVICE, generator=gen).to(dtype)
+    B = torch.randn(5000, 2048, device=DEVICE, generator=gen).to(dtype)
+    for n, m in ((2, 4), (1, 8)):
+        fmt = NM.from_dense(A, n=n, m=m, vector_len=128)
+        padded = copy.copy(fmt)
+        padded._tensors = dict(fmt._tensors, AV=in_aligned_storage(fmt.AV), AK=in_aligned_storage(fmt.AK))
+        expected = fmt.to_dense().double() @ B.double()
+        for label, f in (("as packed", fmt), ("aligned rows", padded)):
+            err = relative_error(f.spmm(B), expected)
+            ms = median_ms(lambda f=f: f.spmm(B))
+            report(dict(kind="strides", case=f"N:M {n}:{m} 3000x5000x2048 AV {label}", AV_stride=f.AV.stride(1),
+                        err=err, insum_ms=round(ms, 4)), rows)
+    for batch in (1024, 1008, 1000):
+        torch.manual_seed(0)
+        dense = torch.nn.Linear(4096, 4096, device=DEVICE, dtype=dtype)
+        layer = SparseLinear.from_linear(dense, "BlockGroupCOO", sparsity=0.9, block=(32, 32), group_size="row")
+        x = torch.randn(batch, 4096, device=DEVICE, dtype=dtype, generator=gen)
+        with torch.no_grad():
+            layer(x)
+            ms = median_ms(lambda layer=layer, x=x: layer(x))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    layer(x)
+                torch.cuda.synchronize()
+            kernels = {e.key[:60]: round(e.device_time_total / 5, 1) for e in prof.key_averages() if e.device_time_total > 0}
+            host = host_us_per_call(lambda layer=layer, x=x: layer(x), calls=500)
+            report(dict(kind="strides", case=f"layer 4096->4096 batch {batch} forward", insum_ms=round(ms, 4),
+                        host_us=round(host, 1), kernels_us=kernels), rows)
+            if PROFILE:
+                print_python_profile(lambda layer=layer, x=x: layer(x), 300, limit=14)
+
+
+def uniform_csr(rows: int, cols: int, per_row: float, gen) -> torch.Tensor:
+    mask = torch.rand(rows, cols, device=DEVICE, generator=gen) < per_row / cols
+    return (torch.randn(rows, cols, device=DEVICE, generator=gen) * mask).to_sparse_csr()
+
+
+def unstructured_points(gen, dtype, rows: list) -> None:
+    """Unstructured formats with their packed tensors as packed and stored in aligned rows
+    (`aligned_rows` on every tensor of two or more dimensions): what aligning would gain
+    them, on rows whose packed width is any number."""
+    matrices = {
+        "power-law 20000 x 20000, 13 a row": lambda: power_law_matrix(20000, 20000, 13, seed=1).to(DEVICE),
+        "uniform 8192 x 8192, 100 a row": lambda: uniform_csr(8192, 8192, 100, gen),
+        "uniform 16384 x 16384, 7 a row": lambda: uniform_csr(16384, 16384, 7, gen),
+    }
+    for name, make in matrices.items():
+        csr = make().to(torch.float32)
+        for value_dtype in (torch.float32, dtype):
+            A = csr.to(value_dtype)
+            B = torch.randn(A.shape[1], 128, device=DEVICE, generator=gen).to(value_dtype)
+            expected = A.to(torch.float64) @ B.double()
+            packings = {"auto": lambda A=A: auto(A, n_cols=128), "ELL": lambda A=A: ELL.from_torch(A),
+                        "GroupCOO": lambda A=A: GroupCOO.from_torch(A), "CELL": lambda A=A: CELL.from_torch(A)}
+            for label, pack in packings.items():
+                try:
+                    fmt = pack()
+                except Exception as e:  # a packing that does not fit is a result
+                    report(dict(kind="unstructured", matrix=name, packing=label, failed=f"{type(e).__name__}: {e}"[:200]), rows)
+                    continue
+                aligned = copy.copy(fmt)
+                aligned._tensors = {k: aligned_rows(v) for k, v in fmt._tensors.items()}
+                row = dict(kind="unstructured", matrix=name, dtype=str(value_dtype)[6:], packing=label, chosen=repr(fmt)[:160],
+                           strides={k: v.stride() for k, v in fmt._tensors.items() if v.dim() > 1})
+                for variant, f in (("packed", fmt), ("aligned", aligned)):
+                    row[f"{variant}_err"] = relative_error(f @ B, expected)
+                    row[f"{variant}_ms"] = round(median_ms(lambda f=f, B=B: f @ B), 4)
+                row["gain"] = round(row["packed_ms"] / row["aligned_ms"], 3)
+                report(row, rows)
+
+
+def report(row: dict, rows: list) -> None:
+    rows.append(row)
+    print({k: (f"{v:.2e}" if k.endswith("err") else v) for k, v in row.items()}, flush=True)
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="a folder for shapes.json")
+    parser.add_argument(
+        "--budget", type=float, default=480.0, help="seconds; later parts are skipped past it"
+    )
+    parser.add_argument("--only", default="block,nm,layer")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--profile", action="store_true", help="cProfile the strides part's layer forwards")
+    args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    rows: list[dict] = []
+    start = time.perf_counter()
+    parts = (("block", block_points), ("nm", nm_points), ("layer", layer_points), ("strides", stride_points),
+             ("unstructured", unstructured_points))
+    for part, fn in parts:
+        if part not in args.only.split(","):
+            continue
+        if time.perf_counter() - start > args.budget:
+            print(f"skipped {part}: past the budget", flush=True)
+            continue
+        try:
+            fn(gen, dtype, rows)
+        except Exception as e:  # one part's failure is a result, the others still run
+            print(f"{part} FAILED: {type(e).__name__}: {e}", flush=True)
+            rows.append(dict(kind=part, failed=f"{type(e).__name__}: {e}"[:400]))
+    if args.out:
+        write_rows(args.out, "shapes", rows)
+
+
+if __name__ == "__main__":
+    main()
