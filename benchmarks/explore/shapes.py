@@ -27,7 +27,14 @@ from insum.formats import CELL, ELL, NM, BlockGroupCOO, GroupCOO, auto, power_la
 from insum.formats.base import aligned_rows
 from insum.nn import SparseLinear
 
-from ..common import host_us_per_call, median_ms, print_python_profile, relative_error, rotating
+from ..common import (
+    graphed_ms,
+    host_us_per_call,
+    median_ms,
+    print_python_profile,
+    relative_error,
+    rotating,
+)
 from .tensorcore import write_rows
 
 #: (M, K, N) of C = A @ B with A (M x K) sparse: rows of an MLP's weights, odd sizes.
@@ -254,6 +261,43 @@ def unstructured_points(gen, dtype, rows: list) -> None:
                 report(row, rows)
 
 
+def padding_points(gen, dtype, rows: list) -> None:
+    """Block-ELL on sizes that are not whole blocks against the same product rounded up to
+    whole blocks (32 and 128): the format pads B's rows to whole blocks on every call."""
+    for M, K, N in ((3000, 5000, 2048), (3008, 5024, 2048), (3072, 5120, 2048)):
+        for block in (32, 64):
+            A = block_random(M, K, block, 0.9, dtype, gen)
+            fmt = BlockGroupCOO.from_dense(A, block=(block, block), group_size="row")
+            B = torch.randn(K, N, device=DEVICE, generator=gen).to(dtype)
+            row = dict(kind="padding", shape=f"{M}x{K}x{N}", block=block, sparsity=0.9)
+            row["err"] = relative_error(fmt.spmm(B), A.double() @ B.double())
+            row["insum_ms"] = round(median_ms(lambda fmt=fmt, B=B: fmt.spmm(B)), 4)
+            row["insum_graphed_ms"] = round(graphed_ms(lambda fmt=fmt, B=B: fmt.spmm(B)), 4)
+            row["operand_ms"] = round(median_ms(lambda fmt=fmt, B=B: fmt.operand(B)), 4)
+            row["cublas_ms"] = round(median_ms(lambda A=A, B=B: A @ B), 4)
+            row["vs_cublas"] = round(row["cublas_ms"] / row["insum_ms"], 3)
+            report(row, rows)
+
+
+def channel_points(gen, dtype, rows: list) -> None:
+    """A submanifold SparseConv3d (k = 3) on one scene at channel counts whose rows are, or
+    are not, 16 elements apart: the gathered rows of X are pointer loads, vectorised by the
+    stride's specialisation (divisible by 16 or not)."""
+    from benchmarks.study_conv import room_scene
+    from insum.nn import SparseConv3d
+
+    coords = room_scene(150_000, seed=3, device=DEVICE)[:, 1:] + 4
+    for channels in (24, 32, 40, 48, 96, 112, 120, 128):
+        torch.manual_seed(0)
+        conv = SparseConv3d(channels, channels, 3).to(DEVICE, dtype)
+        x = torch.randn(coords.shape[0], channels, device=DEVICE, generator=gen).to(dtype)
+        conv(x, coords)
+        ms = median_ms(lambda conv=conv, x=x: conv(x, coords))
+        pairs = conv.kernel_map(coords).pairs
+        report(dict(kind="channels", voxels=coords.shape[0], channels=channels, insum_ms=round(ms, 4),
+                    us_per_channel2=round(ms * 1e3 / channels**2, 5), pairs=pairs), rows)
+
+
 def report(row: dict, rows: list) -> None:
     rows.append(row)
     print({k: (f"{v:.2e}" if k.endswith("err") else v) for k, v in row.items()}, flush=True)
@@ -277,7 +321,8 @@ def main() -> None:
     rows: list[dict] = []
     start = time.perf_counter()
     parts = (("block", block_points), ("nm", nm_points), ("layer", layer_points), ("strides", stride_points),
-             ("unstructured", unstructured_points))
+             ("unstructured", unstructured_points), ("padding", padding_points),
+             ("channels", channel_points))
     for part, fn in parts:
         if part not in args.only.split(","):
             continue
