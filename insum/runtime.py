@@ -149,59 +149,7 @@ def spec_for(
         unique_indices=frozenset(unique_indices),
         sizes=tuple((v, min(next_power_of_2(int(e)), SIZE_CAP)) for v, e in bound.extents.items()),
         lengths=tuple(lengths),
-        stride_multiples=stride_multiples(bound),
-        extent_multiples=extent_multiples(bound),
     )
-
-
-def _vector_multiple(value: int, element_size: int) -> int:
-    """The power of two (8, 4 or 2) that `value` is a multiple of where Triton cannot see it
-    (not a multiple of 16) and it spans a whole 16-byte vector of `element_size` elements;
-    1 otherwise (no hint: one kernel serves every such value)."""
-    if value % 16 == 0:
-        return 1
-    m = 8 if value % 8 == 0 else 4 if value % 4 == 0 else 2 if value % 2 == 0 else 1
-    return m if m * element_size >= 16 else 1
-
-
-def _element_sizes(bound: Bound) -> dict[str, int]:
-    sizes = {name: t.element_size() for name, t in bound.tensors.items()}
-    sizes.setdefault(bound.output_name, torch.empty((), dtype=bound.out_dtype, device="meta").element_size())
-    return sizes
-
-
-def stride_multiples(bound: Bound) -> tuple[tuple[str, int, int], ...]:
-    """(tensor, dim, m) for each stride of the statement's tensors (the output as given, or
-    contiguous as allocated) that is a multiple of m elements, a 16-byte vector, but not of
-    16 elements: rows 8 fp16 elements apart load as vectors only where the kernel says so.
-    H200, fp16, a submanifold SparseConv3d of 150k voxels (`python -m benchmarks.explore.shapes
-    --only channels`, session 16): 120 channels ran 1.18 ms against 0.74 ms for 128."""
-    strides = {name: t.stride() for name, t in bound.tensors.items()}
-    if bound.output_name not in strides:
-        strides[bound.output_name] = torch.empty(bound.out_shape, device="meta").stride()
-    element = _element_sizes(bound)
-    found = [(name, dim, _vector_multiple(stride, element[name])) for name, dims in strides.items()
-             for dim, stride in enumerate(dims)]
-    return tuple(sorted(hint for hint in found if hint[2] > 1))
-
-
-def extent_multiples(bound: Bound) -> tuple[tuple[str, int], ...]:
-    """(variable, m) for each variable that indexes the contiguous last dimension of a value
-    tensor or the output (two or more dimensions) and whose extent is a multiple of m
-    elements, a 16-byte vector, but not of 16: a mask over it keeps m lanes constant. Not
-    the extents of rows or of index tensors (voxels, groups), which would split kernels by
-    the data's sizes for no vector."""
-    strides = {name: t.stride() for name, t in bound.tensors.items()}
-    element = _element_sizes(bound)
-    found = {}
-    for access, as_index in bound.stmt.walk():
-        var = access.indices[-1].variable if len(access.indices) >= 2 and not as_index else None
-        dims = strides.get(access.name)
-        if var is not None and (dims is None or dims[-1] == 1):
-            m = _vector_multiple(bound.extents[var], element[access.name])
-            if m > 1:
-                found[var] = min(m, found.get(var, m))
-    return tuple(sorted(found.items()))
 
 
 def _plan_here(spec: KernelSpec) -> Plan:

@@ -244,52 +244,6 @@ def test_wide_tensors_use_int64_addressing():
     assert ".to(tl.int64)" not in emit(schedule(narrow)).text
 
 
-GATHERED_ROWS = "O[v, co] += X[NB[v, w], ci] * W[w, ci, co]"
-
-
-def _gathered_rows_spec(channels: int, dtype: torch.dtype):
-    tensors = {"X": torch.empty(50, channels, dtype=dtype, device="meta"),
-               "NB": torch.empty(30, 27, dtype=torch.int32, device="meta"),
-               "W": torch.empty(27, channels, channels, dtype=dtype, device="meta")}
-    return spec_for(bind(parse(GATHERED_ROWS), tensors), descriptors=False)
-
-
-@pytest.mark.parametrize("channels, dtype, hinted", [
-    (120, torch.float16, 8), (40, torch.float16, 8), (128, torch.float16, None), (112, torch.float16, None),
-    (20, torch.float32, 4), (12, torch.float16, None), (6, torch.float64, 2), (13, torch.float32, None),
-])
-def test_strides_and_extents_not_multiples_of_16_are_stated(channels, dtype, hinted):
-    """Rows `channels` elements apart: where that is a whole 16-byte vector but not 16
-    elements, the kernel states it (`tl.multiple_of`), as Triton specialises 16 only;
-    the gathered rows' count (NB's v, the voxels) never splits kernels."""
-    spec = _gathered_rows_spec(channels, dtype)
-    text = emit(schedule(spec)).text
-    if hinted is None:
-        assert spec.stride_multiples == () and spec.extent_multiples == () and "multiple_of" not in text
-        return
-    assert ("X", 0, hinted) in spec.stride_multiples and ("O", 0, hinted) in spec.stride_multiples
-    assert dict(spec.extent_multiples) == {"ci": hinted, "co": hinted}
-    for name in ("stride_X_0", "stride_O_0", "size_ci", "size_co"):
-        assert f"{name} = tl.multiple_of({name}, {hinted})" in text
-    assert "size_v = tl.multiple_of" not in text
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE == "cuda" else [torch.float32])
-def test_stated_multiples_compute_the_same(dtype):
-    """A product over rows 8 (fp16) or 4 (fp32) elements apart against the torch lowering."""
-    channels = 24 if dtype == torch.float16 else 12
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    tensors = {"X": torch.randn(40, channels, generator=gen, device=DEVICE).to(dtype),
-               "NB": torch.randint(0, 40, (33, 5), generator=gen, device=DEVICE, dtype=torch.int32),
-               "W": torch.randn(5, channels, channels, generator=gen, device=DEVICE).to(dtype)}
-    kernel = kernel_for(bind(parse(GATHERED_ROWS), tensors))
-    assert "multiple_of" in kernel.source
-    got = insum.insum(GATHERED_ROWS, **tensors)
-    expected = insum.insum(GATHERED_ROWS, backend="torch", **{k: v.double() if v.is_floating_point() else v
-                                                              for k, v in tensors.items()})
-    torch.testing.assert_close(got.double(), expected, **tolerance(dtype))
-
-
 def test_source_is_deterministic():
     spec = _kernel("group_coo_spmm").spec
     assert emit(schedule(spec)).text == emit(schedule(spec)).text

@@ -1,17 +1,27 @@
-"""Block-ELL and N:M on shapes the suites do not time: rectangular (an LLM MLP's 4096 x 11008
-and 11008 x 4096 weights), sizes that are not multiples of the block or the tile, a batch
-whose rows are not 16-byte aligned, and SparseLinear layers of those shapes.
+"""Block-ELL, N:M and the unstructured formats on shapes the suites do not time:
+rectangular (an LLM MLP's 4096 x 11008 and 11008 x 4096 weights), sizes that are not
+multiples of the block or the tile, rows that are not 16 elements apart, SparseLinear layers
+of those shapes, and point-cloud convolutions at channel counts that are not multiples of 16.
 
-    python -m benchmarks.explore.shapes [--out DIR] [--budget 480] [--only block,nm,layer]
+    python -m benchmarks.explore.shapes [--out DIR] [--budget 480] [--only PARTS] [--profile]
 
 The suites time squares (4096^3, 8192^3) drawn one way; users' weights are neither. Each
 point is packed the way a user would (`BlockGroupCOO.from_dense(group_size="row")`,
 `NM.from_dense` with the vector lengths the N:M study offers), checked against a float64
-product, and timed with do_bench medians (two B operands rotated) beside cuBLAS on the same
-dense matrix, zeros included, and TorchBSR where the shape allows. Also the first call's
-wall time (packing excluded: compile and tune), which is what a new shape costs. A shape
-that runs far below the square points of REPORT.md at the same sparsity points at a tuning
-or layout path that does not generalise.
+product, and timed with do_bench medians beside cuBLAS on the same dense matrix, zeros
+included, and TorchBSR where the shape allows. Also the first call's wall time (packing
+excluded: compile and tune), which is what a new shape costs. A shape that runs far below
+the square points of REPORT.md at the same sparsity points at a tuning or layout path that
+does not generalise. Parts (`--only`, comma-separated):
+
+  block         Block-ELL at rectangular and odd shapes, against cuBLAS and TorchBSR;
+  nm            N:M 2:4, 2:8, 1:8 at the same shapes (the fastest of three vector lengths);
+  layer         SparseLinear forward and forward + backward against nn.Linear;
+  strides       the same products with operands stored in rows 16 elements apart or not;
+  unstructured  ELL, GroupCOO, CELL and `auto` with their packed tensors as packed and in
+                aligned rows;
+  padding       Block-ELL where K is not a whole number of blocks (B padded on every call);
+  channels      a submanifold SparseConv3d at 24 to 128 channels.
 """
 
 from __future__ import annotations
