@@ -96,3 +96,14 @@ def test_sparse_linear_keeps_aligned_rows_through_moves_and_training():
     fresh = nm_layer(seed=1)
     fresh.load_state_dict(layer.state_dict())
     assert rows_aligned(fresh.AV) and torch.equal(fresh.to_dense(), layer.to_dense())
+
+
+def test_a_layer_adopting_a_saved_nm_weight_stores_it_in_aligned_rows():
+    """load_state_dict into a layer of another format allocates the saved tensors anew."""
+    saved = nm_layer()
+    other = SparseLinear.from_linear(torch.nn.Linear(50, 24, device=DEVICE), "COO", sparsity=0.5, backend="triton")
+    other.load_state_dict(saved.state_dict())
+    assert other.format == "NM" and rows_aligned(other.AV) and rows_aligned(other.AK)
+    assert torch.equal(other.to_dense(), saved.to_dense())
+    x = torch.randn(3, 50, device=DEVICE)
+    assert close(other(x), saved(x).detach())

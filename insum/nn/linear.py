@@ -466,6 +466,8 @@ class SparseLinear(nn.Module):
                 tensor = torch.empty(saved.shape, dtype=dtype or saved.dtype, device=device)
             else:
                 tensor = torch.empty(saved.shape, dtype=saved.dtype, device=device)
+            if name in cls.aligned_tensors and tensor is not old:
+                tensor = aligned_rows(tensor)  # (the packer's layout; the values are copied in next)
             if cls._is_value(cls, name):
                 self.register_parameter(name, tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor))
             else:
