@@ -9,6 +9,8 @@ element-wise pattern of sparse tensor cores.
 Sizes that are not multiples are padded, as in the paper: rows up to a multiple of L,
 columns up to a multiple of M. Padded columns carry value 0 and are clamped to column
 K - 1, so every index is valid for the unpadded B; `spmm` returns the first R rows.
+AV's and AK's rows are stored 16 elements apart in memory (`base.aligned_rows`), whatever
+K * n / m is, so that the kernel loads their tiles as vectors.
 """
 
 from __future__ import annotations
