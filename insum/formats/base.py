@@ -64,13 +64,13 @@ __all__ = [
     "Coords",
     "SparseFormat",
     "accumulation_dtype",
+    "aligned_rows",
     "check_positive_int",
     "coords_of",
     "default_group_size",
     "format_class",
     "index_dtype_for",
     "overwrite",
-    "aligned_rows",
     "pad_rows",
 ]
 
@@ -81,14 +81,16 @@ ROW_ALIGNMENT = 16
 def aligned_rows(t: torch.Tensor) -> torch.Tensor:
     """t, or a copy of it, whose rows (last dimension) start a multiple of ROW_ALIGNMENT
     elements apart: padded in memory, not in shape. Triton specialises an integer stride only
-    on divisibility by 16, and vectorises a tile's loads and reads it through a tensor
-    descriptor only then; N:M's compressed rows are K * n / m wide, any width. Rows narrower
-    than ROW_ALIGNMENT are left as they are. H200, fp16, a
-    3000 x 5000 A by 2048 (`python -m benchmarks.explore.shapes --only strides`, session 16):
-    2:4 167.6 -> 72.4 us, 1:8 52.8 -> 27.8 us."""
+    on divisibility by 16 and vectorises a tile's loads only then; N:M's compressed rows are
+    K * n / m wide, any width. H200, fp16, a 3000 x 5000 A by 2048 (`python -m
+    benchmarks.explore.shapes --only strides`, session 16): 2:4 167.6 -> 72.4 us, 1:8 52.8 ->
+    27.8 us. Rows narrower than ROW_ALIGNMENT, and tensors whose last dimension is not
+    contiguous, are left as they are."""
     width = t.shape[-1] if t.dim() else 0
-    if t.dim() < 2 or width < ROW_ALIGNMENT or t.stride(-1) != 1 or all(s % ROW_ALIGNMENT == 0 for s in t.stride()[:-1]):
-        return t  # (rows narrower than the alignment are left as they are: padding them costs more than it gains)
+    if t.dim() < 2 or width < ROW_ALIGNMENT or t.stride(-1) != 1:
+        return t
+    if all(stride % ROW_ALIGNMENT == 0 for stride in t.stride()[:-1]):
+        return t
     padded = -(-width // ROW_ALIGNMENT) * ROW_ALIGNMENT
     return t.new_empty(*t.shape[:-1], padded)[..., :width].copy_(t)
 
