@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_suite.sh tests                  # the CUDA test suite, then codegen and the demo
 #   bash benchmarks/gpu_suite.sh torch                  # torch_checks: opcheck, autograd, graphs, MLP
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
+#   bash benchmarks/gpu_suite.sh shapes                 # rectangular, odd and unaligned shapes (explore/shapes), N:M aligned rows
 #   bash benchmarks/gpu_suite.sh cellfill               # CELL without a zero fill (< 90 s): CUDA tests, host time, device A/B
 #   bash benchmarks/gpu_suite.sh gcfill                 # GroupCOO/COO without a zero fill (< 90 s): CUDA tests, host time, device A/B
 #   bash benchmarks/gpu_suite.sh conv                   # SparseConv3d vs spconv-triton and the torch loop, kernel-map builds
@@ -105,6 +106,13 @@ case "$PART" in
     ;;
   packing)
     timeout 560 python -m benchmarks.packing "$@" 2>&1 | quiet | tee "$DIR/packing.log"
+    ;;
+  shapes)
+    # Shapes the suites do not time (explore/shapes): the N:M aligned-rows tests, then the parts
+    # (default block,nm,strides,padding; pass e.g. --only layer,channels for others).
+    timeout 60 python -m pytest -q -p no:cacheprovider tests/test_aligned_rows.py 2>&1 | tee "$DIR/pytest_shapes.log" | tail -3
+    timeout 480 python -m benchmarks.explore.shapes --out "$DIR" --budget 420 ${@:---only block,nm,strides,padding} 2>&1 \
+      | quiet | grep -v -i "warn" | tee "$DIR/shapes.log"
     ;;
   cellfill)
     # CELL's covering layout (< 90 s): its CUDA tests (the covering product; pinned and direct products of every
