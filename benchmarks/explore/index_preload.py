@@ -15,9 +15,6 @@ pipeline depths, each checked against a float64 product, beside cuBLAS.
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import torch
 
 from insum.arith import next_power_of_2
@@ -26,15 +23,11 @@ from insum.execute import length_facts
 from insum.parser import parse
 from insum.runtime import _load, cache_dir, kernel_for
 
-from .tensorcore import block_ell, block_problem, time_variants, write_rows
+from .tensorcore import block_ell, block_problem, run_points, say, time_variants
 
 EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 LOOP = "    for step in range(0, len_q * steps_k):\n"
 INDEX = "AK_val = tl.load(AK_ptr + i_p * stride_AK_0 + i_q * stride_AK_1)"
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
 
 
 def preloaded(source: str, width: int) -> str | None:
@@ -45,6 +38,9 @@ def preloaded(source: str, width: int) -> str | None:
              "    AK_row = tl.load(AK_ptr + i_p * stride_AK_0 + q_all * stride_AK_1, mask=q_all < len_q, other=0)\n")
     source = source.replace(LOOP, hoist + LOOP)
     return source.replace(INDEX, "AK_val = tl.sum(tl.where(q_all == i_q, AK_row, 0), axis=0)")
+
+#: (size, block, s) of the Block-ELL products, in the order they run.
+POINTS = [(4096, 64, 0.9), (4096, 128, 0.9), (4096, 32, 0.9), (4096, 64, 0.75), (8192, 64, 0.9)]
 
 
 def case(size: int, block: int, s: float, rows: list) -> None:
@@ -78,15 +74,7 @@ def case(size: int, block: int, s: float, rows: list) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
-    say(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
-    rows: list = []
-    for size, block, s in [(4096, 64, 0.9), (4096, 128, 0.9), (4096, 32, 0.9), (4096, 64, 0.75), (8192, 64, 0.9)]:
-        case(size, block, s, rows)
-        write_rows(args.out, "index_preload", rows)
-
+    run_points("index_preload", POINTS, case)
 
 if __name__ == "__main__":
     main()

@@ -83,8 +83,9 @@ def first_call_s(fn) -> float:
     return time.perf_counter() - start
 
 
-def timed_product(A: torch.Tensor, expected_of, fmts: dict, N: int, gen) -> dict:
-    """Times each packing in `fmts` and cuBLAS on the same B operands; the fastest packing kept."""
+def timed_product(A: torch.Tensor, expected_of, fmts: dict, N: int, gen) -> tuple[dict, list]:
+    """Times each packing in `fmts` and cuBLAS on the same B operands; the fastest packing kept.
+    Returns the row and the B operands."""
     M, K = A.shape
     Bs = [torch.randn(K, N, device=DEVICE, generator=gen).to(A.dtype) for _ in range(2)]
     row: dict = {}
@@ -101,7 +102,7 @@ def timed_product(A: torch.Tensor, expected_of, fmts: dict, N: int, gen) -> dict
     )
     row["cublas_ms"] = round(median_ms(rotating(lambda B: A @ B, [(B,) for B in Bs])), 4)
     row["vs_cublas"] = round(row["cublas_ms"] / best[0], 3)
-    return row | {"_Bs": Bs}
+    return row, Bs
 
 
 def block_points(gen, dtype, rows: list) -> None:
@@ -119,8 +120,8 @@ def block_point(gen, dtype, M: int, K: int, N: int, block: int, s: float) -> dic
     row = dict(
         kind="block", shape=f"{M}x{K}x{N}", block=block, sparsity=s, ideal=round(1 / kept, 2)
     )
-    row |= timed_product(A, lambda f, B: A.double() @ B.double(), {"row": fmt}, N, gen)
-    Bs = row.pop("_Bs")
+    timed, Bs = timed_product(A, lambda f, B: A.double() @ B.double(), {"row": fmt}, N, gen)
+    row |= timed
     if M % block == 0 and K % block == 0 and N % 16 == 0:  # (bsr_dense_mm asks N % 16 == 0)
         bsr = A.to_sparse_bsr((block, block))
         row["torchbsr_ms"] = round(
@@ -137,8 +138,7 @@ def nm_points(gen, dtype, rows: list) -> None:
         for n, m in NM_PATTERNS:
             fmts = {f"L{L}": NM.from_dense(A, n=n, m=m, vector_len=L) for L in (32, 128, 256)}
             row = dict(kind="nm", shape=f"{M}x{K}x{N}", pattern=f"{n}:{m}", ideal=m / n)
-            row |= timed_product(A, lambda f, B: f.to_dense().double() @ B.double(), fmts, N, gen)
-            row.pop("_Bs")
+            row |= timed_product(A, lambda f, B: f.to_dense().double() @ B.double(), fmts, N, gen)[0]
             row["of_ideal"] = round(row["vs_cublas"] / row["ideal"], 3)
             report(row, rows)
 
@@ -181,12 +181,6 @@ def layer_point(gen, dtype, fan_in: int, fan_out: int, batch: int) -> dict:
     return row
 
 
-def in_aligned_storage(t: torch.Tensor) -> torch.Tensor:
-    """t's values in storage whose rows start 16 elements apart (the last dimension padded)."""
-    width = -(-t.shape[-1] // 16) * 16
-    return t.new_zeros(*t.shape[:-1], width)[..., : t.shape[-1]].copy_(t)
-
-
 def stride_points(gen, dtype, rows: list) -> None:
     """The same products with operands whose rows start 16 elements apart or not: Triton
     specialises a stride on divisibility by 16 only, and vectorises loads and stores by it."""
@@ -195,7 +189,7 @@ def stride_points(gen, dtype, rows: list) -> None:
     fmt = BlockGroupCOO.from_dense(A, block=(64, 64), group_size="row")
     for N, aligned_b in ((1024, False), (1008, False), (1000, False), (1000, True)):
         B = torch.randn(K, N, device=DEVICE, generator=gen).to(dtype)
-        B = in_aligned_storage(B) if aligned_b else B
+        B = aligned_rows(B) if aligned_b else B
         err = relative_error(fmt.spmm(B), A.double() @ B.double())
         ms = median_ms(lambda B=B: fmt.spmm(B))
         report(dict(kind="strides", case="Block-ELL 64x64 s=0.9 4096x4096xN", N=N, B_stride=B.stride(0),
@@ -205,7 +199,7 @@ def stride_points(gen, dtype, rows: list) -> None:
     for n, m in ((2, 4), (1, 8)):
         fmt = NM.from_dense(A, n=n, m=m, vector_len=128)
         padded = copy.copy(fmt)
-        padded._tensors = dict(fmt._tensors, AV=in_aligned_storage(fmt.AV), AK=in_aligned_storage(fmt.AK))
+        padded._tensors = dict(fmt._tensors, AV=aligned_rows(fmt.AV), AK=aligned_rows(fmt.AK))
         expected = fmt.to_dense().double() @ B.double()
         for label, f in (("as packed", fmt), ("aligned rows", padded)):
             err = relative_error(f.spmm(B), expected)

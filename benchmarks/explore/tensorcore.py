@@ -77,6 +77,20 @@ def write_rows(out: str, name: str, rows: list) -> None:
         json.dump(rows, f, indent=1, default=str)
 
 
+def run_points(name: str, points: list[tuple[int, int, float]], case) -> None:
+    """An exploration's main over Block-ELL points: --out (default $OUT), the device line, then
+    `case(size, block, s, rows)` for each (size, block, s), the rows written to
+    `<out>/<name>.json` after every point."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    say(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    rows: list = []
+    for size, block, s in points:
+        case(size, block, s, rows)
+        write_rows(args.out, name, rows)
+
+
 def record(section: str, label: str, point: str, dtype: str, fn, check, expected, anchor_ms=None, flops=None):
     """Check `check()` against `expected`, time `fn`, keep the row."""
     try:

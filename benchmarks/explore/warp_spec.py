@@ -13,9 +13,6 @@ warps and 2-4 stages), each checked against a float64 product, beside cuBLAS.
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import torch
 
 from insum.bind import bind
@@ -23,14 +20,13 @@ from insum.execute import length_facts
 from insum.parser import parse
 from insum.runtime import _load, cache_dir, kernel_for
 
-from .tensorcore import block_ell, block_problem, time_variants, write_rows
+from .tensorcore import block_ell, block_problem, run_points, say, time_variants
 
 EXPR = "C[p, m, n] = AV[p, q, m, k] * B[AK[p, q], k, n]"
 LOOP = "for step in range(0, len_q * steps_k):"
 
-
-def say(line: str) -> None:
-    print(line, flush=True)
+#: (size, block, s) of the Block-ELL products, in the order they run.
+POINTS = [(4096, 64, 0.9), (4096, 128, 0.5), (4096, 128, 0.9), (4096, 32, 0.9), (8192, 64, 0.9)]
 
 
 def case(size: int, block: int, s: float, rows: list) -> None:
@@ -67,15 +63,7 @@ def case(size: int, block: int, s: float, rows: list) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
-    say(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
-    rows: list = []
-    for size, block, s in [(4096, 64, 0.9), (4096, 128, 0.5), (4096, 128, 0.9), (4096, 32, 0.9), (8192, 64, 0.9)]:
-        case(size, block, s, rows)
-    write_rows(args.out, "warp_spec", rows)
-
+    run_points("warp_spec", POINTS, case)
 
 if __name__ == "__main__":
     main()
