@@ -21,7 +21,9 @@ does not generalise. Parts (`--only`, comma-separated):
   unstructured  ELL, GroupCOO, CELL and `auto` with their packed tensors as packed and in
                 aligned rows;
   padding       Block-ELL where K is not a whole number of blocks (B padded on every call);
-  channels      a submanifold SparseConv3d at 24 to 128 channels.
+  channels      a submanifold SparseConv3d at 24 to 128 channels;
+  scatter       products whose output rows are scattered with atomics (grouped
+                BlockGroupCOO, GroupCOO) into N columns, 16 elements apart or not.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ NM_PATTERNS = ((2, 4), (2, 8), (1, 8))
 LAYERS = ((4096, 11008, 4096), (11008, 4096, 4096), (4096, 4096, 1000))
 DEVICE = "cuda"
 PROFILE = False  # --profile: the layers' host work under cProfile (the strides part)
+LABEL = ""  # --label: which tree an A/B's row comes from (explore/ab_products.sh MODULE=...)
 
 
 def block_random(rows: int, cols: int, block: int, s: float, dtype, gen) -> torch.Tensor:
@@ -302,7 +305,27 @@ def channel_points(gen, dtype, rows: list) -> None:
                     us_per_channel2=round(ms * 1e3 / channels**2, 5), pairs=pairs), rows)
 
 
+def scatter_points(gen, dtype, rows: list) -> None:
+    """Products that add their output rows atomically, at widths whose rows are 16 elements
+    apart (1008, 1024) or 8 (1000) or 1 (1001): fp16 atomics add 8 elements at once only into
+    rows the kernel knows to be 16-byte aligned."""
+    A = block_random(4096, 4096, 32, 0.9, dtype, gen)
+    blocks = BlockGroupCOO.from_dense(A, block=(32, 32))
+    U = (torch.rand(8192, 8192, device=DEVICE, generator=gen) < 100 / 8192).to(dtype)
+    unstructured = GroupCOO.from_dense(U, group_size=32)
+    for name, dense, fmt in (("grouped BlockGroupCOO 32x32 s=0.9", A, blocks), ("GroupCOO g=32", U, unstructured)):
+        for N in (1000, 1001, 1008, 1024):
+            B = torch.randn(dense.shape[1], N, device=DEVICE, generator=gen).to(dtype)
+            row = dict(kind="scatter", format=name, shape=f"{dense.shape[0]}x{dense.shape[1]}x{N}")
+            row["err"] = relative_error(fmt @ B, dense.double() @ B.double())
+            row["insum_ms"] = round(median_ms(lambda fmt=fmt, B=B: fmt @ B), 4)
+            row["cublas_ms"] = round(median_ms(lambda A=dense, B=B: A @ B), 4)
+            report(row, rows)
+
+
 def report(row: dict, rows: list) -> None:
+    if LABEL:
+        row = {"label": LABEL, **row}
     rows.append(row)
     print({k: (f"{v:.2e}" if k.endswith("err") else v) for k, v in row.items()}, flush=True)
     torch.cuda.empty_cache()
@@ -317,16 +340,17 @@ def main() -> None:
     parser.add_argument("--only", default="block,nm,layer")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--profile", action="store_true", help="cProfile the strides part's layer forwards")
+    parser.add_argument("--label", default="", help="a tag on every row (an A/B's tree)")
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, LABEL
+    PROFILE, LABEL = args.profile, args.label
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     rows: list[dict] = []
     start = time.perf_counter()
     parts = (("block", block_points), ("nm", nm_points), ("layer", layer_points), ("strides", stride_points),
              ("unstructured", unstructured_points), ("padding", padding_points),
-             ("channels", channel_points))
+             ("channels", channel_points), ("scatter", scatter_points))
     for part, fn in parts:
         if part not in args.only.split(","):
             continue

@@ -576,6 +576,14 @@ def emit(plan: Plan) -> Source:
         body += ["    " + ("pid = task" if line == "pid = tl.program_id(0)" else line) for line in tile]
     else:
         body = tile
+    # Strides and extents that Triton sees as multiples of 1 (not of 16) but are multiples
+    # of 2, 4 or 8: rows that many elements apart, and masks that many lanes constant,
+    # load as vectors of that width.
+    hints = [(em.strides[(t, d)], m) for t, d, m in plan.spec.stride_multiples if (t, d) in em.strides]
+    hints += [(em.size[v], m) for v, m in plan.spec.extent_multiples if v in em.size]
+    if hints:
+        lines = [f"{name} = {name} // {m} * {m}" for name, m in hints]
+        body = [lines[0] + "  # (not multiples of 16: the vector width Triton cannot see)", *lines[1:], *body]
     # A tensor read only through its descriptors takes no pointer argument.
     read = set(re.findall(r"\w+", "\n".join(body)))
     boxed = {key[1] for key in em.descs}

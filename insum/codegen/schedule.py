@@ -95,6 +95,13 @@ class KernelSpec:
     # variable, a tensor of that variable's values from the longest length to the shortest
     # (`Plan.ordered`), "" or absent where there is none.
     lengths: tuple[tuple, ...] = ()
+    # (tensor, dim, m): strides a multiple of m = 2, 4 or 8 elements but not of 16, which
+    # Triton's specialisation does not see (it marks multiples of 16 only); the kernel
+    # states them (`tl.multiple_of`), so that rows 8 elements apart still load as vectors.
+    stride_multiples: tuple[tuple[str, int, int], ...] = ()
+    # (variable, m): extents of variables that index a tensor's contiguous dimension, a
+    # multiple of m = 2, 4 or 8 but not of 16 (their masks then keep m lanes constant).
+    extent_multiples: tuple[tuple[str, int], ...] = ()
 
     def role(self, var: str) -> Role:
         return dict(self.roles)[var]
