@@ -97,7 +97,8 @@ class KernelSpec:
     lengths: tuple[tuple, ...] = ()
     # (tensor, dim, m): strides a multiple of m = 2, 4 or 8 elements but not of 16, which
     # Triton's specialisation does not see (it marks multiples of 16 only); the kernel
-    # states them (`tl.multiple_of`), so that rows 8 elements apart still load as vectors.
+    # states them (rounding each down to its multiple: `tl.multiple_of` on a scalar argument
+    # never reaches its analysis), so that rows 8 elements apart still load as vectors.
     stride_multiples: tuple[tuple[str, int, int], ...] = ()
     # (variable, m): extents of variables that index a tensor's contiguous dimension, a
     # multiple of m = 2, 4 or 8 but not of 16 (their masks then keep m lanes constant).
