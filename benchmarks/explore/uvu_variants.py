@@ -87,7 +87,6 @@ import torch
 if not torch.cuda.is_available():  # the smoke run: the interpreter must be chosen before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from insum.arith import next_power_of_2  # noqa: E402
 from insum.bind import bind  # noqa: E402
 from insum.codegen.schedule import plan_of, rank  # noqa: E402
 from insum.codegen.tune import configs_for, prune_configs  # noqa: E402
@@ -276,8 +275,7 @@ def _configs(case: Case, smoke: bool) -> list[dict]:
 
 
 def _bucket(case: Case) -> tuple:
-    plan, extents = case.kernel.plan, case.bound.extents
-    return tuple(next_power_of_2(math.prod(extents[v] for v in plan.axis_vars(a))) for a, _ in plan.tiles)
+    return case.kernel.bucket(case.kernel.prepared(case.bound))
 
 
 def _sweep(case: Case, expected: torch.Tensor | None, smoke: bool, only=None, configs=None) -> dict:
