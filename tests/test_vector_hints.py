@@ -145,12 +145,10 @@ def test_tuning_buckets_split_where_triton_compiles_differently():
     apart another (`Kernel.bucket`)."""
     statement = "C[m,n] += A[m,k] * B[k,n]"
 
-    def bucket(n: int) -> tuple:
-        tensors = {"A": torch.randn(24, 16, device=DEVICE), "B": torch.randn(16, n, device=DEVICE)}
-        bound = bind(parse(statement), tensors)
-        kernel = kernel_for(bound)
-        return kernel, kernel.bucket(kernel.prepared(bound))
+    def bound(n: int):
+        return bind(parse(statement), {"A": torch.randn(24, 16, device=DEVICE), "B": torch.randn(16, n, device=DEVICE)})
 
-    (k1001, b1001), (k1009, b1009), (k1008, b1008), (k1024, b1024) = map(bucket, (1001, 1009, 1008, 1024))
-    assert k1001 is k1009 is k1008 is k1024  # one kernel: no stated multiples
+    kernel = kernel_for(bound(1001))
+    assert not kernel.spec.stride_multiples and not kernel.spec.extent_multiples
+    b1001, b1009, b1008, b1024 = (kernel.bucket(kernel.prepared(bound(n))) for n in (1001, 1009, 1008, 1024))
     assert b1001 == b1009 and b1008 == b1024 and b1001 != b1008
