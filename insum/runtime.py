@@ -154,14 +154,19 @@ def spec_for(
     )
 
 
+#: The narrowest vector worth stating (bytes): the smallest asynchronous copy (cp.async)
+#: moves 4, so a gathered load of 2-byte elements leaves the software pipeline below it.
+VECTOR_BYTES = 4
+
+
 def _vector_multiple(value: int, element_size: int) -> int:
     """The power of two (8, 4 or 2) that `value` is a multiple of where Triton cannot see it
-    (not a multiple of 16) and it spans a whole 16-byte vector of `element_size` elements;
-    1 otherwise (no hint: one kernel serves every such value)."""
+    (not a multiple of 16) and that many elements of `element_size` bytes make at least a
+    VECTOR_BYTES vector; 1 otherwise (no hint: one kernel serves every such value)."""
     if value % 16 == 0:
         return 1
     m = 8 if value % 8 == 0 else 4 if value % 4 == 0 else 2 if value % 2 == 0 else 1
-    return m if m * element_size >= 16 else 1
+    return m if m * element_size >= VECTOR_BYTES else 1
 
 
 def _element_sizes(bound: Bound) -> dict[str, int]:
@@ -172,12 +177,13 @@ def _element_sizes(bound: Bound) -> dict[str, int]:
 
 def stride_multiples(bound: Bound) -> tuple[tuple[str, int, int], ...]:
     """(tensor, dim, m) for each stride of the statement's tensors (the output as given, or
-    contiguous as allocated) that is a multiple of m elements, a 16-byte vector, but not of
-    16 elements. Triton marks multiples of 16 only, so rows 8 fp16 elements apart load (and
-    add atomically) one element at a time unless the kernel states the multiple
-    (`KernelSpec.stride_multiples`). H200, fp16 (session 17): a submanifold SparseConv3d at
-    120 channels ran 1.18 ms against 0.74 ms at 128; a grouped BlockGroupCOO product into
-    1000 columns 0.16 ms against 0.032 ms into 1008."""
+    contiguous as allocated) that is a multiple of m elements, a vector of at least
+    VECTOR_BYTES, but not of 16 elements. Triton marks multiples of 16 only, so rows 8 fp16
+    elements apart load (and add atomically) one element at a time unless the kernel states
+    the multiple (`KernelSpec.stride_multiples`). H200, fp16 (session 17): a submanifold
+    SparseConv3d at 120 channels ran 1.20 ms against 0.73 ms at 128 (0.72 ms stated); a
+    grouped BlockGroupCOO product into 1000 columns 150 µs against 52 µs into 1008 (38 µs
+    stated)."""
     strides = {name: t.stride() for name, t in bound.tensors.items()}
     if bound.output_name not in strides:
         strides[bound.output_name] = torch.empty(bound.out_shape, device="meta").stride()
@@ -190,7 +196,8 @@ def stride_multiples(bound: Bound) -> tuple[tuple[str, int, int], ...]:
 def extent_multiples(bound: Bound) -> tuple[tuple[str, int], ...]:
     """(variable, m) for each variable that indexes the contiguous last dimension of a value
     tensor or the output (two or more dimensions) and whose extent is a multiple of m
-    elements, a 16-byte vector, but not of 16: a mask over it keeps m lanes constant. Not
+    elements, a vector of at least VECTOR_BYTES, but not of 16: a mask over it keeps m lanes
+    constant. Not
     the extents of rows or of index tensors (voxels, groups), which would split kernels by
     the data's sizes for no vector."""
     strides = {name: t.stride() for name, t in bound.tensors.items()}

@@ -125,7 +125,7 @@ def _cases():
         tensors = {**fmt.tensors, "B": fmt.operand(B), "C": torch.zeros(fmt.output_shape(N)).half()}
         config = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
         cases[f"grouped BlockGroupCOO N={N}"] = (fmt.expression, tensors, config, {})
-    for c in (120, 128):
+    for c in (98, 120, 128):
         t, m, j, n = 64, 128, 27, 4096
         tensors = {
             "X": torch.randn(n, c).half(),

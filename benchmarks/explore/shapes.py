@@ -294,7 +294,7 @@ def channel_points(gen, dtype, rows: list) -> None:
     from insum.nn import SparseConv3d
 
     coords = room_scene(150_000, seed=3, device=DEVICE)[:, 1:] + 4
-    for channels in (24, 32, 40, 48, 96, 112, 120, 128):
+    for channels in (24, 32, 40, 48, 96, 98, 100, 112, 120, 128):
         torch.manual_seed(0)
         conv = SparseConv3d(channels, channels, 3).to(DEVICE, dtype)
         x = torch.randn(coords.shape[0], channels, device=DEVICE, generator=gen).to(dtype)
@@ -307,14 +307,14 @@ def channel_points(gen, dtype, rows: list) -> None:
 
 def scatter_points(gen, dtype, rows: list) -> None:
     """Products that add their output rows atomically, at widths whose rows are 16 elements
-    apart (1008, 1024) or 8 (1000) or 1 (1001): fp16 atomics add 8 elements at once only into
-    rows the kernel knows to be 16-byte aligned."""
+    apart (1008, 1024) or 8 (1000), 2 (1002), 1 (1001): fp16 atomics add 8 elements at once
+    only into rows the kernel knows to be 16-byte aligned."""
     A = block_random(4096, 4096, 32, 0.9, dtype, gen)
     blocks = BlockGroupCOO.from_dense(A, block=(32, 32))
     U = (torch.rand(8192, 8192, device=DEVICE, generator=gen) < 100 / 8192).to(dtype)
     unstructured = GroupCOO.from_dense(U, group_size=32)
     for name, dense, fmt in (("grouped BlockGroupCOO 32x32 s=0.9", A, blocks), ("GroupCOO g=32", U, unstructured)):
-        for N in (1000, 1001, 1008, 1024):
+        for N in (1000, 1001, 1002, 1008, 1024):
             B = torch.randn(dense.shape[1], N, device=DEVICE, generator=gen).to(dtype)
             row = dict(kind="scatter", format=name, shape=f"{dense.shape[0]}x{dense.shape[1]}x{N}")
             row["err"] = relative_error(fmt @ B, dense.double() @ B.double())
