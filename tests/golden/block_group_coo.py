@@ -26,6 +26,9 @@ def insum_kernel(
     accumulator: fp32
     output: atomic (tl.atomic_add: scattered contributions may collide)
     """
+    stride_AV_0 = stride_AV_0 // 2 * 2  # (not multiples of 16: the vector width Triton cannot see)
+    stride_AV_1 = stride_AV_1 // 2 * 2
+    stride_C_0 = stride_C_0 // 2 * 2
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(size_m, BLOCK_M)
     tiles_n = tl.cdiv(size_n, BLOCK_N)

@@ -26,8 +26,10 @@ def insum_kernel(
     accumulator: fp32
     output: atomic (tl.atomic_add: scattered contributions may collide)
     """
-    stride_X_0 = stride_X_0 // 4 * 4  # (not multiples of 16: the vector width Triton cannot see)
+    stride_W_0 = stride_W_0 // 2 * 2  # (not multiples of 16: the vector width Triton cannot see)
+    stride_X_0 = stride_X_0 // 4 * 4
     stride_X_1 = stride_X_1 // 4 * 4
+    stride_Y_0 = stride_Y_0 // 2 * 2
     stride_Z_0 = stride_Z_0 // 4 * 4
     stride_Z_1 = stride_Z_1 // 4 * 4
     pid = tl.program_id(0)

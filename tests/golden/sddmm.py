@@ -22,6 +22,9 @@ def insum_kernel(
     accumulator: fp32
     output: store (one owner per element)
     """
+    stride_X_0 = stride_X_0 // 2 * 2  # (not multiples of 16: the vector width Triton cannot see)
+    stride_Y_0 = stride_Y_0 // 2 * 2
+    size_k = size_k // 2 * 2
     pid = tl.program_id(0)
     pid_p = pid
     offs_p = pid_p * BLOCK_N + tl.arange(0, BLOCK_N)  # [p]
