@@ -25,7 +25,7 @@ from insum.nn.conv import PAIRS, _pair_tensors, _with_zero_row
 from insum.parser import parse
 from insum.runtime import graphed_bench, kernel_for
 
-from ..common import median_ms, relative_error
+from ..common import host_us_per_call, median_ms, relative_error
 from ..study_conv import room_scene
 
 
@@ -36,18 +36,35 @@ def run_case(coords: torch.Tensor, channels: int) -> None:
     x = _with_zero_row(torch.randn(coords.shape[0], channels, device="cuda").half())
     pairs = _pair_tensors(km, conv.tile, "zero_row", x.dtype)
     weight = conv.weight.detach().reshape(-1, channels, channels)
+    # The layer first, tuning as a user's first call does; then its kernel's choice.
+    layer_us = median_ms(lambda: conv(x[:-1], coords)) * 1e3
     out = torch.zeros(km.n_out, channels, device="cuda")
     bound = bind(parse(PAIRS), {"O": out, "X": x, "W": weight, **pairs})
     kernel = kernel_for(bound)
     kernel.launch(bound, out)
     launcher = kernel.prepared(bound)
     chosen = dict(launcher.config)
+    print(f"{channels} channels: the layer {layer_us:.1f} us; its kernel's tuned table {dict(kernel.tuned)}", flush=True)
+    # Where the layer's time goes: the host's issue time per call, and each kernel's device time.
+    host_us = host_us_per_call(lambda: conv(x[:-1], coords), calls=200)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            conv(x[:-1], coords)
+        torch.cuda.synchronize()
+    kernels = {e.key[:60]: round(e.device_time_total / 10, 1) for e in prof.key_averages() if e.device_time_total > 0}
+    print(f"  host {host_us:.1f} us a call; device per call {kernels}", flush=True)
+    # The tuner again, three times, on the same arguments.
+    candidates = [launcher.fitted(c) for c in prune_configs(kernel.plan, configs_for(kernel.plan), launcher.extents)]
+    for _ in range(3):
+        args = launcher.tuning_args(launcher.args(bound.tensors, out))
+        print(f"  the tuner again: {kernel._autotune(args, launcher.grid_fn, candidates, launcher.blocks_hook(kernel.param_names))}",
+              flush=True)
     X, W = x.double(), weight.double()
     PI, PO, PW = (pairs[k].long() for k in ("PI", "PO", "PW"))
     expected = torch.zeros(km.n_out, channels, dtype=torch.float64, device="cuda")
     expected.index_add_(0, PO.flatten(), torch.einsum("pqc,pcd->pqd", X[PI], W[PW]).flatten(0, 1))
     rows = []
-    for config in prune_configs(kernel.plan, configs_for(kernel.plan), launcher.extents):
+    for config in candidates:
         launcher.set_config(config)
         launch, arguments = launcher.direct, launcher.args(bound.tensors, out)
         out.zero_()
@@ -59,8 +76,8 @@ def run_case(coords: torch.Tensor, channels: int) -> None:
     launcher.set_config(chosen)
     by_warm = sorted(rows, key=lambda r: r[1])
     by_cold = sorted(rows, key=lambda r: r[2])
-    print(f"{channels} channels, {km.pairs} pairs, {len(rows)} candidates; conv(x) {median_ms(lambda: conv(x[:-1], coords)) * 1e3:.1f} us",
-          flush=True)
+    print(f"{channels} channels, {km.pairs} pairs, {len(rows)} candidates; the layer now "
+          f"{median_ms(lambda: conv(x[:-1], coords)) * 1e3:.1f} us", flush=True)
     for config, warm, cold, err in rows:
         tags = [t for t, hit in (("tuned", config == chosen), ("best warm", config == by_warm[0][0]),
                                  ("best cold", config == by_cold[0][0])) if hit]
