@@ -265,6 +265,10 @@ def unstructured_points(gen, dtype, rows: list) -> None:
                     row[f"{variant}_err"] = relative_error(f @ B, expected)
                     row[f"{variant}_ms"] = round(median_ms(lambda f=f, B=B: f @ B), 4)
                 row["gain"] = round(row["packed_ms"] / row["aligned_ms"], 3)
+                # Device time alone (CUDA-graph replays) and the host's issue time: a product of
+                # a few tens of µs is timed by whichever is longer.
+                row["packed_graphed_ms"] = round(graphed_ms(lambda fmt=fmt, B=B: fmt @ B), 4)
+                row["packed_host_us"] = round(host_us_per_call(lambda fmt=fmt, B=B: fmt @ B, calls=300), 1)
                 report(row, rows)
 
 
