@@ -376,12 +376,15 @@ class Kernel:
     def _disk_path(self) -> Path:
         return self.path.with_suffix(".tune.json")
 
-    @staticmethod
-    def _device_key(bucket, device) -> str:
+    def _device_key(self, bucket, device) -> str:
+        """The disk table's key for a bucket: the device, Triton's version, the tensors' dtypes
+        (kernels of other dtypes can share one source, and so one table: an fp16 ELL product
+        read the float32 one's tile and ran 6x slower, `session17/call9`) and the bucket."""
         import triton
 
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        return f"{name}|triton {triton.__version__}|{','.join(map(str, bucket))}"
+        dtypes = ",".join(f"{tensor}:{dtype}" for tensor, dtype in self.spec.dtypes)
+        return f"{name}|triton {triton.__version__}|{dtypes}|{','.join(map(str, bucket))}"
 
     def _disk_config(self, bucket, device) -> dict | None:
         try:

@@ -284,6 +284,25 @@ def test_tuning_results_persist_on_disk(tmp_path, monkeypatch):
     assert again._disk_config((64, 16, 64), torch.device(DEVICE)) is None
 
 
+def test_disk_tuning_is_kept_per_dtype(tmp_path, monkeypatch):
+    """Kernels of other dtypes may share one source (its file and its table on disk); a tile
+    tuned for float32 is not read back for float16."""
+    monkeypatch.setenv("INSUM_CACHE_DIR", str(tmp_path))
+    stmt = "C[m,n] = AV[m,q]*B[AK[m,q],n]"
+
+    def kernel_of(dtype):
+        tensors = {"AV": torch.randn(8, 3, dtype=dtype), "AK": torch.randint(0, 8, (8, 3)),
+                   "B": torch.randn(8, 16, dtype=dtype), "C": torch.empty(8, 16, dtype=dtype)}
+        return Kernel(spec_for(bind(parse(stmt), tensors)))
+
+    single, half = kernel_of(torch.float32), kernel_of(torch.float16)
+    assert single.path == half.path  # one source, one table
+    config = {"BLOCK_M": 8, "BLOCK_K": 4, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    single._save_disk_config((8, 4, 16), torch.device(DEVICE), config)
+    assert kernel_of(torch.float32)._disk_config((8, 4, 16), torch.device(DEVICE)) == config
+    assert half._disk_config((8, 4, 16), torch.device(DEVICE)) is None
+
+
 def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
     if CUDA:
         pytest.skip("CUDA present")
