@@ -23,7 +23,8 @@ does not generalise. Parts (`--only`, comma-separated):
   padding       Block-ELL where K is not a whole number of blocks (B padded on every call);
   channels      a submanifold SparseConv3d at 24 to 128 channels;
   scatter       products whose output rows are scattered with atomics (grouped
-                BlockGroupCOO, GroupCOO) into N columns, 16 elements apart or not.
+                BlockGroupCOO, GroupCOO) into N columns, 16 elements apart or not;
+  graphs        `formats.auto` against cuSPARSE on power-law graphs, float32 then fp16.
 """
 
 from __future__ import annotations
@@ -327,6 +328,26 @@ def scatter_points(gen, dtype, rows: list) -> None:
             report(row, rows)
 
 
+def graph_points(gen, dtype, rows: list) -> None:
+    """`formats.auto` against cuSPARSE on power-law graphs (average degree 16), float32 first
+    and then `dtype` in one process, as a user converting a model would: kernels of both dtypes
+    can share one source (and its disk table of tuned tiles)."""
+    for n in (65536, 262144):
+        csr = power_law_matrix(n, n, 16, seed=0, device=DEVICE)
+        for value_dtype in (torch.float32, dtype):
+            A = csr.to(value_dtype)
+            B = torch.randn(n, 128, device=DEVICE, generator=gen).to(value_dtype)
+            fmt = auto(A, n_cols=128)
+            row = dict(kind="graphs", matrix=f"power-law {n}^2, 16 a row", dtype=str(value_dtype)[6:],
+                       chosen=repr(fmt)[:120])
+            row["err"] = relative_error(fmt @ B, A.to(torch.float64) @ B.double())
+            row["auto_ms"] = round(median_ms(lambda fmt=fmt, B=B: fmt @ B), 4)
+            row["auto_graphed_ms"] = round(graphed_ms(lambda fmt=fmt, B=B: fmt @ B), 4)
+            row["cusparse_ms"] = round(median_ms(lambda A=A, B=B: A @ B), 4)
+            row["vs_cusparse"] = round(row["cusparse_ms"] / row["auto_ms"], 3)
+            report(row, rows)
+
+
 def report(row: dict, rows: list) -> None:
     if LABEL:
         row = {"label": LABEL, **row}
@@ -354,7 +375,7 @@ def main() -> None:
     start = time.perf_counter()
     parts = (("block", block_points), ("nm", nm_points), ("layer", layer_points), ("strides", stride_points),
              ("unstructured", unstructured_points), ("padding", padding_points),
-             ("channels", channel_points), ("scatter", scatter_points))
+             ("channels", channel_points), ("scatter", scatter_points), ("graphs", graph_points))
     for part, fn in parts:
         if part not in args.only.split(","):
             continue
