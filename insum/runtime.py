@@ -171,8 +171,20 @@ def _vector_multiple(value: int, element_size: int) -> int:
 
 def _element_sizes(bound: Bound) -> dict[str, int]:
     sizes = {name: t.element_size() for name, t in bound.tensors.items()}
-    sizes.setdefault(bound.output_name, torch.empty((), dtype=bound.out_dtype, device="meta").element_size())
+    sizes.setdefault(bound.output_name, bound.out_dtype.itemsize)
     return sizes
+
+
+def _output_strides(bound: Bound) -> tuple[int, ...]:
+    """The output's strides: as given, or contiguous as `bound.output()` allocates it."""
+    out = bound.tensors.get(bound.output_name)
+    if out is not None:
+        return out.stride()
+    strides, step = [], 1
+    for extent in reversed(bound.out_shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
 
 
 def stride_multiples(bound: Bound) -> tuple[tuple[str, int, int], ...]:
@@ -185,8 +197,7 @@ def stride_multiples(bound: Bound) -> tuple[tuple[str, int, int], ...]:
     grouped BlockGroupCOO product into 1000 columns 150 µs against 52 µs into 1008 (38 µs
     stated)."""
     strides = {name: t.stride() for name, t in bound.tensors.items()}
-    if bound.output_name not in strides:
-        strides[bound.output_name] = torch.empty(bound.out_shape, device="meta").stride()
+    strides[bound.output_name] = _output_strides(bound)
     element = _element_sizes(bound)
     found = [(name, dim, _vector_multiple(stride, element[name])) for name, dims in strides.items()
              for dim, stride in enumerate(dims)]
@@ -197,9 +208,8 @@ def extent_multiples(bound: Bound) -> tuple[tuple[str, int], ...]:
     """(variable, m) for each variable that indexes the contiguous last dimension of a value
     tensor or the output (two or more dimensions) and whose extent is a multiple of m
     elements, a vector of at least VECTOR_BYTES, but not of 16: a mask over it keeps m lanes
-    constant. Not
-    the extents of rows or of index tensors (voxels, groups), which would split kernels by
-    the data's sizes for no vector."""
+    constant. Not the extents of rows or of index tensors (voxels, groups), which would split
+    kernels by the data's sizes for no vector."""
     strides = {name: t.stride() for name, t in bound.tensors.items()}
     element = _element_sizes(bound)
     found: dict[str, int] = {}
@@ -546,8 +556,7 @@ class _Launcher:
             else:
                 self.template.append(bound.tensors[arg[1]].stride(arg[2]))
         self.out_name = out_name
-        out = bound.tensors.get(out_name)
-        out_strides = out.stride() if out is not None else torch.empty(bound.out_shape, device="meta").stride()
+        out_strides = _output_strides(bound)
         integers = [v for v in self.template if type(v) is int] + [out_strides[dim] for _, dim in self.out_strides]
         # Triton compiles an integer argument specially where it is 1 or a multiple of 16.
         self.specialisation = "".join("1" if v == 1 else "g" if v % 16 == 0 else "." for v in integers)

@@ -91,6 +91,17 @@ def test_a_prepared_kernel_refuses_an_output_whose_stride_breaks_its_multiple():
         kernel.launch(bound, odd)
 
 
+def test_a_pinned_call_refuses_an_output_whose_stride_breaks_its_multiple():
+    tensors = gathered(40)
+    bound = bind(parse(GATHER), tensors)
+    kernel = kernel_for(bound)
+    kernel.launch(bound, torch.zeros(37, 40, device=DEVICE))
+    pinned = kernel.prepared(bound).pin(tensors)  # the inputs in place, the output per call
+    assert pinned({"O": torch.zeros(37, 40, device=DEVICE)}).arguments()
+    with pytest.raises(InsumError, match="not a multiple of 8"):
+        pinned({"O": torch.zeros(37, 41, device=DEVICE)[:, :40]}).arguments()
+
+
 def test_a_kernel_refuses_tensors_that_lack_its_multiples():
     kernel = kernel_for(bind(parse(GATHER), gathered(40)))
     other = bind(parse(GATHER), gathered(48))  # multiples of 16: the kernel's rounding would be wrong
