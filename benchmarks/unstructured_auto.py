@@ -13,7 +13,7 @@ One GPU run, side by side, every result checked against a float64 product:
 3. Host time per cached call: insum() and fmt @ B against a bare Triton launch of the same
    kernel, and torch CSR @ B.
 
-    python -m benchmarks.unstructured_auto [--data ../.data] [--budget 320] [--out DIR]
+    python -m benchmarks.unstructured_auto [--data ../.data] [--budget 320] [--out DIR] [--jobs float16:128]
 """
 
 from __future__ import annotations
@@ -173,6 +173,8 @@ def main() -> None:
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / ".data"))
     parser.add_argument("--budget", type=float, default=320.0)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--jobs", default=None,
+                        help="only these auto-vs-cuSPARSE jobs, e.g. float16:128 (no A/B, no host rows)")
     args = parser.parse_args()
     run = Run(args)
     dev = torch.device("cuda")
@@ -208,6 +210,11 @@ def main() -> None:
                 except Exception as e:
                     run.note(f"{name} {dtype} N={N}: {type(e).__name__}: {str(e)[:200]}")
 
+    if args.jobs:  # a re-measurement of some jobs alone
+        wanted = {(getattr(torch, d), int(n)) for d, n in (job.split(":") for job in args.jobs.split(","))}
+        measure_jobs([job for job in jobs if (job[0], job[1]) in wanted], 10)
+        summary(run, host, [])
+        return
     measure_jobs(jobs[:2], 110)
     for name, _kind, load in ab_set:
         if run.left() < 60:
