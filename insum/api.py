@@ -34,6 +34,7 @@ from .execute import (
 )
 from .library import call
 from .parser import parse
+from .widening import widened_bound, widening_for
 
 __all__ = ["insum", "insum_many", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
@@ -229,7 +230,11 @@ def explain(
     lines.append(f"output: {bound.output_name} {list(bound.out_shape)} {bound.out_dtype}")
     facts = (sorted_facts(bound, sorted_indices), sorted_facts(bound, unique_indices, "unique_indices"))
     staged = staging_for(bound, declared)
-    if staged is None:
+    widening = widening_for(bound, declared) if staged is None else None
+    if widening is not None:
+        lines.append(f"widened (insum.widening; INSUM_WIDEN=0 runs the rows as they are): {widening}")
+        lines.extend(_kernel_lines(widened_bound(widening, bound, bound.output())[0], precision, *facts, declared))
+    elif staged is None:
         lines.extend(_kernel_lines(bound, precision, *facts, declared))
     else:
         lines.append(f"staged (insum.codegen.stage; INSUM_STAGE=0 keeps the gather in the product): {staged}")

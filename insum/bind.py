@@ -69,6 +69,20 @@ class Bound:
         return new
 
 
+    def with_extent(self, var: str, extent: int, tensors: Mapping[str, torch.Tensor]) -> Bound:
+        """The binding with `var` of another extent over `tensors`, whose dimensions `var`
+        indexes have that extent (the output's too, given among them): the run in widened rows
+        (`insum.widening`). Its signature is this one's with the widening in front, which the
+        widened tensors' layout follows from."""
+        new = self.with_tensors(tensors)
+        new.__dict__["extents"] = {**self.extents, var: extent}
+        dims = [d for d, index in enumerate(self.stmt.output.indices) if index.variable == var]
+        new.__dict__["out_shape"] = tuple(extent if d in dims else s for d, s in enumerate(self.out_shape))
+        if self.signature is not None:
+            new.__dict__["signature"] = ("widened", var, extent, *self.signature)
+        return new
+
+
 def _roles(stmt: Statement) -> dict[str, Role]:
     direct = {i.variable for i in stmt.output.indices if i.is_direct}
     in_output = set(stmt.output.variables())

@@ -42,6 +42,7 @@ from .errors import InsumError, InsumShapeError, InsumTypeError, UnsupportedStat
 from .ir import Statement
 from .reference import run_reference
 from .settings import flag, snapshot
+from .widening import WidenedLaunch, run_widened, widened_bound, widening_for
 
 __all__ = [
     "run",
@@ -250,6 +251,12 @@ def run(
         gather, main = staged_bounds(staged, bound)
         run(gather, gather.output(), **options, **facts_in(gather, sorted_indices, unique_indices))
         return run(main, out, **options, **facts_in(main, sorted_indices, unique_indices))
+    widening = widening_for(bound, lengths)
+    if widening is not None:
+        inner, buffer = widened_bound(widening, bound, out)
+        options = dict(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
+        return run_widened(widening, buffer, out, bound.stmt.accumulate, lambda: run(
+            inner, buffer, **options, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths))
     try:
         kernel = kernel_for(
             bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths
@@ -300,7 +307,7 @@ class _StagedLaunch:
     """A staged statement's two prepared launches, repeated: the gather into a new staged
     tensor, then the product. Not pinned and not batched (those take single launches)."""
 
-    staged = True
+    composite = True
 
     def __init__(self, gather, main, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.gather, self.main = gather, main
@@ -485,11 +492,17 @@ def prepare(
 
 def _prepared_launch(bound: Bound, precision, sorted_indices, unique_indices, lengths: Lengths):
     """The launch a call on `bound` ran (prepared per signature by its kernel), or for a
-    staged statement its two launches as one `_StagedLaunch`."""
+    staged statement its two launches as one `_StagedLaunch`, for a widened one its launch
+    in widened rows (`insum.widening`)."""
     from .runtime import kernel_for
 
     staged = staging_for(bound, lengths)
     if staged is None:
+        widening = widening_for(bound, lengths)
+        if widening is not None:
+            inner, _ = widened_bound(widening, bound, bound.output())
+            launch = _prepared_launch(inner, precision, sorted_indices, unique_indices, lengths)
+            return WidenedLaunch(widening, launch, bound.stmt.accumulate)
         kernel = kernel_for(
             bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths
         )
@@ -633,7 +646,7 @@ def prepare_batch(calls, options: tuple) -> None:
         call = _PREPARED.get((expr, one, call_signature(tensors)))
         if call is None or call.launcher is None or call.device_check or call.out_name not in tensors:
             return
-        if getattr(call.launcher, "staged", False):  # two launches: not one part of a batch
+        if getattr(call.launcher, "composite", False):  # several launches: not one part of a batch
             return
         parts.append(call.launcher)
         out_names.append(call.out_name)

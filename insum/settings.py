@@ -1,7 +1,7 @@
 """insum's switches in the environment, read on every call and cheaply.
 
 A user may change `TRITON_INTERPRET`, `INSUM_AUTOTUNE`, `INSUM_CHECK_INDICES`, `INSUM_TMA`,
-`INSUM_DIRECT_LAUNCH` or `INSUM_STAGE` between calls, so the launch path reads them each time (a repeated
+`INSUM_DIRECT_LAUNCH`, `INSUM_STAGE` or `INSUM_WIDEN` between calls, so the launch path reads them each time (a repeated
 call compares one `snapshot()` of them all with the one it was prepared under); `os.environ.get` costs about 1 µs a
 read (key encoding through the Mapping interface), several times per cached call. On POSIX,
 `os.environ` keeps its encoded items in a plain dict that every assignment through it
@@ -26,6 +26,7 @@ _OFF = (b"", b"0")
 #: Every switch a call reads: a call prepared under one setting of them repeats only under it.
 SWITCHES = (
     "TRITON_INTERPRET", "INSUM_AUTOTUNE", "INSUM_CHECK_INDICES", "INSUM_TMA", "INSUM_DIRECT_LAUNCH", "INSUM_STAGE",
+    "INSUM_WIDEN",
 )
 _ENCODED_SWITCHES = tuple(name.encode() for name in SWITCHES)
 

@@ -24,7 +24,11 @@ does not generalise. Parts (`--only`, comma-separated):
   channels      a submanifold SparseConv3d at 24 to 128 channels;
   scatter       products whose output rows are scattered with atomics (grouped
                 BlockGroupCOO, GroupCOO) into N columns, 16 elements apart or not;
-  graphs        `formats.auto` against cuSPARSE on power-law graphs, float32 then fp16.
+  graphs        `formats.auto` against cuSPARSE on power-law graphs, float32 then fp16;
+  widen         products into rows that are not a whole vector wide (N = 1001, 1002; odd
+                channel counts), with and without widening (`insum.widening`: INSUM_WIDEN=0,
+                the default rule, and rows under 16 bytes widened at any size), from small
+                to large, against cuBLAS / cuSPARSE; fp16, bf16 and float32 rows.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import time
 
 import torch
@@ -66,6 +71,7 @@ LAYERS = ((4096, 11008, 4096), (11008, 4096, 4096), (4096, 4096, 1000))
 DEVICE = "cuda"
 PROFILE = False  # --profile: the layers' host work under cProfile (the strides part)
 LABEL = ""  # --label: which tree an A/B's row comes from (explore/ab_products.sh MODULE=...)
+DEADLINE = math.inf  # perf_counter() past which a long part stops between rows (--budget)
 
 
 def block_random(rows: int, cols: int, block: int, s: float, dtype, gen) -> torch.Tensor:
@@ -348,6 +354,117 @@ def graph_points(gen, dtype, rows: list) -> None:
             report(row, rows)
 
 
+#: The widening variants a `widen` row times, alternated in one process: (label, INSUM_WIDEN,
+#: WIDEN_BELOW_BYTES, WIDEN_MIN_BYTES or None for the module's default). A variant's own
+#: INSUM_WIDEN value sets the switches' snapshot apart, so no call prepared under another
+#: variant repeats under it.
+WIDEN_VARIANTS = (("off", "0", None, None), ("rule", "1", None, None), ("all", "16", 16, 0))
+
+
+def _widen_variant(value: str, below, least) -> None:
+    from insum import widening
+
+    os.environ["INSUM_WIDEN"] = value
+    widening.WIDEN_BELOW_BYTES = below if below is not None else _WIDEN_DEFAULTS[0]
+    widening.WIDEN_MIN_BYTES = least if least is not None else _WIDEN_DEFAULTS[1]
+
+
+def _widen_cases(gen, dtype):
+    """(name, packed format, its dense matrix, K, widths N) per case."""
+    cases = []
+    A = block_random(4096, 4096, 32, 0.9, dtype, gen)
+    grouped = BlockGroupCOO.from_dense(A, block=(32, 32))
+    cases.append(("grouped BlockGroupCOO 4096^2 32x32 s=0.9", grouped, A, 4096, (1000, 1001, 1002)))
+    A64 = block_random(4096, 4096, 64, 0.9, dtype, gen)
+    cases.append(("Block-ELL 4096^2 64x64 s=0.9", BlockGroupCOO.from_dense(A64, block=(64, 64), group_size="row"),
+                  A64, 4096, (1000, 1001, 1002)))
+    U = (torch.rand(8192, 8192, device=DEVICE, generator=gen) < 100 / 8192).to(dtype)
+    cases.append(("GroupCOO g=32 8192^2 100 a row", GroupCOO.from_dense(U, group_size=32), U, 8192, (1000, 1001, 1002)))
+    cases.append(("ELL 8192^2 100 a row", ELL.from_dense(U), U, 8192, (1001,)))
+    N2 = torch.randn(4096, 4096, device=DEVICE, generator=gen).to(dtype)
+    nm = NM.from_dense(N2, n=2, m=8, vector_len=128)
+    cases.append(("N:M 2:8 4096^2", nm, nm.to_dense(), 4096, (1001,)))
+    S = (torch.rand(1024, 1024, device=DEVICE, generator=gen) < 16 / 1024).to(dtype)
+    cases.append(("GroupCOO 1024^2 16 a row (small)", GroupCOO.from_dense(S), S, 1024, (33, 101, 1001)))
+    Ab = block_random(512, 512, 32, 0.75, dtype, gen)
+    cases.append(("grouped BlockGroupCOO 512^2 32x32 s=0.75 (small)", BlockGroupCOO.from_dense(Ab, block=(32, 32)),
+                  Ab, 512, (101, 1001)))
+    return cases
+
+
+_WIDEN_DEFAULTS: tuple = ()
+
+
+def widen_points(gen, dtype, rows: list) -> None:
+    """Each case at each width under each of WIDEN_VARIANTS (alternated, each timed twice),
+    checked against float64, beside the dense product (cuBLAS) on the same B. float32 rows
+    too: its rows are 4-byte aligned at any width, so the default rule leaves them."""
+    global _WIDEN_DEFAULTS
+    from insum import widening
+
+    _WIDEN_DEFAULTS = (widening.WIDEN_BELOW_BYTES, widening.WIDEN_MIN_BYTES)
+    kept = os.environ.get("INSUM_WIDEN")
+    try:
+        for value_dtype in (dtype, torch.float32):
+            for name, fmt, dense, K, widths in _widen_cases(gen, value_dtype):
+                if value_dtype == torch.float32:  # (one odd width: the rule leaves float32 rows)
+                    if "small" in name:
+                        continue
+                    widths = (1001,)
+                for N in widths:
+                    if time.perf_counter() > DEADLINE:
+                        print(f"skipped {name} N={N} ({str(value_dtype)[6:]}): past the budget", flush=True)
+                        continue
+                    Bs = [torch.randn(K, N, device=DEVICE, generator=gen).to(value_dtype) for _ in range(2)]
+                    expected = dense.double() @ Bs[0].double()
+                    row = dict(kind="widen", case=name, dtype=str(value_dtype)[6:], N=N)
+                    for _ in range(2):
+                        for label, value, below, least in WIDEN_VARIANTS:
+                            _widen_variant(value, below, least)
+                            row[f"{label}_err"] = relative_error(fmt @ Bs[0], expected)
+                            ms = median_ms(rotating(lambda B, f=fmt: f @ B, [(B,) for B in Bs]))
+                            row[f"{label}_ms"] = round(min(ms, row.get(f"{label}_ms", ms)), 4)
+                    row["cublas_ms"] = round(median_ms(rotating(lambda B, A=dense: A @ B, [(B,) for B in Bs])), 4)
+                    row["rule_gain"] = round(row["off_ms"] / row["rule_ms"], 3)
+                    row["all_gain"] = round(row["off_ms"] / row["all_ms"], 3)
+                    report(row, rows)
+        for channels in (35, 99):
+            if time.perf_counter() < DEADLINE:
+                report(_widen_conv(gen, dtype, channels), rows)
+    finally:
+        widening.WIDEN_BELOW_BYTES, widening.WIDEN_MIN_BYTES = _WIDEN_DEFAULTS
+        if kept is None:
+            os.environ.pop("INSUM_WIDEN", None)
+        else:
+            os.environ["INSUM_WIDEN"] = kept
+
+
+def _widen_conv(gen, dtype, channels: int) -> dict:
+    """A submanifold SparseConv3d (k = 3, 150k voxels) at an odd channel count per variant
+    (errors against the first variant's output)."""
+    from benchmarks.study_conv import room_scene
+    from insum.nn import SparseConv3d
+
+    coords = room_scene(150_000, seed=3, device=DEVICE)[:, 1:] + 4
+    torch.manual_seed(0)
+    conv = SparseConv3d(channels, channels, 3).to(DEVICE, dtype)
+    x = torch.randn(coords.shape[0], channels, device=DEVICE, generator=gen).to(dtype)
+    row = dict(kind="widen", case=f"SparseConv3d {channels} channels", dtype=str(dtype)[6:], N=channels)
+    reference = None
+    for _ in range(2):
+        for label, value, below, least in WIDEN_VARIANTS:
+            _widen_variant(value, below, least)
+            with torch.no_grad():
+                y = conv(x, coords)
+                reference = y if reference is None else reference
+                row[f"{label}_err"] = relative_error(y, reference.double())
+                ms = median_ms(lambda: conv(x, coords))
+            row[f"{label}_ms"] = round(min(ms, row.get(f"{label}_ms", ms)), 4)
+    row["rule_gain"] = round(row["off_ms"] / row["rule_ms"], 3)
+    row["all_gain"] = round(row["off_ms"] / row["all_ms"], 3)
+    return row
+
+
 def report(row: dict, rows: list) -> None:
     if LABEL:
         row = {"label": LABEL, **row}
@@ -367,15 +484,17 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the strides part's layer forwards")
     parser.add_argument("--label", default="", help="a tag on every row (an A/B's tree)")
     args = parser.parse_args()
-    global PROFILE, LABEL
+    global PROFILE, LABEL, DEADLINE
     PROFILE, LABEL = args.profile, args.label
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     rows: list[dict] = []
     start = time.perf_counter()
+    DEADLINE = start + args.budget
     parts = (("block", block_points), ("nm", nm_points), ("layer", layer_points), ("strides", stride_points),
              ("unstructured", unstructured_points), ("padding", padding_points),
-             ("channels", channel_points), ("scatter", scatter_points), ("graphs", graph_points))
+             ("channels", channel_points), ("scatter", scatter_points), ("graphs", graph_points),
+             ("widen", widen_points))
     for part, fn in parts:
         if part not in args.only.split(","):
             continue

@@ -1,0 +1,183 @@
+"""Outputs whose rows are not a whole vector wide, run in rows padded to one.
+
+Triton vectorises a tile's loads, stores and atomics along the last dimension only where it
+can prove that rows start a vector apart and that the mask over a row keeps a vector's lanes
+alike: strides and extent divisible by 16 elements, or by the multiples a kernel states
+(`runtime.stride_multiples`, `extent_multiples`: vectors of 4 bytes or more). Rows of fp16
+an odd number of elements wide (N = 1001; a graph's 1433 features) get neither: the kernel
+loads B one element at a time, outside the asynchronous copies' pipeline, and adds into C
+with scalar atomics. H200, fp16, session 17: grouped BlockGroupCOO 4096^2 into 1001 columns
+171 µs against 46 µs into 1002; GroupCOO 8192^2 490 µs against 231 µs into 1000.
+
+Where the output's last index is a plain variable that indexes nothing but the last
+dimension of the tensors it appears in, every output element of that variable's value v
+reads only elements of value v. The product can then run with the variable widened to a
+multiple of ROW_ELEMENTS: the tensors it indexes are copied into rows that wide, the
+output is computed in such rows and its first columns copied back. The extra columns are
+left uninitialised; they reach only the output's extra columns, which are dropped.
+
+The copies cost a pass over each widened tensor (two over the output, three for `+=`) and a
+launch each, so the runtime widens only rows narrower than WIDEN_BELOW_BYTES of alignment
+and only where the widened tensors hold WIDEN_MIN_BYTES or more. On by default for CUDA
+tensors; `INSUM_WIDEN=0` turns it off, `INSUM_WIDEN=1` also turns it on for the Triton
+interpreter's CPU tensors (which have no vectors to gain: for tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .bind import Bound
+from .settings import flag
+
+__all__ = [
+    "ROW_ELEMENTS", "WIDEN_BELOW_BYTES", "WIDEN_MIN_BYTES", "Widening", "widening_for", "widened_bound", "widened_tensors",
+    "run_widened", "WidenedLaunch",
+]
+
+#: Widened rows are a multiple of this many elements: Triton specialises an extent or a
+#: stride divisible by 16 without being told.
+ROW_ELEMENTS = 16
+#: Rows aligned to fewer bytes than this are widened: below 4 bytes (odd fp16 or bf16
+#: widths) no load of a row joins the cp.async pipeline and no atomic adds two elements.
+WIDEN_BELOW_BYTES = 4
+#: The least bytes (the widened inputs and the output together) worth the copies' launches.
+WIDEN_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Widening:
+    """Run `variable` (extent `extent`) as `width` columns; `names`: the inputs it indexes."""
+
+    variable: str
+    extent: int
+    width: int
+    names: tuple[str, ...]
+
+    def __str__(self) -> str:
+        inputs = f"{', '.join(self.names)} copied, " if self.names else ""
+        return f"{self.variable}: {self.extent} -> {self.width} columns ({inputs}the output through a buffer)"
+
+
+def _row_bytes(shape, strides, element_size: int) -> int:
+    """The bytes every row start of a tensor and its row's width are a multiple of (at most 16)."""
+    common = shape[-1]
+    for size, stride in zip(shape[:-1], strides[:-1]):
+        if size > 1:
+            common = math.gcd(common, stride)
+    return min(element_size * (common & -common), 16) if common else 16
+
+
+def _enabled(device: torch.device) -> bool:
+    return flag("INSUM_WIDEN", default=device.type == "cuda")
+
+
+def widening_for(bound: Bound, lengths=()) -> Widening | None:
+    """How to run `bound` in widened rows (see the module's docstring), or None: not on,
+    not such a statement, rows aligned enough, tensors too small. `lengths`: the declared
+    lengths' facts (`execute.length_facts`); a length indexed by the variable rules it out."""
+    stmt = bound.stmt
+    if not stmt.output.indices or not _enabled(bound.device):
+        return None
+    var = stmt.output.indices[-1].variable
+    if var is None or bound.roles.get(var) != "output" or bound.extents[var] % ROW_ELEMENTS == 0:
+        return None
+    if any(var in index for _, _, index, _ in lengths):
+        return None
+    names: dict[str, None] = {}
+    apart: set[str] = set()
+    for access, as_index in stmt.walk():
+        if var not in access.variables():
+            apart.add(access.name)
+            continue
+        if as_index or access.indices[-1].variable != var or any(var in i.variables() for i in access.indices[:-1]):
+            return None
+        if access.name != stmt.output.name:
+            names[access.name] = None
+    if apart & set(names):  # a tensor also read where the variable does not index it
+        return None
+    out = bound.tensors.get(stmt.output.name)
+    layouts = [(t.shape, t.stride(), t.element_size()) for t in (bound.tensors[n] for n in names)]
+    if out is not None:
+        layouts.append((out.shape, out.stride(), out.element_size()))
+    else:
+        strides = [1] * len(bound.out_shape)
+        for d in range(len(bound.out_shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * bound.out_shape[d + 1]
+        layouts.append((bound.out_shape, tuple(strides), bound.out_dtype.itemsize))
+    if any(strides[-1] != 1 or 0 in shape for shape, strides, _ in layouts):
+        return None
+    if min(_row_bytes(*layout) for layout in layouts) >= WIDEN_BELOW_BYTES:
+        return None
+    if sum(math.prod(shape) * size for shape, _, size in layouts) < WIDEN_MIN_BYTES:
+        return None
+    extent = bound.extents[var]
+    return Widening(var, extent, -(-extent // ROW_ELEMENTS) * ROW_ELEMENTS, tuple(names))
+
+
+def _padded(shape, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(*shape[:-1], width, dtype=dtype, device=device)
+
+
+def widened_tensors(widening: Widening, tensors, out: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """`tensors` with the widened inputs copied into rows `widening.width` wide, and a buffer
+    for the output in such rows (uninitialised: `run_widened` fills it)."""
+    width, extent = widening.width, widening.extent
+    widened = dict(tensors)
+    for name in widening.names:
+        t = tensors[name]
+        copy = _padded(t.shape, width, t.dtype, t.device)
+        copy[..., :extent].copy_(t)
+        widened[name] = copy
+    return widened, _padded(out.shape, width, out.dtype, out.device)
+
+
+def widened_bound(widening: Widening, bound: Bound, out: torch.Tensor) -> tuple[Bound, torch.Tensor]:
+    """`bound` over the widened tensors (`widened_tensors`) with the variable's extent widened,
+    and the output's buffer (given as the binding's output)."""
+    tensors, buffer = widened_tensors(widening, bound.tensors, out)
+    tensors[bound.output_name] = buffer
+    return bound.with_extent(widening.variable, widening.width, tensors), buffer
+
+
+class WidenedLaunch:
+    """A prepared launch (`runtime._Launcher`, for the widened signature) run on copies in
+    widened rows, its output copied back. Several launches: neither pinned nor batched."""
+
+    composite = True
+
+    def __init__(self, widening: Widening, inner, accumulate: bool):
+        self.widening, self.inner, self.accumulate = widening, inner, accumulate
+
+    @property
+    def config(self):
+        return self.inner.config
+
+    @property
+    def launched(self) -> bool:
+        return self.inner.launched
+
+    @property
+    def kernel(self):
+        return self.inner.kernel
+
+    def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
+        widened, buffer = widened_tensors(self.widening, tensors, out)
+        return run_widened(self.widening, buffer, out, self.accumulate,
+                           lambda: self.inner.run(widened, buffer, autotune))
+
+    def pin(self, fixed) -> None:
+        return None
+
+
+def run_widened(widening: Widening, buffer: torch.Tensor, out: torch.Tensor, accumulate: bool, launch) -> torch.Tensor:
+    """Run `launch()`, which computes into the widened `buffer` (starting from `out`'s values
+    for a `+=` statement), and copy the buffer's first columns into `out`."""
+    columns = buffer[..., : widening.extent]
+    if accumulate:
+        columns.copy_(out)
+    launch()
+    return out.copy_(columns)

@@ -1,0 +1,208 @@
+"""Products whose output rows are not a whole vector wide, run in widened rows
+(`insum.widening`): which statements and layouts qualify, and the products against float64
+(the copies in, the buffer's first columns out, `+=` starting from the output's values),
+through the full path, the repeated (prepared) path and a format's pinned SpMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_env import DEVICE  # before insum: the interpreter on CPU-only machines
+
+from insum import explain, insum
+from insum import widening as widening_module
+from insum.bind import bind
+from insum.execute import length_facts
+from insum.formats import ELL, BlockGroupCOO, GroupCOO
+from insum.parser import parse
+from insum.widening import ROW_ELEMENTS, widening_for
+
+SPMM = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
+ROWS = "C[m,n] = AV[m,q]*B[AK[m,q],n]"
+TOL = 1e-6 if DEVICE == "cpu" else 2e-3  # (fp32 products run as TF32 on the GPU)
+HALF_TOL = 2e-3
+
+
+@pytest.fixture
+def widen(monkeypatch):
+    """Widening on at every size (the interpreter's tests are small)."""
+    monkeypatch.setenv("INSUM_WIDEN", "1")
+    monkeypatch.setattr(widening_module, "WIDEN_MIN_BYTES", 0)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+def spmm_tensors(n: int, dtype=torch.float16, index_dtype=torch.int32, groups: int = 6, width: int = 5,
+                 rows: int = 9, k: int = 11, seed: int = 0) -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return {
+        "AM": torch.randint(0, rows, (groups,), generator=gen, device=DEVICE).to(index_dtype),
+        "AK": torch.randint(0, k, (groups, width), generator=gen, device=DEVICE).to(index_dtype),
+        "AV": torch.randn(groups, width, generator=gen, device=DEVICE).to(dtype),
+        "B": torch.randn(k, n, generator=gen, device=DEVICE).to(dtype),
+    }
+
+
+def spmm_expected(t: dict, rows: int = 9) -> torch.Tensor:
+    C = torch.zeros(rows, t["B"].shape[1], dtype=torch.float64, device=DEVICE)
+    products = t["AV"].double()[:, :, None] * t["B"].double()[t["AK"].long()]
+    return C.index_add_(0, t["AM"].long(), products.sum(1))
+
+
+def bound_of(stmt: str, **tensors):
+    return bind(parse(stmt), tensors)
+
+
+def spmm_bound(t: dict, C: torch.Tensor | None = None):
+    n = t["B"].shape[1]
+    return bound_of(SPMM, C=torch.zeros(9, n, dtype=t["B"].dtype, device=DEVICE) if C is None else C, **t)
+
+
+# ------------------------------------------------------------------ which statements widen
+
+
+def test_odd_half_rows_widen_to_a_multiple_of_16(widen):
+    t = spmm_tensors(37)
+    found = widening_for(spmm_bound(t))
+    assert (found.variable, found.extent, found.width, found.names) == ("n", 37, 48, ("B",))
+    assert found.width % ROW_ELEMENTS == 0
+    assert "37 -> 48" in str(found)
+
+
+@pytest.mark.parametrize("n, dtype", [(40, torch.float16), (42, torch.float16), (48, torch.float16),
+                                      (37, torch.float32)])
+def test_rows_of_a_4_byte_vector_or_more_stay(widen, n, dtype):
+    t = spmm_tensors(n, dtype)
+    assert widening_for(spmm_bound(t)) is None
+
+
+def test_a_given_output_in_wide_enough_rows_still_widens_for_its_inputs(widen):
+    t = spmm_tensors(37)
+    C = torch.zeros(9, 48, dtype=torch.float16, device=DEVICE)[:, :37]
+    assert widening_for(spmm_bound(t, C)).names == ("B",)
+
+
+def test_statements_that_cannot_widen(widen):
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    h = torch.float16
+    A = torch.randn(9, 37, generator=gen, device=DEVICE).to(h)
+    x = torch.randn(37, generator=gen, device=DEVICE).to(h)
+    # the last output index reduced elsewhere, or not a plain variable
+    assert widening_for(bound_of("y[m] = A[m,k]*x[k]", A=A, x=x)) is None
+    # the variable indexes an index tensor
+    AI = torch.randint(0, 37, (9, 37), generator=gen, device=DEVICE, dtype=torch.int32)
+    assert widening_for(bound_of("C[m,n] = A[m,AI[m,n]]", A=A, AI=AI)) is None
+    # a tensor read where the variable does not index it
+    S = torch.randn(37, 37, generator=gen, device=DEVICE).to(h)
+    assert widening_for(bound_of("C[m,n] = S[m,n]*S[n,m]", S=S)) is None
+    # the variable on another than the last dimension
+    T = torch.randn(37, 9, generator=gen, device=DEVICE).to(h)
+    assert widening_for(bound_of("C[m,n] = T[n,m]", T=T)) is None
+    # an output whose last dimension is not contiguous
+    t = spmm_tensors(37)
+    C = torch.zeros(37, 9, dtype=h, device=DEVICE).t()
+    assert widening_for(spmm_bound(t, C)) is None
+
+
+def test_off_small_or_indexed_by_a_declared_length(monkeypatch):
+    t = spmm_tensors(37)
+    bound = spmm_bound(t)
+    monkeypatch.setenv("INSUM_WIDEN", "0")
+    assert widening_for(bound) is None
+    monkeypatch.setenv("INSUM_WIDEN", "1")
+    assert widening_for(bound) is None  # 12 x 37 and 9 x 37 halves: under WIDEN_MIN_BYTES
+    monkeypatch.setattr(widening_module, "WIDEN_MIN_BYTES", 0)
+    assert widening_for(bound) is not None
+    # a length that depends on the widened variable
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    A = torch.randn(9, 6, 37, generator=gen, device=DEVICE).half()
+    lengths = {"q[n]": torch.full((37,), 3, dtype=torch.int32, device=DEVICE)}
+    with_lengths, declared = length_facts(bound_of("C[m,n] = A[m,q,n]", A=A), lengths)
+    assert widening_for(with_lengths, declared) is None
+
+
+def test_unset_switch_widens_cuda_tensors_only(monkeypatch):
+    monkeypatch.delenv("INSUM_WIDEN", raising=False)
+    monkeypatch.setattr(widening_module, "WIDEN_MIN_BYTES", 0)
+    found = widening_for(spmm_bound(spmm_tensors(37)))
+    assert (found is not None) == (DEVICE == "cuda")
+
+
+# ------------------------------------------------------------------ products
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [37, 1, 17])
+def test_scattered_product_widened_matches_float64(widen, n, index_dtype):
+    t = spmm_tensors(n, index_dtype=index_dtype)
+    for seed in range(3):  # the full path, then the prepared repeat, on fresh values
+        t["B"] = spmm_tensors(n, seed=seed + 10)["B"]
+        C = torch.full((9, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        C.zero_()
+        out = insum(SPMM, C=C, backend="triton", **t)
+        assert out is C
+        assert rel_err(C, spmm_expected(t)) < HALF_TOL
+
+
+def test_accumulating_product_starts_from_the_outputs_values(widen):
+    t = spmm_tensors(37)
+    start = torch.randn(9, 37, device=DEVICE).half()
+    for _ in range(2):
+        C = start.clone()
+        insum(SPMM, C=C, backend="triton", **t)
+        assert rel_err(C, spmm_expected(t) + start.double()) < HALF_TOL
+
+
+def test_allocated_output_and_non_contiguous_input(widen):
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    AV = torch.randn(9, 4, generator=gen, device=DEVICE).half()
+    AK = torch.randint(0, 13, (9, 4), generator=gen, device=DEVICE, dtype=torch.int32)
+    wide = torch.randn(13, 60, generator=gen, device=DEVICE).half()
+    B = wide[:, 3:36]  # 33 columns in rows 60 apart, starting off a vector
+    expected = (AV.double()[:, :, None] * B.double()[AK.long()]).sum(1)
+    for _ in range(2):
+        C = insum(ROWS, AV=AV, AK=AK, B=B, backend="triton")
+        assert C.shape == (9, 33) and C.is_contiguous()
+        assert rel_err(C, expected) < HALF_TOL
+
+
+def test_explain_shows_the_widened_kernel(widen):
+    t = spmm_tensors(37)
+    text = explain(SPMM, C=torch.zeros(9, 37, dtype=torch.float16, device=DEVICE), **t)
+    assert "widened (insum.widening" in text and "n: 37 -> 48 columns (B copied" in text
+    assert "def insum_kernel" in text
+
+
+@pytest.mark.parametrize("fmt_of", [
+    lambda A: GroupCOO.from_dense(A, group_size=4),
+    lambda A: ELL.from_dense(A),
+    lambda A: BlockGroupCOO.from_dense(A, block=(16, 16), group_size="row"),
+    lambda A: BlockGroupCOO.from_dense(A, block=(16, 16), group_size=2),
+], ids=["GroupCOO", "ELL", "Block-ELL", "grouped BlockGroupCOO"])
+def test_formats_spmm_widened_repeatedly(widen, monkeypatch, fmt_of):
+    runs = []
+    widened_run = widening_module.WidenedLaunch.run
+    monkeypatch.setattr(widening_module.WidenedLaunch, "run", lambda self, *a: runs.append(1) or widened_run(self, *a))
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    A = torch.randn(48, 64, generator=gen, device=DEVICE)
+    A = (A * (torch.rand(3, 4, generator=gen, device=DEVICE) < 0.5).repeat_interleave(16, 0).repeat_interleave(16, 1))
+    A = A.half()
+    fmt = fmt_of(A)
+    for seed in range(4):  # the first calls, then the pinned repeats
+        B = torch.randn(64, 21, generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE).half()
+        C = fmt.spmm(B, backend="triton")
+        assert C.shape == (48, 21)
+        assert rel_err(C, A.double() @ B.double()) < HALF_TOL
+    assert len(runs) >= 2  # the repeats ran the prepared launch in widened rows
+
+
+def test_widened_and_plain_runs_agree(monkeypatch):
+    t = spmm_tensors(37)
+    monkeypatch.setenv("INSUM_WIDEN", "0")
+    plain = insum(SPMM, C=torch.zeros(9, 37, dtype=torch.float16, device=DEVICE), backend="triton", **t)
+    monkeypatch.setenv("INSUM_WIDEN", "1")
+    monkeypatch.setattr(widening_module, "WIDEN_MIN_BYTES", 0)
+    widened = insum(SPMM, C=torch.zeros(9, 37, dtype=torch.float16, device=DEVICE), backend="triton", **t)
+    assert torch.allclose(widened.float(), plain.float(), atol=2e-3, rtol=2e-3)
