@@ -42,7 +42,7 @@ from .errors import InsumError, InsumShapeError, InsumTypeError, UnsupportedStat
 from .ir import Statement
 from .reference import run_reference
 from .settings import flag, snapshot
-from .widening import WidenedLaunch, run_widened, widened_bound, widening_for
+from .widening import WidenedLaunch, run_widened, widened_bound, widening_for, widening_forced
 
 __all__ = [
     "run",
@@ -251,8 +251,9 @@ def run(
         gather, main = staged_bounds(staged, bound)
         run(gather, gather.output(), **options, **facts_in(gather, sorted_indices, unique_indices))
         return run(main, out, **options, **facts_in(main, sorted_indices, unique_indices))
+    facts = (sorted_indices, unique_indices, lengths)
     widening = widening_for(bound, lengths)
-    if widening is not None:
+    if widening is not None and _widening_chosen(widening, bound, out, precision, facts, autotune, check_indices):
         inner, buffer = widened_bound(widening, bound, out)
         options = dict(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return run_widened(widening, buffer, out, bound.stmt.accumulate, lambda: run(
@@ -271,6 +272,73 @@ def run(
         return run_reference(bound, out)
     _check_indices(bound, out, device_check=_checking(check_indices))
     return kernel.launch(bound, out, autotune=autotune)
+
+
+#: Per statement, signature and facts: whether its product runs widened (`insum.widening`),
+#: as timed on its first call.
+_WIDENED: BoundedCache[tuple, bool] = BoundedCache()
+
+
+def _widening_key(bound: Bound, precision, facts: tuple) -> tuple | None:
+    return None if bound.signature is None else (bound.stmt, bound.signature, precision, *facts)
+
+
+def _widening_chosen(widening, bound: Bound, out: torch.Tensor, precision, facts: tuple, autotune, check_indices) -> bool:
+    """Whether `bound` runs in widened rows: INSUM_WIDEN=1 always; otherwise, where a GPU
+    times it (compiled, tuning on, not inside a CUDA graph's capture), the faster of the two
+    runs on this first call, kept per signature; elsewhere widened."""
+    if widening_forced():
+        return True
+    key = _widening_key(bound, precision, facts)
+    chosen = _WIDENED.get(key) if key is not None else None
+    if chosen is not None:
+        return chosen
+    if key is None or not _can_time(bound, autotune):
+        return True
+    _check_indices(bound, out, device_check=_checking(check_indices))  # (before the timed launches)
+    try:
+        chosen = _widened_is_faster(widening, bound, out, precision, facts, autotune)
+    except UnsupportedStatement:
+        return False  # (the plain run reports it, or falls back)
+    _WIDENED[key] = chosen
+    return chosen
+
+
+def _can_time(bound: Bound, autotune) -> bool:
+    """Whether a first call may time its launches: compiled on a GPU, tuning on, and not
+    inside a CUDA graph's capture."""
+    from .runtime import _interpreting, _tuning_enabled
+
+    return (bound.device.type == "cuda" and not _interpreting() and _tuning_enabled(autotune)
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _time_launch(fn) -> float:
+    """Milliseconds per call of `fn` (the median of a few do_bench repetitions; host time
+    included where it exceeds the device's)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def _widened_is_faster(widening, bound: Bound, out: torch.Tensor, precision, facts: tuple, autotune) -> bool:
+    """Time `bound`'s product as it is and widened (each tuned first), into a scratch copy of
+    `out`."""
+    from .runtime import kernel_for
+
+    sorted_indices, unique_indices, lengths = facts
+    plain = kernel_for(
+        bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths
+    ).prepared(bound)
+    inner, _ = widened_bound(widening, bound, out)
+    widened = WidenedLaunch(widening, _prepared_launch(inner, precision, sorted_indices, unique_indices, lengths),
+                            bound.stmt.accumulate)
+    scratch = out.clone()
+    times = []
+    for launch in (plain, widened):
+        launch.run(bound.tensors, scratch, autotune)  # compiles and tunes
+        times.append(_time_launch(lambda launch=launch: launch.run(bound.tensors, scratch)))
+    return times[1] < times[0]
 
 
 def staging_for(bound: Bound, lengths: Lengths):
@@ -499,7 +567,8 @@ def _prepared_launch(bound: Bound, precision, sorted_indices, unique_indices, le
     staged = staging_for(bound, lengths)
     if staged is None:
         widening = widening_for(bound, lengths)
-        if widening is not None:
+        key = _widening_key(bound, precision, (sorted_indices, unique_indices, lengths))
+        if widening is not None and (key is None or widening_forced() or _WIDENED.get(key, True)):
             inner, _ = widened_bound(widening, bound, bound.output())
             launch = _prepared_launch(inner, precision, sorted_indices, unique_indices, lengths)
             return WidenedLaunch(widening, launch, bound.stmt.accumulate)

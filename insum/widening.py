@@ -16,16 +16,21 @@ multiple of ROW_ELEMENTS: the tensors it indexes are copied into rows that wide,
 output is computed in such rows and its first columns copied back. The extra columns are
 left uninitialised; they reach only the output's extra columns, which are dropped.
 
-The copies cost a pass over each widened tensor (two over the output, three for `+=`) and a
-launch each, so the runtime widens only rows narrower than WIDEN_BELOW_BYTES of alignment
-and only where the widened tensors hold WIDEN_MIN_BYTES or more. On by default for CUDA
-tensors; `INSUM_WIDEN=0` turns it off, `INSUM_WIDEN=1` also turns it on for the Triton
-interpreter's CPU tensors (which have no vectors to gain: for tests).
+The copies cost a pass over each widened tensor (two over the output, three for `+=`), a
+launch each and host time, which a fast product does not win back: H200, fp16, into 1001
+columns (session 18, `explore/shapes --only widen`), GroupCOO g=32 8192^2 491 -> 265 µs,
+ELL 390 -> 256, grouped BlockGroupCOO 4096^2 172 -> 57, but Block-ELL 4096^2 64x64 32 ->
+55 µs and a GroupCOO 1024^2 38 -> 64 µs. So the runtime considers only rows aligned to fewer
+than WIDEN_BELOW_BYTES whose tensors hold WIDEN_MIN_BYTES or more, and where the product
+runs compiled on a GPU it times both runs on the signature's first call (after tuning each)
+and keeps the faster (`execute.run`). `INSUM_WIDEN=0` never widens; `INSUM_WIDEN=1` widens
+every product that qualifies, untimed, on CPU tensors too (the interpreter's tests).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +39,7 @@ from .bind import Bound
 from .settings import flag
 
 __all__ = [
-    "ROW_ELEMENTS", "WIDEN_BELOW_BYTES", "WIDEN_MIN_BYTES", "Widening", "widening_for", "widened_bound", "widened_tensors",
+    "ROW_ELEMENTS", "WIDEN_BELOW_BYTES", "WIDEN_MIN_BYTES", "Widening", "widening_for", "widening_forced", "widened_bound", "widened_tensors",
     "run_widened", "WidenedLaunch",
 ]
 
@@ -73,6 +78,11 @@ def _row_bytes(shape, strides, element_size: int) -> int:
 
 def _enabled(device: torch.device) -> bool:
     return flag("INSUM_WIDEN", default=device.type == "cuda")
+
+
+def widening_forced() -> bool:
+    """INSUM_WIDEN=1: widen every product that qualifies, without timing it."""
+    return os.environ.get("INSUM_WIDEN") == "1"
 
 
 def widening_for(bound: Bound, lengths=()) -> Widening | None:

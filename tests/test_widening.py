@@ -206,3 +206,33 @@ def test_widened_and_plain_runs_agree(monkeypatch):
     monkeypatch.setattr(widening_module, "WIDEN_MIN_BYTES", 0)
     widened = insum(SPMM, C=torch.zeros(9, 37, dtype=torch.float16, device=DEVICE), backend="triton", **t)
     assert torch.allclose(widened.float(), plain.float(), atol=2e-3, rtol=2e-3)
+
+
+# ------------------------------------------------------------------ the timed choice
+
+
+@pytest.mark.parametrize("widened_ms, chosen", [(1.0, True), (3.0, False)])
+def test_first_call_keeps_the_faster_run(monkeypatch, widened_ms, chosen):
+    """Unset INSUM_WIDEN: the first call times both runs (a fake clock here: the interpreter
+    has none) and keeps the faster for the signature; later calls, prepared or not, follow it
+    without timing again."""
+    from insum import execute
+
+    monkeypatch.delenv("INSUM_WIDEN", raising=False)
+    monkeypatch.setattr(widening_module, "WIDEN_MIN_BYTES", 0)
+    monkeypatch.setattr(widening_module, "_enabled", lambda device: True)
+    monkeypatch.setattr(execute, "_can_time", lambda bound, autotune: True)
+    timed, runs = [], []
+    monkeypatch.setattr(execute, "_time_launch", lambda fn: timed.append(fn) or (widened_ms if len(timed) == 2 else 2.0))
+    widened_run = widening_module.WidenedLaunch.run
+    monkeypatch.setattr(widening_module.WidenedLaunch, "run", lambda self, *a: runs.append(1) or widened_run(self, *a))
+    t = spmm_tensors(53, seed=7)
+    for _ in range(3):
+        C = torch.zeros(9, 53, dtype=torch.float16, device=DEVICE)
+        insum(SPMM, C=C, backend="triton", **t)
+        assert rel_err(C, spmm_expected(t)) < HALF_TOL
+    assert len(timed) == 2  # once per signature
+    # the timing ran the prepared widened launch once (to tune; the fake clock calls
+    # nothing), the first call then ran through the full path, the two repeats through the
+    # prepared launch: widened only if chosen
+    assert len(runs) == 1 + (2 if chosen else 0)

@@ -26,9 +26,9 @@ does not generalise. Parts (`--only`, comma-separated):
                 BlockGroupCOO, GroupCOO) into N columns, 16 elements apart or not;
   graphs        `formats.auto` against cuSPARSE on power-law graphs, float32 then fp16;
   widen         products into rows that are not a whole vector wide (N = 1001, 1002; odd
-                channel counts), with and without widening (`insum.widening`: INSUM_WIDEN=0,
-                the default rule, and rows under 16 bytes widened at any size), from small
-                to large, against cuBLAS / cuSPARSE; fp16, bf16 and float32 rows.
+                channel counts), with and without widening (`insum.widening`; the variants
+                are WIDEN_VARIANTS), from small to large, beside cuBLAS; fp16 (or --dtype)
+                and float32 rows.
 """
 
 from __future__ import annotations
@@ -355,16 +355,21 @@ def graph_points(gen, dtype, rows: list) -> None:
 
 
 #: The widening variants a `widen` row times, alternated in one process: (label, INSUM_WIDEN,
-#: WIDEN_BELOW_BYTES, WIDEN_MIN_BYTES or None for the module's default). A variant's own
-#: INSUM_WIDEN value sets the switches' snapshot apart, so no call prepared under another
-#: variant repeats under it.
-WIDEN_VARIANTS = (("off", "0", None, None), ("rule", "1", None, None), ("all", "16", 16, 0))
+#: WIDEN_BELOW_BYTES, WIDEN_MIN_BYTES; None: the default). "timed" is the default (each
+#: product timed as it is and widened on its first call), "timed16" the same for rows under
+#: 16 bytes of alignment, "forced" widens whatever qualifies. Each variant's INSUM_WIDEN
+#: value differs, so that no call prepared under one repeats under another.
+WIDEN_VARIANTS = (("off", "0", None, None), ("timed", None, None, None), ("timed16", "16", 16, None),
+                  ("forced", "1", None, None))
 
 
-def _widen_variant(value: str, below, least) -> None:
+def _widen_variant(value, below, least) -> None:
     from insum import widening
 
-    os.environ["INSUM_WIDEN"] = value
+    if value is None:
+        os.environ.pop("INSUM_WIDEN", None)
+    else:
+        os.environ["INSUM_WIDEN"] = value
     widening.WIDEN_BELOW_BYTES = below if below is not None else _WIDEN_DEFAULTS[0]
     widening.WIDEN_MIN_BYTES = least if least is not None else _WIDEN_DEFAULTS[1]
 
@@ -418,15 +423,21 @@ def widen_points(gen, dtype, rows: list) -> None:
                     Bs = [torch.randn(K, N, device=DEVICE, generator=gen).to(value_dtype) for _ in range(2)]
                     expected = dense.double() @ Bs[0].double()
                     row = dict(kind="widen", case=name, dtype=str(value_dtype)[6:], N=N)
+                    # One format object per variant: a product pinned under one variant's
+                    # switches does not repeat under another's (it would take the full path).
+                    fmts = {label: _without_plans(fmt) for label, *_ in WIDEN_VARIANTS}
                     for _ in range(2):
                         for label, value, below, least in WIDEN_VARIANTS:
                             _widen_variant(value, below, least)
-                            row[f"{label}_err"] = relative_error(fmt @ Bs[0], expected)
-                            ms = median_ms(rotating(lambda B, f=fmt: f @ B, [(B,) for B in Bs]))
+                            f = fmts[label]
+                            row[f"{label}_err"] = relative_error(f @ Bs[0], expected)
+                            ms = median_ms(rotating(lambda B, f=f: f @ B, [(B,) for B in Bs]))
                             row[f"{label}_ms"] = round(min(ms, row.get(f"{label}_ms", ms)), 4)
+                            if f"{label}_graphed_ms" not in row:  # device time alone
+                                row[f"{label}_graphed_ms"] = round(graphed_ms(lambda f=f, B=Bs[0]: f @ B), 4)
                     row["cublas_ms"] = round(median_ms(rotating(lambda B, A=dense: A @ B, [(B,) for B in Bs])), 4)
-                    row["rule_gain"] = round(row["off_ms"] / row["rule_ms"], 3)
-                    row["all_gain"] = round(row["off_ms"] / row["all_ms"], 3)
+                    for label, *_ in WIDEN_VARIANTS[1:]:
+                        row[f"{label}_gain"] = round(row["off_ms"] / row[f"{label}_ms"], 3)
                     report(row, rows)
         for channels in (35, 99):
             if time.perf_counter() < DEADLINE:
@@ -437,6 +448,13 @@ def widen_points(gen, dtype, rows: list) -> None:
             os.environ.pop("INSUM_WIDEN", None)
         else:
             os.environ["INSUM_WIDEN"] = kept
+
+
+def _without_plans(fmt):
+    """A copy of a format object without the products it keeps (`SparseFormat.spmm`)."""
+    fresh = copy.copy(fmt)
+    fresh.__dict__.pop("_spmm_plans", None)
+    return fresh
 
 
 def _widen_conv(gen, dtype, channels: int) -> dict:
@@ -455,13 +473,13 @@ def _widen_conv(gen, dtype, channels: int) -> dict:
         for label, value, below, least in WIDEN_VARIANTS:
             _widen_variant(value, below, least)
             with torch.no_grad():
-                y = conv(x, coords)
+                y = conv(x, coords)[0]
                 reference = y if reference is None else reference
                 row[f"{label}_err"] = relative_error(y, reference.double())
                 ms = median_ms(lambda: conv(x, coords))
             row[f"{label}_ms"] = round(min(ms, row.get(f"{label}_ms", ms)), 4)
-    row["rule_gain"] = round(row["off_ms"] / row["rule_ms"], 3)
-    row["all_gain"] = round(row["off_ms"] / row["all_ms"], 3)
+    for label, *_ in WIDEN_VARIANTS[1:]:
+        row[f"{label}_gain"] = round(row["off_ms"] / row[f"{label}_ms"], 3)
     return row
 
 
