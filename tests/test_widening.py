@@ -211,8 +211,8 @@ def test_widened_and_plain_runs_agree(monkeypatch):
 # ------------------------------------------------------------------ the timed choice
 
 
-@pytest.mark.parametrize("widened_ms, chosen", [(1.0, True), (3.0, False)])
-def test_first_call_keeps_the_faster_run(monkeypatch, widened_ms, chosen):
+@pytest.mark.parametrize("widened_ms, chosen, n", [(1.0, True, 53), (3.0, False, 55)])
+def test_first_call_keeps_the_faster_run(monkeypatch, widened_ms, chosen, n):
     """Unset INSUM_WIDEN: the first call times both runs (a fake clock here: the interpreter
     has none) and keeps the faster for the signature; later calls, prepared or not, follow it
     without timing again."""
@@ -226,9 +226,9 @@ def test_first_call_keeps_the_faster_run(monkeypatch, widened_ms, chosen):
     monkeypatch.setattr(execute, "_time_launch", lambda fn: timed.append(fn) or (widened_ms if len(timed) == 2 else 2.0))
     widened_run = widening_module.WidenedLaunch.run
     monkeypatch.setattr(widening_module.WidenedLaunch, "run", lambda self, *a: runs.append(1) or widened_run(self, *a))
-    t = spmm_tensors(53, seed=7)
+    t = spmm_tensors(n, seed=7)  # (a width of its own: choices are kept per signature)
     for _ in range(3):
-        C = torch.zeros(9, 53, dtype=torch.float16, device=DEVICE)
+        C = torch.zeros(9, n, dtype=torch.float16, device=DEVICE)
         insum(SPMM, C=C, backend="triton", **t)
         assert rel_err(C, spmm_expected(t)) < HALF_TOL
     assert len(timed) == 2  # once per signature
