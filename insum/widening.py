@@ -13,8 +13,8 @@ Where the output's last index is a plain variable that indexes nothing but the l
 dimension of the tensors it appears in, every output element of that variable's value v
 reads only elements of value v. The product can then run with the variable widened to a
 multiple of ROW_ELEMENTS: the tensors it indexes are copied into rows that wide, the
-output is computed in such rows and its first columns copied back. The extra columns are
-left uninitialised; they reach only the output's extra columns, which are dropped.
+output is computed in such rows and its first columns copied back. The extra columns reach
+only the output's extra columns, which are dropped.
 
 The copies cost a pass over each widened tensor (two over the output, three for `+=`), a
 launch each and host time, which a fast product does not win back: H200, fp16, into 1001
@@ -128,21 +128,15 @@ def widening_for(bound: Bound, lengths=()) -> Widening | None:
     return Widening(var, extent, -(-extent // ROW_ELEMENTS) * ROW_ELEMENTS, tuple(names))
 
 
-def _padded(shape, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*shape[:-1], width, dtype=dtype, device=device)
-
-
 def widened_tensors(widening: Widening, tensors, out: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """`tensors` with the widened inputs copied into rows `widening.width` wide, and a buffer
-    for the output in such rows (uninitialised: `run_widened` fills it)."""
-    width, extent = widening.width, widening.extent
+    """`tensors` with the widened inputs copied into rows `widening.width` wide (zeros in the
+    extra columns), and a buffer for the output in such rows (uninitialised: `run_widened`
+    fills it)."""
+    pad = (0, widening.width - widening.extent)
     widened = dict(tensors)
-    for name in widening.names:
-        t = tensors[name]
-        copy = _padded(t.shape, width, t.dtype, t.device)
-        copy[..., :extent].copy_(t)
-        widened[name] = copy
-    return widened, _padded(out.shape, width, out.dtype, out.device)
+    for name in widening.names:  # (one operation each: the host time of a call counts too)
+        widened[name] = torch.constant_pad_nd(tensors[name], pad)
+    return widened, torch.empty(*out.shape[:-1], widening.width, dtype=out.dtype, device=out.device)
 
 
 def widened_bound(widening: Widening, bound: Bound, out: torch.Tensor) -> tuple[Bound, torch.Tensor]:
