@@ -332,7 +332,7 @@ def _widened_is_faster(widening, bound: Bound, out: torch.Tensor, precision, fac
     ).prepared(bound)
     inner, _ = widened_bound(widening, bound, out)
     widened = WidenedLaunch(widening, _prepared_launch(inner, precision, sorted_indices, unique_indices, lengths),
-                            bound.stmt.accumulate)
+                            bound.stmt.accumulate, bound.output_name)
     scratch = out.clone()
     times = []
     for launch in (plain, widened):
@@ -571,7 +571,7 @@ def _prepared_launch(bound: Bound, precision, sorted_indices, unique_indices, le
         if widening is not None and (key is None or widening_forced() or _WIDENED.get(key, True)):
             inner, _ = widened_bound(widening, bound, bound.output())
             launch = _prepared_launch(inner, precision, sorted_indices, unique_indices, lengths)
-            return WidenedLaunch(widening, launch, bound.stmt.accumulate)
+            return WidenedLaunch(widening, launch, bound.stmt.accumulate, bound.output_name)
         kernel = kernel_for(
             bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths
         )

@@ -149,12 +149,14 @@ def widened_bound(widening: Widening, bound: Bound, out: torch.Tensor) -> tuple[
 
 class WidenedLaunch:
     """A prepared launch (`runtime._Launcher`, for the widened signature) run on copies in
-    widened rows, its output copied back. Several launches: neither pinned nor batched."""
+    widened rows, its output copied back. Several launches: not part of a batch. Pinned
+    (`execute.Pinned`) where the widened tensors all vary per call: the inner launch's
+    pinned arguments, whose varying tensors each call widens (`run`)."""
 
     composite = True
 
-    def __init__(self, widening: Widening, inner, accumulate: bool):
-        self.widening, self.inner, self.accumulate = widening, inner, accumulate
+    def __init__(self, widening: Widening, inner, accumulate: bool, out_name: str):
+        self.widening, self.inner, self.accumulate, self.out_name = widening, inner, accumulate, out_name
 
     @property
     def config(self):
@@ -169,12 +171,22 @@ class WidenedLaunch:
         return self.inner.kernel
 
     def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
-        widened, buffer = widened_tensors(self.widening, tensors, out)
+        """Run on `tensors` (by name, or a `runtime.PinnedCall` of `pin`'s arguments) into `out`."""
+        from .runtime import PinnedCall
+
+        pinned = type(tensors) is PinnedCall
+        widened, buffer = widened_tensors(self.widening, tensors.varying if pinned else tensors, out)
+        if pinned:
+            widened[self.out_name] = buffer
+            widened = PinnedCall(tensors.pinned, widened)
         return run_widened(self.widening, buffer, out, self.accumulate,
                            lambda: self.inner.run(widened, buffer, autotune))
 
-    def pin(self, fixed) -> None:
-        return None
+    def pin(self, fixed):
+        """The inner launch's pinned arguments, or None where a pinned tensor is one to widen."""
+        if any(name in fixed for name in self.widening.names):
+            return None
+        return self.inner.pin(fixed)
 
 
 def run_widened(widening: Widening, buffer: torch.Tensor, out: torch.Tensor, accumulate: bool, launch) -> torch.Tensor:

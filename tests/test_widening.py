@@ -15,6 +15,7 @@ from insum.bind import bind
 from insum.execute import length_facts
 from insum.formats import ELL, BlockGroupCOO, GroupCOO
 from insum.parser import parse
+from insum.runtime import PinnedCall
 from insum.widening import ROW_ELEMENTS, widening_for
 
 SPMM = "C[AM[p],n] += AV[p,q]*B[AK[p,q],n]"
@@ -175,16 +176,17 @@ def test_explain_shows_the_widened_kernel(widen):
     assert "def insum_kernel" in text
 
 
-@pytest.mark.parametrize("fmt_of", [
-    lambda A: GroupCOO.from_dense(A, group_size=4),
-    lambda A: ELL.from_dense(A),
-    lambda A: BlockGroupCOO.from_dense(A, block=(16, 16), group_size="row"),
-    lambda A: BlockGroupCOO.from_dense(A, block=(16, 16), group_size=2),
+@pytest.mark.parametrize("fmt_of, scatters", [
+    (lambda A: GroupCOO.from_dense(A, group_size=4), True),
+    (lambda A: ELL.from_dense(A), False),
+    (lambda A: BlockGroupCOO.from_dense(A, block=(16, 16), group_size="row"), False),
+    (lambda A: BlockGroupCOO.from_dense(A, block=(16, 16), group_size=2), True),
 ], ids=["GroupCOO", "ELL", "Block-ELL", "grouped BlockGroupCOO"])
-def test_formats_spmm_widened_repeatedly(widen, monkeypatch, fmt_of):
+def test_formats_spmm_widened_repeatedly(widen, monkeypatch, fmt_of, scatters):
     runs = []
     widened_run = widening_module.WidenedLaunch.run
-    monkeypatch.setattr(widening_module.WidenedLaunch, "run", lambda self, *a: runs.append(1) or widened_run(self, *a))
+    monkeypatch.setattr(widening_module.WidenedLaunch, "run",
+                        lambda self, tensors, *a: runs.append(type(tensors)) or widened_run(self, tensors, *a))
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     A = torch.randn(48, 64, generator=gen, device=DEVICE)
     A = (A * (torch.rand(3, 4, generator=gen, device=DEVICE) < 0.5).repeat_interleave(16, 0).repeat_interleave(16, 1))
@@ -195,7 +197,10 @@ def test_formats_spmm_widened_repeatedly(widen, monkeypatch, fmt_of):
         C = fmt.spmm(B, backend="triton")
         assert C.shape == (48, 21)
         assert rel_err(C, A.double() @ B.double()) < HALF_TOL
-    assert len(runs) >= 2  # the repeats ran the prepared launch in widened rows
+    assert len(runs) >= 2  # the repeats ran the prepared launch in widened rows,
+    # pinned to the format's tensors (B and C vary); not where a float32 buffer stands in for
+    # a half-precision scattered output (the interpreter's: it has no half atomics)
+    assert (PinnedCall in runs) == (DEVICE == "cuda" or not scatters)
 
 
 def test_widened_and_plain_runs_agree(monkeypatch):
