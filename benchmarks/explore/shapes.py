@@ -72,6 +72,7 @@ DEVICE = "cuda"
 PROFILE = False  # --profile: the layers' host work under cProfile (the strides part)
 LABEL = ""  # --label: which tree an A/B's row comes from (explore/ab_products.sh MODULE=...)
 DEADLINE = math.inf  # perf_counter() past which a long part stops between rows (--budget)
+CASES: tuple[str, ...] = ()  # --cases: the widen part's cases whose names contain one of these
 
 
 def block_random(rows: int, cols: int, block: int, s: float, dtype, gen) -> torch.Tensor:
@@ -412,6 +413,8 @@ def widen_points(gen, dtype, rows: list) -> None:
     try:
         for value_dtype in (dtype, torch.float32):
             for name, fmt, dense, K, widths in _widen_cases(gen, value_dtype):
+                if CASES and not any(c in name for c in CASES):
+                    continue
                 if value_dtype == torch.float32:  # (one odd width: the rule leaves float32 rows)
                     if "small" in name:
                         continue
@@ -440,7 +443,7 @@ def widen_points(gen, dtype, rows: list) -> None:
                         row[f"{label}_gain"] = round(row["off_ms"] / row[f"{label}_ms"], 3)
                     report(row, rows)
         for channels in (35, 99):
-            if time.perf_counter() < DEADLINE:
+            if time.perf_counter() < DEADLINE and (not CASES or any(c in "SparseConv3d" for c in CASES)):
                 report(_widen_conv(gen, dtype, channels), rows)
     finally:
         widening.WIDEN_BELOW_BYTES, widening.WIDEN_MIN_BYTES = _WIDEN_DEFAULTS
@@ -501,9 +504,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--profile", action="store_true", help="cProfile the strides part's layer forwards")
     parser.add_argument("--label", default="", help="a tag on every row (an A/B's tree)")
+    parser.add_argument("--cases", default="", help="widen: only cases whose names contain one of these (commas)")
     args = parser.parse_args()
-    global PROFILE, LABEL, DEADLINE
+    global PROFILE, LABEL, DEADLINE, CASES
     PROFILE, LABEL = args.profile, args.label
+    CASES = tuple(c for c in args.cases.split(",") if c)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     rows: list[dict] = []
