@@ -28,7 +28,8 @@ does not generalise. Parts (`--only`, comma-separated):
   widen         products into rows that are not a whole vector wide (N = 1001, 1002; odd
                 channel counts), with and without widening (`insum.widening`; the variants
                 are WIDEN_VARIANTS), from small to large, beside cuBLAS; fp16 (or --dtype)
-                and float32 rows.
+                and float32 rows; with --data, a GNN layer's A @ X on Cora and Citeseer at
+                their feature counts (1433, 3703) beside cuSPARSE.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ PROFILE = False  # --profile: the layers' host work under cProfile (the strides 
 LABEL = ""  # --label: which tree an A/B's row comes from (explore/ab_products.sh MODULE=...)
 DEADLINE = math.inf  # perf_counter() past which a long part stops between rows (--budget)
 CASES: tuple[str, ...] = ()  # --cases: the widen part's cases whose names contain one of these
+DATA: str | None = None  # --data: the shared data folder (the widen part's citation graphs)
 
 
 def block_random(rows: int, cols: int, block: int, s: float, dtype, gen) -> torch.Tensor:
@@ -442,6 +444,10 @@ def widen_points(gen, dtype, rows: list) -> None:
                     for label, *_ in WIDEN_VARIANTS[1:]:
                         row[f"{label}_gain"] = round(row["off_ms"] / row[f"{label}_ms"], 3)
                     report(row, rows)
+        if DATA is not None:
+            for graph, features in (("cora", 1433), ("citeseer", 3703)):
+                if time.perf_counter() < DEADLINE and (not CASES or any(c in graph for c in CASES)):
+                    report(_widen_graph(gen, dtype, graph, features), rows)
         for channels in (35, 99):
             if time.perf_counter() < DEADLINE and (not CASES or any(c in "SparseConv3d" for c in CASES)):
                 report(_widen_conv(gen, dtype, channels), rows)
@@ -451,6 +457,33 @@ def widen_points(gen, dtype, rows: list) -> None:
             os.environ.pop("INSUM_WIDEN", None)
         else:
             os.environ["INSUM_WIDEN"] = kept
+
+
+def _widen_graph(gen, dtype, graph: str, features: int) -> dict:
+    """A GNN layer's neighbour sum A @ X on a citation graph at its own feature count (odd
+    widths: Cora 1433, Citeseer 3703), `formats.auto` per variant beside cuSPARSE."""
+    from insum.formats import load_mtx
+
+    A = load_mtx(os.path.join(DATA, "graphs", f"{graph}.mtx.gz")).to(DEVICE).to(dtype)
+    Xs = [torch.randn(A.shape[1], features, device=DEVICE, generator=gen).to(dtype) for _ in range(2)]
+    expected = A.to(torch.float64) @ Xs[0].double()
+    row = dict(kind="widen", case=f"{graph} A @ X ({A.shape[0]} nodes, {A._nnz()} edges)", dtype=str(dtype)[6:],
+               N=features)
+    packed = auto(A, n_cols=features)
+    row["chosen"] = repr(packed)[:100]
+    fmts = {label: _without_plans(packed) for label, *_ in WIDEN_VARIANTS}
+    for _ in range(2):
+        for label, value, below, least in WIDEN_VARIANTS:
+            _widen_variant(value, below, least)
+            f = fmts[label]
+            row[f"{label}_err"] = relative_error(f @ Xs[0], expected)
+            ms = median_ms(rotating(lambda X, f=f: f @ X, [(X,) for X in Xs]))
+            row[f"{label}_ms"] = round(min(ms, row.get(f"{label}_ms", ms)), 4)
+    row["cusparse_ms"] = round(median_ms(rotating(lambda X: A @ X, [(X,) for X in Xs])), 4)
+    for label, *_ in WIDEN_VARIANTS[1:]:
+        row[f"{label}_gain"] = round(row["off_ms"] / row[f"{label}_ms"], 3)
+    row["timed_vs_cusparse"] = round(row["cusparse_ms"] / row["timed_ms"], 3)
+    return row
 
 
 def _without_plans(fmt):
@@ -505,9 +538,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the strides part's layer forwards")
     parser.add_argument("--label", default="", help="a tag on every row (an A/B's tree)")
     parser.add_argument("--cases", default="", help="widen: only cases whose names contain one of these (commas)")
+    parser.add_argument("--data", default=None, help="the shared data folder (widen: citation graphs)")
     args = parser.parse_args()
-    global PROFILE, LABEL, DEADLINE, CASES
-    PROFILE, LABEL = args.profile, args.label
+    global PROFILE, LABEL, DEADLINE, CASES, DATA
+    PROFILE, LABEL, DATA = args.profile, args.label, args.data
     CASES = tuple(c for c in args.cases.split(",") if c)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
