@@ -72,11 +72,16 @@ def test_odd_half_rows_widen_to_a_multiple_of_16(widen):
     assert "37 -> 48" in str(found)
 
 
-@pytest.mark.parametrize("n, dtype", [(40, torch.float16), (42, torch.float16), (48, torch.float16),
-                                      (37, torch.float32)])
-def test_rows_of_a_4_byte_vector_or_more_stay(widen, n, dtype):
+@pytest.mark.parametrize("n, dtype", [(40, torch.float16), (48, torch.float16), (36, torch.float32)])
+def test_rows_of_a_16_byte_vector_stay(widen, n, dtype):
     t = spmm_tensors(n, dtype)
     assert widening_for(spmm_bound(t)) is None
+
+
+@pytest.mark.parametrize("n, dtype", [(42, torch.float16), (44, torch.float16), (37, torch.float32)])
+def test_rows_of_4_or_8_byte_vectors_widen(widen, n, dtype):
+    t = spmm_tensors(n, dtype)
+    assert widening_for(spmm_bound(t)).width == 48
 
 
 def test_a_given_output_in_wide_enough_rows_still_widens_for_its_inputs(widen):
