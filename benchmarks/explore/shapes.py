@@ -359,10 +359,11 @@ def graph_points(gen, dtype, rows: list) -> None:
 
 #: The widening variants a `widen` row times, alternated in one process: (label, INSUM_WIDEN,
 #: WIDEN_BELOW_BYTES, WIDEN_MIN_BYTES; None: the default). "timed" is the default (each
-#: product timed as it is and widened on its first call), "timed16" the same for rows under
-#: 16 bytes of alignment, "forced" widens whatever qualifies. Each variant's INSUM_WIDEN
-#: value differs, so that no call prepared under one repeats under another.
-WIDEN_VARIANTS = (("off", "0", None, None), ("timed", None, None, None), ("timed16", "16", 16, None),
+#: product timed as it is and widened on its first call), "timed4" the same for rows under 4
+#: bytes of alignment only (odd fp16 widths), "forced" widens whatever qualifies. Each
+#: variant's INSUM_WIDEN value differs, so that no call prepared under one repeats under
+#: another. (Session 18's call1-call7 ran "rule"/"all" and then "timed16": that is "timed" now.)
+WIDEN_VARIANTS = (("off", "0", None, None), ("timed", None, None, None), ("timed4", "4", 4, None),
                   ("forced", "1", None, None))
 
 
