@@ -429,21 +429,8 @@ def widen_points(gen, dtype, rows: list) -> None:
                     Bs = [torch.randn(K, N, device=DEVICE, generator=gen).to(value_dtype) for _ in range(2)]
                     expected = dense.double() @ Bs[0].double()
                     row = dict(kind="widen", case=name, dtype=str(value_dtype)[6:], N=N)
-                    # One format object per variant: a product pinned under one variant's
-                    # switches does not repeat under another's (it would take the full path).
-                    fmts = {label: _without_plans(fmt) for label, *_ in WIDEN_VARIANTS}
-                    for _ in range(2):
-                        for label, value, below, least in WIDEN_VARIANTS:
-                            _widen_variant(value, below, least)
-                            f = fmts[label]
-                            row[f"{label}_err"] = relative_error(f @ Bs[0], expected)
-                            ms = median_ms(rotating(lambda B, f=f: f @ B, [(B,) for B in Bs]))
-                            row[f"{label}_ms"] = round(min(ms, row.get(f"{label}_ms", ms)), 4)
-                            if f"{label}_graphed_ms" not in row:  # device time alone
-                                row[f"{label}_graphed_ms"] = round(graphed_ms(lambda f=f, B=Bs[0]: f @ B), 4)
+                    _time_variants(row, fmt, Bs, expected, graphed=True)
                     row["cublas_ms"] = round(median_ms(rotating(lambda B, A=dense: A @ B, [(B,) for B in Bs])), 4)
-                    for label, *_ in WIDEN_VARIANTS[1:]:
-                        row[f"{label}_gain"] = round(row["off_ms"] / row[f"{label}_ms"], 3)
                     report(row, rows)
         if DATA is not None:
             for graph, features in (("cora", 1433), ("citeseer", 3703)):
@@ -472,19 +459,29 @@ def _widen_graph(gen, dtype, graph: str, features: int) -> dict:
                N=features)
     packed = auto(A, n_cols=features)
     row["chosen"] = repr(packed)[:100]
-    fmts = {label: _without_plans(packed) for label, *_ in WIDEN_VARIANTS}
+    _time_variants(row, packed, Xs, expected)
+    row["cusparse_ms"] = round(median_ms(rotating(lambda X: A @ X, [(X,) for X in Xs])), 4)
+    row["timed_vs_cusparse"] = round(row["cusparse_ms"] / row["timed_ms"], 3)
+    return row
+
+
+def _time_variants(row: dict, fmt, Bs: list, expected: torch.Tensor, graphed: bool = False) -> None:
+    """`fmt @ B` under each of WIDEN_VARIANTS, alternated twice (the lesser median kept), on
+    one format object per variant: a product pinned under one variant's switches does not
+    repeat under another's (it would take the full path). Adds each variant's error against
+    `expected` (of Bs[0]), median, device time (`graphed`) and gain over "off" to `row`."""
+    fmts = {label: _without_plans(fmt) for label, *_ in WIDEN_VARIANTS}
     for _ in range(2):
         for label, value, below, least in WIDEN_VARIANTS:
             _widen_variant(value, below, least)
             f = fmts[label]
-            row[f"{label}_err"] = relative_error(f @ Xs[0], expected)
-            ms = median_ms(rotating(lambda X, f=f: f @ X, [(X,) for X in Xs]))
+            row[f"{label}_err"] = relative_error(f @ Bs[0], expected)
+            ms = median_ms(rotating(lambda B, f=f: f @ B, [(B,) for B in Bs]))
             row[f"{label}_ms"] = round(min(ms, row.get(f"{label}_ms", ms)), 4)
-    row["cusparse_ms"] = round(median_ms(rotating(lambda X: A @ X, [(X,) for X in Xs])), 4)
+            if graphed and f"{label}_graphed_ms" not in row:  # device time alone
+                row[f"{label}_graphed_ms"] = round(graphed_ms(lambda f=f, B=Bs[0]: f @ B), 4)
     for label, *_ in WIDEN_VARIANTS[1:]:
         row[f"{label}_gain"] = round(row["off_ms"] / row[f"{label}_ms"], 3)
-    row["timed_vs_cusparse"] = round(row["cusparse_ms"] / row["timed_ms"], 3)
-    return row
 
 
 def _without_plans(fmt):
