@@ -232,8 +232,13 @@ def explain(
     staged = staging_for(bound, declared)
     widening = widening_for(bound, declared) if staged is None else None
     if widening is not None:
-        lines.append(f"widened (insum.widening; INSUM_WIDEN=0 runs the rows as they are): {widening}")
-        lines.extend(_kernel_lines(widened_bound(widening, bound, bound.output())[0], precision, *facts, declared))
+        lines.append(f"widening (insum.widening: the faster of the two kernels below, timed on the first call "
+                     f"on a GPU; INSUM_WIDEN=1 always widens, 0 never): {widening}")
+        lines.append("as it is:")
+        lines.extend("  " + line for line in _kernel_lines(bound, precision, *facts, declared))
+        lines.append("widened:")
+        widened = widened_bound(widening, bound, bound.output())[0]
+        lines.extend("  " + line for line in _kernel_lines(widened, precision, *facts, declared))
     elif staged is None:
         lines.extend(_kernel_lines(bound, precision, *facts, declared))
     else:

@@ -68,7 +68,6 @@ class Bound:
             new.__dict__["signature"] = self.signature + signature_extra
         return new
 
-
     def with_extent(self, var: str, extent: int, tensors: Mapping[str, torch.Tensor]) -> Bound:
         """The binding with `var` of another extent over `tensors`, whose dimensions `var`
         indexes have that extent (the output's too, given among them): the run in widened rows

@@ -286,7 +286,8 @@ def _widening_key(bound: Bound, precision, facts: tuple) -> tuple | None:
 def _widening_chosen(widening, bound: Bound, out: torch.Tensor, precision, facts: tuple, autotune, check_indices) -> bool:
     """Whether `bound` runs in widened rows: INSUM_WIDEN=1 always; otherwise, where a GPU
     times it (compiled, tuning on, not inside a CUDA graph's capture), the faster of the two
-    runs on this first call, kept per signature; elsewhere widened."""
+    runs on this first call, kept per signature; elsewhere not (untimed, the copies may cost
+    more than they save)."""
     if widening_forced():
         return True
     key = _widening_key(bound, precision, facts)
@@ -294,7 +295,7 @@ def _widening_chosen(widening, bound: Bound, out: torch.Tensor, precision, facts
     if chosen is not None:
         return chosen
     if key is None or not _can_time(bound, autotune):
-        return True
+        return False
     _check_indices(bound, out, device_check=_checking(check_indices))  # (before the timed launches)
     try:
         chosen = _widened_is_faster(widening, bound, out, precision, facts, autotune)
@@ -568,7 +569,7 @@ def _prepared_launch(bound: Bound, precision, sorted_indices, unique_indices, le
     if staged is None:
         widening = widening_for(bound, lengths)
         key = _widening_key(bound, precision, (sorted_indices, unique_indices, lengths))
-        if widening is not None and (key is None or widening_forced() or _WIDENED.get(key, True)):
+        if widening is not None and (widening_forced() or (key is not None and _WIDENED.get(key, False))):
             inner, _ = widened_bound(widening, bound, bound.output())
             launch = _prepared_launch(inner, precision, sorted_indices, unique_indices, lengths)
             return WidenedLaunch(widening, launch, bound.stmt.accumulate, bound.output_name)

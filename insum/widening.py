@@ -22,9 +22,10 @@ columns (session 18, `explore/shapes --only widen`), GroupCOO g=32 8192^2 491 ->
 ELL 390 -> 256, grouped BlockGroupCOO 4096^2 172 -> 57, but Block-ELL 4096^2 64x64 32 ->
 55 µs and a GroupCOO 1024^2 38 -> 64 µs. So the runtime considers only rows aligned to fewer
 than WIDEN_BELOW_BYTES whose tensors hold WIDEN_MIN_BYTES or more, and where the product
-runs compiled on a GPU it times both runs on the signature's first call (after tuning each)
-and keeps the faster (`execute.run`). `INSUM_WIDEN=0` never widens; `INSUM_WIDEN=1` widens
-every product that qualifies, untimed, on CPU tensors too (the interpreter's tests).
+runs compiled on a GPU with tuning on it times both runs on the signature's first call (after
+tuning each) and keeps the faster (`execute.run`); untimed (tuning off, a CUDA graph's
+capture) it keeps the plain run. `INSUM_WIDEN=0` never widens; `INSUM_WIDEN=1` widens every
+product that qualifies, untimed, on CPU tensors too (the interpreter's tests).
 """
 
 from __future__ import annotations

@@ -177,8 +177,9 @@ def test_allocated_output_and_non_contiguous_input(widen):
 def test_explain_shows_the_widened_kernel(widen):
     t = spmm_tensors(37)
     text = explain(SPMM, C=torch.zeros(9, 37, dtype=torch.float16, device=DEVICE), **t)
-    assert "widened (insum.widening" in text and "n: 37 -> 48 columns (B copied" in text
-    assert "def insum_kernel" in text
+    assert "widening (insum.widening" in text and "n: 37 -> 48 columns (B copied" in text
+    assert text.count("def insum_kernel") == 2  # as it is, and widened
+    assert "atomic" in text.split("widened:")[1]
 
 
 @pytest.mark.parametrize("fmt_of, scatters", [
@@ -246,3 +247,24 @@ def test_first_call_keeps_the_faster_run(monkeypatch, widened_ms, chosen, n):
     # nothing), the first call then ran through the full path, the two repeats through the
     # prepared launch: widened only if chosen
     assert len(runs) == 1 + (2 if chosen else 0)
+
+
+def test_untimed_calls_keep_the_plain_run(monkeypatch):
+    """Where nothing can time the two runs (tuning off, a CUDA graph's capture, the
+    interpreter), the product runs as it is: the copies may cost more than they save."""
+    from insum import execute
+
+    monkeypatch.delenv("INSUM_WIDEN", raising=False)
+    monkeypatch.setattr(widening_module, "WIDEN_MIN_BYTES", 0)
+    monkeypatch.setattr(widening_module, "_enabled", lambda device: True)
+    monkeypatch.setattr(execute, "_can_time", lambda bound, autotune: False)
+
+    def refuse(*args):
+        raise AssertionError("widened untimed")
+
+    monkeypatch.setattr(execute, "widened_bound", refuse)
+    t = spmm_tensors(57, seed=8)
+    for _ in range(2):
+        C = torch.zeros(9, 57, dtype=torch.float16, device=DEVICE)
+        insum(SPMM, C=C, backend="triton", **t)
+        assert rel_err(C, spmm_expected(t)) < HALF_TOL
