@@ -160,7 +160,10 @@ class WidenedLaunch:
     composite = True
 
     def __init__(self, widening: Widening, inner, accumulate: bool, out_name: str):
+        from .runtime import PinnedCall  # (loaded already: the inner launch is the runtime's)
+
         self.widening, self.inner, self.accumulate, self.out_name = widening, inner, accumulate, out_name
+        self.pinned_call = PinnedCall
 
     @property
     def config(self):
@@ -176,13 +179,11 @@ class WidenedLaunch:
 
     def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
         """Run on `tensors` (by name, or a `runtime.PinnedCall` of `pin`'s arguments) into `out`."""
-        from .runtime import PinnedCall
-
-        pinned = type(tensors) is PinnedCall
+        pinned = type(tensors) is self.pinned_call
         widened, buffer = widened_tensors(self.widening, tensors.varying if pinned else tensors, out)
         if pinned:
             widened[self.out_name] = buffer
-            widened = PinnedCall(tensors.pinned, widened)
+            widened = self.pinned_call(tensors.pinned, widened)
         return run_widened(self.widening, buffer, out, self.accumulate,
                            lambda: self.inner.run(widened, buffer, autotune))
 
