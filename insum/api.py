@@ -34,7 +34,7 @@ from .execute import (
 )
 from .library import call
 from .parser import parse
-from .widening import widened_bound, widening_for
+from .widening import plain_rows, widened_bound, widening_for
 
 __all__ = ["insum", "insum_many", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
 
@@ -152,7 +152,8 @@ def insum_many(
         batch = prepared_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
         if batch is not None:
             return batch(calls)
-    outs = [insum(call[0], **(call[2] if len(call) > 2 else {}), **options, **call[1]) for call in calls]
+    with plain_rows():  # (a widened statement would not join the repeats' one launch)
+        outs = [insum(call[0], **(call[2] if len(call) > 2 else {}), **options, **call[1]) for call in calls]
     if not torch.compiler.is_compiling() and not (
         torch.is_grad_enabled() and any(_any_requires_grad(call[1]) for call in calls)
     ):

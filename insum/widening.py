@@ -30,8 +30,11 @@ product that qualifies, untimed, on CPU tensors too (the interpreter's tests).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +43,8 @@ from .bind import Bound
 from .settings import flag
 
 __all__ = [
-    "ROW_ELEMENTS", "WIDEN_BELOW_BYTES", "WIDEN_MIN_BYTES", "Widening", "widening_for", "widening_forced", "widened_bound", "widened_tensors",
-    "run_widened", "WidenedLaunch",
+    "ROW_ELEMENTS", "WIDEN_BELOW_BYTES", "WIDEN_MIN_BYTES", "Widening", "widening_for", "widening_forced",
+    "widened_bound", "widened_tensors", "run_widened", "WidenedLaunch", "plain_rows",
 ]
 
 #: Widened rows are a multiple of this many elements: Triton specialises an extent or a
@@ -80,6 +83,20 @@ def _row_bytes(shape, strides, element_size: int) -> int:
     return min(element_size * (common & -common), 16) if common else 16
 
 
+_PLAIN_ROWS: ContextVar[bool] = ContextVar("insum_plain_rows", default=False)
+
+
+@contextlib.contextmanager
+def plain_rows() -> Iterator[None]:
+    """Within it no product widens: `insum_many`'s first calls, whose statements its repeats
+    run as one batched launch (a widened statement, several launches, would run apart)."""
+    token = _PLAIN_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN_ROWS.reset(token)
+
+
 def _enabled(device: torch.device) -> bool:
     return flag("INSUM_WIDEN", default=device.type == "cuda")
 
@@ -94,7 +111,7 @@ def widening_for(bound: Bound, lengths=()) -> Widening | None:
     not such a statement, rows aligned enough, tensors too small. `lengths`: the declared
     lengths' facts (`execute.length_facts`); a length indexed by the variable rules it out."""
     stmt = bound.stmt
-    if not stmt.output.indices or not _enabled(bound.device):
+    if not stmt.output.indices or _PLAIN_ROWS.get() or not _enabled(bound.device):
         return None
     var = stmt.output.indices[-1].variable
     if var is None or bound.roles.get(var) != "output" or bound.extents[var] % ROW_ELEMENTS == 0:

@@ -268,3 +268,21 @@ def test_untimed_calls_keep_the_plain_run(monkeypatch):
         C = torch.zeros(9, 57, dtype=torch.float16, device=DEVICE)
         insum(SPMM, C=C, backend="triton", **t)
         assert rel_err(C, spmm_expected(t)) < HALF_TOL
+
+
+def test_insum_many_keeps_plain_rows_for_its_batched_repeat(widen, monkeypatch):
+    """Statements run through `insum_many` do not widen: its repeats run them as one batched
+    launch, which a widened statement (several launches) could not join."""
+    from insum import insum_many
+
+    runs = []
+    widened_run = widening_module.WidenedLaunch.run
+    monkeypatch.setattr(widening_module.WidenedLaunch, "run", lambda self, *a: runs.append(1) or widened_run(self, *a))
+    halves = spmm_tensors(37, seed=11), spmm_tensors(37, seed=12)
+    for _ in range(2):
+        C = torch.zeros(9, 37, dtype=torch.float16, device=DEVICE)
+        calls = [(SPMM, dict(t, C=C)) for t in halves]
+        insum_many(calls, backend="triton")
+        assert rel_err(C, spmm_expected(halves[0]) + spmm_expected(halves[1])) < HALF_TOL
+    assert not runs
+    assert widening_for(spmm_bound(halves[0])) is not None  # (outside insum_many it would widen)
