@@ -18,14 +18,16 @@ only the output's extra columns, which are dropped.
 
 The copies cost a pass over each widened tensor (two over the output, three for `+=`), a
 launch each and host time, which a fast product does not win back: H200, fp16, into 1001
-columns (session 18, `explore/shapes --only widen`), GroupCOO g=32 8192^2 491 -> 265 µs,
-ELL 390 -> 256, grouped BlockGroupCOO 4096^2 172 -> 57, but Block-ELL 4096^2 64x64 32 ->
-55 µs and a GroupCOO 1024^2 38 -> 64 µs. So the runtime considers only rows aligned to fewer
-than WIDEN_BELOW_BYTES whose tensors hold WIDEN_MIN_BYTES or more, and where the product
-runs compiled on a GPU with tuning on it times both runs on the signature's first call (after
-tuning each) and keeps the faster (`execute.run`); untimed (tuning off, a CUDA graph's
-capture) it keeps the plain run. `INSUM_WIDEN=0` never widens; `INSUM_WIDEN=1` widens every
-product that qualifies, untimed, on CPU tensors too (the interpreter's tests).
+columns (session 18, `explore/shapes --only widen`), GroupCOO g=32 8192^2 489 -> 269 µs,
+ELL 391 -> 264, grouped BlockGroupCOO 4096^2 172 -> 61, but Block-ELL 4096^2 64x64 32 -> 43
+µs and a GroupCOO 1024^2 37 -> 55 µs. So the runtime considers only rows aligned to fewer
+than WIDEN_BELOW_BYTES whose tensors hold WIDEN_MIN_BYTES or more and whose widening adds
+at most WIDEN_MAX_RATIO times the work, and where the product runs compiled on a GPU with
+tuning on it times both runs on the signature's first call (after tuning each) and keeps the
+faster (`execute.run`); untimed (tuning off, a CUDA graph's capture) it keeps the plain run,
+and so do `insum_many`'s statements (`plain_rows`). `INSUM_WIDEN=0` never widens;
+`INSUM_WIDEN=1` widens every product that qualifies, untimed, on CPU tensors too (the
+interpreter's tests).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .bind import Bound
 from .settings import flag
 
 __all__ = [
-    "ROW_ELEMENTS", "WIDEN_BELOW_BYTES", "WIDEN_MIN_BYTES", "Widening", "widening_for", "widening_forced",
+    "ROW_ELEMENTS", "WIDEN_BELOW_BYTES", "WIDEN_MIN_BYTES", "WIDEN_MAX_RATIO", "Widening", "widening_for", "widening_forced",
     "widened_bound", "widened_tensors", "run_widened", "WidenedLaunch", "plain_rows",
 ]
 
@@ -58,6 +60,10 @@ ROW_ELEMENTS = 16
 WIDEN_BELOW_BYTES = 16
 #: The least bytes (the widened inputs and the output together) worth the copies' launches.
 WIDEN_MIN_BYTES = 1 << 20
+#: The most the widening may multiply the work by: a narrow extent (an SpMV's 1 column)
+#: would not win back 16 times the work, and its first call would compile a second kernel
+#: to find out.
+WIDEN_MAX_RATIO = 1.5
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,11 @@ def widening_for(bound: Bound, lengths=()) -> Widening | None:
     if not stmt.output.indices or _PLAIN_ROWS.get() or not _enabled(bound.device):
         return None
     var = stmt.output.indices[-1].variable
-    if var is None or bound.roles.get(var) != "output" or bound.extents[var] % ROW_ELEMENTS == 0:
+    if var is None or bound.roles.get(var) != "output":
+        return None
+    extent = bound.extents[var]
+    width = -(-extent // ROW_ELEMENTS) * ROW_ELEMENTS
+    if width == extent or width > WIDEN_MAX_RATIO * extent:
         return None
     if any(var in index for _, _, index, _ in lengths):
         return None
@@ -145,8 +155,7 @@ def widening_for(bound: Bound, lengths=()) -> Widening | None:
         return None
     if sum(math.prod(shape) * size for shape, _, size in layouts) < WIDEN_MIN_BYTES:
         return None
-    extent = bound.extents[var]
-    return Widening(var, extent, -(-extent // ROW_ELEMENTS) * ROW_ELEMENTS, tuple(names))
+    return Widening(var, extent, width, tuple(names))
 
 
 def widened_tensors(widening: Widening, tensors, out: torch.Tensor) -> tuple[dict, torch.Tensor]:

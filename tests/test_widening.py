@@ -112,6 +112,12 @@ def test_statements_that_cannot_widen(widen):
     assert widening_for(spmm_bound(t, C)) is None
 
 
+@pytest.mark.parametrize("n, widens", [(1, False), (10, False), (11, True), (17, False), (23, True), (33, True)])
+def test_narrow_extents_widen_only_within_the_ratio(widen, n, widens):
+    """1 -> 16 columns (an SpMV) is 16 times the work; 33 -> 48 is 1.45 times."""
+    assert (widening_for(spmm_bound(spmm_tensors(n))) is not None) == widens
+
+
 def test_off_small_or_indexed_by_a_declared_length(monkeypatch):
     t = spmm_tensors(37)
     bound = spmm_bound(t)
@@ -140,7 +146,7 @@ def test_unset_switch_widens_cuda_tensors_only(monkeypatch):
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("n", [37, 1, 17])
+@pytest.mark.parametrize("n", [37, 11, 41])
 def test_scattered_product_widened_matches_float64(widen, n, index_dtype):
     t = spmm_tensors(n, index_dtype=index_dtype)
     for seed in range(3):  # the full path, then the prepared repeat, on fresh values
@@ -199,9 +205,9 @@ def test_formats_spmm_widened_repeatedly(widen, monkeypatch, fmt_of, scatters):
     A = A.half()
     fmt = fmt_of(A)
     for seed in range(4):  # the first calls, then the pinned repeats
-        B = torch.randn(64, 21, generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE).half()
+        B = torch.randn(64, 27, generator=torch.Generator(device=DEVICE).manual_seed(seed), device=DEVICE).half()
         C = fmt.spmm(B, backend="triton")
-        assert C.shape == (48, 21)
+        assert C.shape == (48, 27)
         assert rel_err(C, A.double() @ B.double()) < HALF_TOL
     assert len(runs) >= 2  # the repeats ran the prepared launch in widened rows,
     # pinned to the format's tensors (B and C vary); not where a float32 buffer stands in for
