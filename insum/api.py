@@ -7,6 +7,7 @@ while torch.compile traces or when a tensor requires grad; `compile()` to the ru
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -152,7 +153,9 @@ def insum_many(
         batch = prepared_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
         if batch is not None:
             return batch(calls)
-    with plain_rows():  # (a widened statement would not join the repeats' one launch)
+    # (a widened statement would not join the repeats' one launch; traced code has no such
+    # repeats, and dynamo does not trace a context variable)
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else plain_rows():
         outs = [insum(call[0], **(call[2] if len(call) > 2 else {}), **options, **call[1]) for call in calls]
     if not torch.compiler.is_compiling() and not (
         torch.is_grad_enabled() and any(_any_requires_grad(call[1]) for call in calls)
