@@ -241,7 +241,7 @@ def explain(
         lines.append("as it is:")
         lines.extend("  " + line for line in _kernel_lines(bound, precision, *facts, declared))
         lines.append("widened:")
-        widened = widened_bound(widening, bound, bound.output())[0]
+        widened = widened_bound(widening, bound, values=False)[0]
         lines.extend("  " + line for line in _kernel_lines(widened, precision, *facts, declared))
     elif staged is None:
         lines.extend(_kernel_lines(bound, precision, *facts, declared))

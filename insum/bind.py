@@ -68,6 +68,17 @@ class Bound:
             new.__dict__["signature"] = self.signature + signature_extra
         return new
 
+    def output_strides(self) -> tuple[int, ...]:
+        """The output's strides: as given, or contiguous as `output()` allocates it."""
+        out = self.tensors.get(self.output_name)
+        if out is not None:
+            return out.stride()
+        strides, step = [], 1
+        for extent in reversed(self.out_shape):
+            strides.append(step)
+            step *= max(extent, 1)
+        return tuple(reversed(strides))
+
     def with_extent(self, var: str, extent: int, tensors: Mapping[str, torch.Tensor]) -> Bound:
         """The binding with `var` of another extent over `tensors`, whose dimensions `var`
         indexes have that extent (the output's too, given among them): the run in widened rows

@@ -254,7 +254,7 @@ def run(
     facts = (sorted_indices, unique_indices, lengths)
     widening = widening_for(bound, lengths)
     if widening is not None and _widening_chosen(widening, bound, out, precision, facts, autotune, check_indices):
-        inner, buffer = widened_bound(widening, bound, out)
+        inner, buffer = widened_bound(widening, bound)
         options = dict(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return run_widened(widening, buffer, out, bound.stmt.accumulate, lambda: run(
             inner, buffer, **options, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths))
@@ -331,7 +331,7 @@ def _widened_is_faster(widening, bound: Bound, out: torch.Tensor, precision, fac
     plain = kernel_for(
         bound, precision=precision, sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths
     ).prepared(bound)
-    inner, _ = widened_bound(widening, bound, out)
+    inner, _ = widened_bound(widening, bound, values=False)
     widened = WidenedLaunch(widening, _prepared_launch(inner, precision, sorted_indices, unique_indices, lengths),
                             bound.stmt.accumulate, bound.output_name)
     scratch = out.clone()
@@ -570,7 +570,7 @@ def _prepared_launch(bound: Bound, precision, sorted_indices, unique_indices, le
         widening = widening_for(bound, lengths)
         key = _widening_key(bound, precision, (sorted_indices, unique_indices, lengths))
         if widening is not None and (widening_forced() or (key is not None and _WIDENED.get(key, False))):
-            inner, _ = widened_bound(widening, bound, bound.output())
+            inner, _ = widened_bound(widening, bound, values=False)
             launch = _prepared_launch(inner, precision, sorted_indices, unique_indices, lengths)
             return WidenedLaunch(widening, launch, bound.stmt.accumulate, bound.output_name)
         kernel = kernel_for(

@@ -175,22 +175,10 @@ def _element_sizes(bound: Bound) -> dict[str, int]:
     return sizes
 
 
-def _output_strides(bound: Bound) -> tuple[int, ...]:
-    """The output's strides: as given, or contiguous as `bound.output()` allocates it."""
-    out = bound.tensors.get(bound.output_name)
-    if out is not None:
-        return out.stride()
-    strides, step = [], 1
-    for extent in reversed(bound.out_shape):
-        strides.append(step)
-        step *= max(extent, 1)
-    return tuple(reversed(strides))
-
-
 def _strides(bound: Bound) -> dict[str, tuple[int, ...]]:
-    """Every tensor's strides, the output's as it will be written (`_output_strides`)."""
+    """Every tensor's strides, the output's as it will be written (`Bound.output_strides`)."""
     strides = {name: t.stride() for name, t in bound.tensors.items()}
-    strides[bound.output_name] = _output_strides(bound)
+    strides[bound.output_name] = bound.output_strides()
     return strides
 
 
@@ -559,7 +547,7 @@ class _Launcher:
             else:
                 self.template.append(bound.tensors[arg[1]].stride(arg[2]))
         self.out_name = out_name
-        out_strides = _output_strides(bound)
+        out_strides = bound.output_strides()
         integers = [v for v in self.template if type(v) is int] + [out_strides[dim] for _, dim in self.out_strides]
         # Triton compiles an integer argument specially where it is 1 or a multiple of 16.
         self.specialisation = "".join("1" if v == 1 else "g" if v % 16 == 0 else "." for v in integers)

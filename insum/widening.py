@@ -140,15 +140,8 @@ def widening_for(bound: Bound, lengths=()) -> Widening | None:
             names[access.name] = None
     if apart & set(names):  # a tensor also read where the variable does not index it
         return None
-    out = bound.tensors.get(stmt.output.name)
     layouts = [(t.shape, t.stride(), t.element_size()) for t in (bound.tensors[n] for n in names)]
-    if out is not None:
-        layouts.append((out.shape, out.stride(), out.element_size()))
-    else:
-        strides = [1] * len(bound.out_shape)
-        for d in range(len(bound.out_shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * bound.out_shape[d + 1]
-        layouts.append((bound.out_shape, tuple(strides), bound.out_dtype.itemsize))
+    layouts.append((bound.out_shape, bound.output_strides(), bound.out_dtype.itemsize))
     if any(strides[-1] != 1 or 0 in shape for shape, strides, _ in layouts):
         return None
     if min(_row_bytes(*layout) for layout in layouts) >= WIDEN_BELOW_BYTES:
@@ -158,21 +151,32 @@ def widening_for(bound: Bound, lengths=()) -> Widening | None:
     return Widening(var, extent, width, tuple(names))
 
 
+def _widened(t: torch.Tensor, widening: Widening, values: bool = True) -> torch.Tensor:
+    """`t` in rows `widening.width` wide: copied, zeros in the extra columns (one operation:
+    the host time of a call counts too), or uninitialised (`values` False)."""
+    if values:
+        return torch.constant_pad_nd(t, (0, widening.width - widening.extent))
+    return t.new_empty(*t.shape[:-1], widening.width)
+
+
 def widened_tensors(widening: Widening, tensors, out: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """`tensors` with the widened inputs copied into rows `widening.width` wide (zeros in the
-    extra columns), and a buffer for the output in such rows (uninitialised: `run_widened`
-    fills it)."""
-    pad = (0, widening.width - widening.extent)
+    """`tensors` with the widened inputs copied into rows `widening.width` wide, and a buffer
+    for the output in such rows (uninitialised: `run_widened` fills it)."""
     widened = dict(tensors)
-    for name in widening.names:  # (one operation each: the host time of a call counts too)
-        widened[name] = torch.constant_pad_nd(tensors[name], pad)
-    return widened, torch.empty(*out.shape[:-1], widening.width, dtype=out.dtype, device=out.device)
+    for name in widening.names:
+        widened[name] = _widened(tensors[name], widening)
+    return widened, out.new_empty(*out.shape[:-1], widening.width)
 
 
-def widened_bound(widening: Widening, bound: Bound, out: torch.Tensor) -> tuple[Bound, torch.Tensor]:
-    """`bound` over the widened tensors (`widened_tensors`) with the variable's extent widened,
-    and the output's buffer (given as the binding's output)."""
-    tensors, buffer = widened_tensors(widening, bound.tensors, out)
+def widened_bound(widening: Widening, bound: Bound, values: bool = True) -> tuple[Bound, torch.Tensor]:
+    """`bound` with the variable's extent widened, over the widened tensors and the output's
+    buffer (given as the binding's output; uninitialised). values: the inputs copied in;
+    without, uninitialised tensors of their widened layout, for what reads the binding's
+    layout only (a prepared launch, `explain`)."""
+    tensors = dict(bound.tensors)
+    for name in widening.names:
+        tensors[name] = _widened(bound.tensors[name], widening, values)
+    buffer = torch.empty(*bound.out_shape[:-1], widening.width, dtype=bound.out_dtype, device=bound.device)
     tensors[bound.output_name] = buffer
     return bound.with_extent(widening.variable, widening.width, tensors), buffer
 
