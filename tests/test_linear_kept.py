@@ -332,8 +332,8 @@ def test_forward_without_gradients_runs_the_product_directly(monkeypatch):
 
     layer = _layer(7, fmt="ELL")
     applied = []
-    real = sparse_autograd._SparseLinearFunction.apply
-    monkeypatch.setattr(sparse_autograd._SparseLinearFunction, "apply",
+    real = sparse_autograd._KeptLinearFunction.apply
+    monkeypatch.setattr(sparse_autograd._KeptLinearFunction, "apply",
                         lambda *args: applied.append(1) or real(*args))
     x = _x(3)
     for context in (torch.no_grad, torch.inference_mode):
@@ -369,3 +369,93 @@ def test_frozen_weights_give_x_its_gradient_without_the_operand(monkeypatch, fmt
     assert made == []
     torch.testing.assert_close(x.grad.double(), dy.double() @ layer.to_dense().double(), rtol=1e-5, atol=1e-5)
     assert all(p.grad is None for p in layer.parameters())
+
+
+def _float64_gradients(layer: SparseLinear, x: torch.Tensor, gy: torch.Tensor):
+    """x's, each value tensor's and the bias's gradients of (x W^T + b) · gy in float64,
+    W the layer's format rebuilt around float64 copies of its values (`to_dense` is
+    differentiable: each slot's gradient is the dense gradient where it points)."""
+    fmt = layer.weight
+    values = {n: t.detach().double().requires_grad_() for n, t in fmt._tensors.items() if t.is_floating_point()}
+    W = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), {**fmt._tensors, **values}).to_dense()
+    xd = x.detach().double().requires_grad_()
+    b = layer.bias.detach().double().requires_grad_()
+    ((xd @ W.t() + b) * gy.double()).sum().backward()
+    return xd.grad, {n: v.grad for n, v in values.items()}, b.grad
+
+
+@pytest.mark.parametrize("fmt_name, params", [
+    ("GroupCOO", {"sparsity": 0.5}),
+    ("BlockGroupCOO", {"block": (4, 4), "group_size": "row", "sparsity": 0.5}),
+    ("CELL", {"sparsity": 0.5}),
+], ids=["GroupCOO", "BlockELL", "CELL"])
+@pytest.mark.parametrize("lead", [(), (2,)], ids=["2d", "3d"])
+def test_kept_function_gradients_match_float64(fmt_name, params, lead):
+    """Outside torch.compile the layer's autograd Function takes x, the bias and the value
+    tensors only (`_KeptLinearFunction`): x's, the values' and the bias's gradients match
+    float64 autograd over repeated steps (the pinned repeats), for 2-D x (no reshape node
+    between x and the Function) and 3-D x (Block-ELL: its stored blocks; its padding stays
+    zero). Index tensors get no gradient."""
+    torch.manual_seed(4)
+    layer = SparseLinear(12, 8, format=fmt_name, backend="triton", precision="ieee", **params)
+    for step in range(3):
+        x = torch.randn(*lead, 5, 12, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        gy = torch.randn(*lead, 5, 8, generator=torch.Generator().manual_seed(10 + step))
+        for p in layer.parameters():
+            p.grad = None
+        y = layer(x)
+        if not lead:
+            assert type(y.grad_fn).__name__ == "_KeptLinearFunctionBackward"
+            assert y.grad_fn.next_functions[0][0].variable is x  # straight to x's accumulation
+        y.backward(gy)
+        dx, dvalues, db = _float64_gradients(layer, x.reshape(-1, 12), gy.reshape(-1, 8))
+        torch.testing.assert_close(x.grad.double().reshape(-1, 12), dx, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.bias.grad.double(), db, rtol=1e-5, atol=1e-5)
+        lengths = layer.weight.declared_lengths()
+        for name, expected in dvalues.items():
+            got = getattr(layer, name).grad.double()
+            if lengths is not None:  # Block-ELL: the stored blocks; padding left zero
+                stored = torch.arange(got.shape[1]) < next(iter(lengths.values()))[:, None]
+                assert bool((got[~stored] == 0).all())
+                got, expected = got[stored], expected[stored]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for name, t in layer.weight._tensors.items():
+        if not t.is_floating_point():
+            assert getattr(layer, name).grad is None
+
+
+def test_functional_sparse_linear_differentiates_computed_values():
+    """`sparse_linear` on a format whose values are computed from a parameter (not a leaf)
+    passes their gradient on through the kept Function."""
+    from insum import nn as inn
+    from insum.formats import GroupCOO
+
+    torch.manual_seed(6)
+    A = torch.randn(8, 12) * (torch.rand(8, 12) < 0.5)
+    fmt = GroupCOO.from_dense(A)
+    scale = torch.tensor(1.5, requires_grad=True)
+    tensors = dict(fmt._tensors)
+    tensors["AV"] = tensors["AV"] * scale
+    scaled = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), tensors)
+    x = torch.randn(5, 12)
+    y = inn.sparse_linear(x, scaled, None, backend="triton", precision="ieee")
+    y.sum().backward()
+    expected = (x.double() @ A.double().t()).sum()  # d/dscale of sum(x (scale A)^T)
+    torch.testing.assert_close(scale.grad.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_slot_is_made_once_and_stays_zero():
+    """`with_zero_slot` appends one zero slot, the same zero tensor for every call of a
+    slot shape, dtype and device (a fill less per backward), another for another kind."""
+    from insum.formats import transposed
+
+    values = torch.randn(6, 2, 3)
+    first = transposed.with_zero_slot(values)
+    second = transposed.with_zero_slot(values * 2)
+    assert first.shape == (7, 2, 3) and bool((first[-1] == 0).all()) and bool((second[-1] == 0).all())
+    torch.testing.assert_close(first[:-1], values)
+    key = (values.shape[1:], values.dtype, values.device)
+    assert key in transposed._ZERO_SLOTS
+    half = transposed.with_zero_slot(values.half())
+    assert half.dtype == torch.float16 and transposed._ZERO_SLOTS[key].dtype == torch.float32
+    assert transposed.with_zero_slot(torch.randn(0, 2, 3)).shape == (1, 2, 3)

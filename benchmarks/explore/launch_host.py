@@ -56,7 +56,7 @@ def main() -> None:
         line = {"name": name, "err": err}
         for mode, value in MODES.items():
             os.environ["INSUM_KEEP_TENSOR_MAPS"] = value
-            line[f"issue {mode}"] = issue_us(lambda f=fmt, B=Bs[0]: f @ B, calls=50, repeats=7)
+            line[f"issue {mode}"] = issue_us(lambda f=fmt, B=Bs[0]: f @ B, calls=50, repeats=7)[0]
             line[f"do_bench {mode}"] = median_ms(rotating(lambda B, f=fmt: f @ B, [(B,) for B in Bs])) * 1e3
         os.environ["INSUM_KEEP_TENSOR_MAPS"] = "1"
         line["graphed"] = graphed_ms(lambda f=fmt, B=Bs[0]: f @ B) * 1e3

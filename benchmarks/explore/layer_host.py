@@ -4,7 +4,12 @@ the transposed pattern, the values' gradient, the bias add and its gradient's su
 nn.Linear. A narrow batch keeps every kernel shorter than its host time, so that the
 issue time measured (no sync between calls) is the host's.
 
-    python -m benchmarks.explore.layer_host [--width 4096] [--batch 256] [--profile] [--device-times]
+    python -m benchmarks.explore.layer_host [--width 4096] [--batch 256] [--profile] [--torch-profile] [--device-times]
+
+"shaped autograd.Function" passes the traced path's arguments (x, the bias, every tensor of
+the format, the transposed pattern's and the gradient tables') through a Function that
+launches nothing and returns gradients of the layer's shapes: the autograd machinery at that
+signature; "kept-shaped" the kept path's (x, the bias, the value tensors). --torch-profile lists the host ops of the layer's steps (torch.profiler, self CPU).
 """
 
 from __future__ import annotations
@@ -22,20 +27,23 @@ from insum.nn.sparse_autograd import _value_gradients
 from ..common import print_python_profile
 
 
-def issue_us(fn, calls: int = 50, repeats: int = 9) -> float:
+def issue_us(fn, calls: int = 50, repeats: int = 9) -> tuple[float, float]:
     """Least host time per call (µs) over `repeats` runs of `calls` calls queued without a
-    sync in between (the least disturbed run: the host's load moves medians by 2x)."""
+    sync in between (the least disturbed run: the host's load moves medians by 2x): wall
+    time, and the process's CPU time (every thread's, autograd's device thread included;
+    time the host's other processes take from it does not count)."""
     for _ in range(10):
         fn()
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
+        walls.append((time.perf_counter() - start) / calls * 1e6)
+        cpus.append((time.process_time() - cpu) / calls * 1e6)
         torch.cuda.synchronize()
-    return min(times)
+    return min(walls), min(cpus)
 
 
 class _Empty(torch.autograd.Function):
@@ -50,10 +58,29 @@ class _Empty(torch.autograd.Function):
         return dy
 
 
+class _Shaped(torch.autograd.Function):
+    """The layer's signature without its kernels: saves what the layer saves, returns an
+    output and gradients of the layer's shapes."""
+
+    @staticmethod
+    def forward(ctx, info, x2, bias, *tensors):
+        ctx.save_for_backward(x2, *tensors)
+        ctx.biased = bias is not None
+        return x2.new_empty(x2.shape[0], info).t().t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grads = [torch.empty_like(t) if needs[3 + i] else None for i, t in enumerate(tensors)]
+        return None, torch.empty_like(x2), dy.sum(0) if ctx.biased else None, *grads
+
+
 def inside_backward(y: torch.Tensor, gy: torch.Tensor, calls: int = 200) -> None:
     """How much of a retained-graph backward runs inside `_SparseLinearFunction.backward`
     (the rest: the autograd engine, the bias's and the grads' accumulation)."""
-    function = sparse_autograd._SparseLinearFunction
+    # (the Function a layer runs outside torch.compile; an older tree, for an A/B, has one)
+    function = getattr(sparse_autograd, "_KeptLinearFunction", sparse_autograd._SparseLinearFunction)
     original = function.backward
     spent = []
 
@@ -84,6 +111,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--profile", action="store_true", help="then cProfile 200 steps of the layer")
+    parser.add_argument("--torch-profile", action="store_true", help="then torch.profiler's host ops of 50 steps")
+    parser.add_argument("--profile-rows", default="", help="then cProfile 300 calls of each of these rows (comma-separated)")
     parser.add_argument("--device-times", action="store_true", help="then the device time of each piece")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -118,6 +147,12 @@ def main() -> None:
     # The floor of any Python autograd Function on this host: no kernel in either pass.
     xe = x.detach().requires_grad_()
     rows["empty autograd.Function fwd+bwd"] = lambda: _Empty.apply(xe).backward(gy)
+    kept = layer._kept_call()  # (an older tree, for an A/B, keeps no call: two items)
+    layer_tensors = kept[1]
+    rows["shaped autograd.Function fwd+bwd"] = lambda: _Shaped.apply(width, x, layer.bias, *layer_tensors).backward(gy)
+    if len(kept) > 2:
+        values = kept[2].values
+        rows["kept-shaped autograd.Function fwd+bwd"] = lambda: _Shaped.apply(width, x, layer.bias, *values).backward(gy)
     # The backward's parts, as it runs them (grad mode off).
     rows["views: operand + output_view"] = torch.no_grad()(lambda: (fmt.operand(x2t), fmt.output_view(dyt)))
     rows["x's gradient (input_gradient)"] = torch.no_grad()(lambda: fmt.input_gradient(pattern, dC, "auto", "tf32"))
@@ -139,7 +174,8 @@ def main() -> None:
         rows["fmt.spmm(x^T, bias=b) (pinned)"] = torch.no_grad()(lambda: fmt.spmm(x2t, bias=layer.bias))
     rows["torch.empty (4096 x 256)"] = lambda: torch.empty(width, batch, device="cuda", dtype=torch.float16)
     for name, fn in rows.items():
-        print(f"{name:40s} {issue_us(fn):8.1f} us", flush=True)
+        wall, cpu = issue_us(fn)
+        print(f"{name:40s} {wall:8.1f} us  (cpu {cpu:6.1f})", flush=True)
     if args.device_times:  # the kernels' own time (do_bench medians), per piece
         import triton.testing
 
@@ -149,6 +185,21 @@ def main() -> None:
             ms = triton.testing.do_bench(rows[name], return_mode="median")
             print(f"device {name:33s} {ms * 1e3:8.1f} us", flush=True)
     inside_backward(y, gy)
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        step = rows["SparseLinear forward+backward"]
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(50):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
+    for name in filter(None, args.profile_rows.split(",")):
+        print(f"== cProfile: {name}")
+        print_python_profile(rows[name], 300, ("tottime", "cumulative"), 30)
     if args.profile:
         print_python_profile(rows["SparseLinear forward+backward"], 200, ("tottime", "cumulative"), 40)
 

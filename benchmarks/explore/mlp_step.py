@@ -1,6 +1,7 @@
 """Where the pruned MLP's eager training step goes beyond its device time: the
 `torch_checks` MLP (3 x 4096, batch 4096, fp16; dense against Block-ELL 90% 32x32), per
-step: the host's issue time (steps queued without a sync), the wall time, the device time
+step: the host's issue time (steps queued without a sync; wall, and the process's CPU time,
+which the host's other processes do not inflate), the wall time, the device time
 (the step replayed as a CUDA graph), the host syncs (`set_sync_debug_mode`), and the
 profiler's kernels and host ops.
 
@@ -57,17 +58,18 @@ def measure(name: str, model, x, gy, profile: bool) -> None:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
     torch.cuda.synchronize()
-    issue, wall = [], []
+    issue, wall, cpu = [], [], []
     for _ in range(5):
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(4):
             step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         issue.append((t1 - t0) / 4 * 1e3)
         wall.append((t2 - t0) / 4 * 1e3)
+        cpu.append((c1 - c0) / 4 * 1e3)
     eager = triton.testing.do_bench(step, return_mode="median")
     graphed = float("nan")
     try:
@@ -75,7 +77,7 @@ def measure(name: str, model, x, gy, profile: bool) -> None:
         graphed = triton.testing.do_bench(graph.replay, return_mode="median")
     except Exception as e:  # noqa: BLE001
         print(f"{name}: capture failed: {type(e).__name__}: {str(e)[:200]}")
-    print(f"{name:21s} issue {min(issue):.3f} ms (median {sorted(issue)[2]:.3f})  wall {min(wall):.3f}  "
+    print(f"{name:21s} issue {min(issue):.3f} ms (median {sorted(issue)[2]:.3f}, cpu {min(cpu):.3f})  wall {min(wall):.3f}  "
           f"do_bench eager {eager:.3f}  graph replay {graphed:.3f}  syncs {len(syncs)}", flush=True)
     for s in syncs[:5]:
         print("   sync:", s)

@@ -325,7 +325,9 @@ class BlockGroupCOO(SparseFormat):
         return pad_rows(B, Kp).view(Kp // bk, bk, B.shape[1])
 
     def from_operand(self, dB: torch.Tensor) -> torch.Tensor:
-        return dB.reshape(self.padded_shape[1], -1)[: self.shape[1]]
+        K, Kp = self.shape[1], self.padded_shape[1]
+        rows = dB.reshape(Kp, -1)
+        return rows if Kp == K else rows[:K]  # (a slice that keeps everything is still an op)
 
     def output_shape(self, N: int) -> tuple[int, ...]:
         (bm, _), (Mp, _) = self.block, self.padded_shape
@@ -446,7 +448,7 @@ class BlockGroupCOO(SparseFormat):
             dW = torch.empty(G * g + groups["GF"].numel(), bm, bk, dtype=dtype, device=dC.device)
             run_repeated(self, self.GROUPED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **groups},
                          {"unique_indices": _UNIQUE_GROUP_SLOTS}, _STORED_VARYING, backend=backend, precision=precision)
-            return dW[: G * g].view(G, g, bm, bk)
+            return dW.as_strided((G, g, bm, bk), (g * bm * bk, bm * bk, bk, 1))  # (its first G * g slots: one op)
         blocks = self._stored_blocks()
         if blocks is None:
             dW = insum(self.SLOT_GRADIENT, dC=dC, B=B, AK=self.AK, backend=backend, precision=precision)

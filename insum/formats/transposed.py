@@ -14,6 +14,7 @@ import torch
 
 from ..arith import cdiv
 from ..bind import PerTensor, kept_per_version
+from ..cache import BoundedCache
 from ..dtypes import compute_dtype
 from .grouping import default_group_size
 from .repeat import run_repeated
@@ -87,9 +88,23 @@ def transpose_slots(
     return {"TM": TM.to(itype), "TS": TS.to(itype), "TR": TR.to(itype)}
 
 
+#: One zero slot per (slot shape, dtype, device), made once: appending it is then one copy
+#: (`torch.cat`) instead of a fill and a copy, a launch less on every backward.
+_ZERO_SLOTS: BoundedCache = BoundedCache(64)
+
+
 def with_zero_slot(values: torch.Tensor) -> torch.Tensor:
     """values (slots, ...) with one zero slot appended: where padded entries point."""
-    return torch.cat([values, values.new_zeros(1, *values.shape[1:])])
+    shape = values.shape[1:]
+    if torch.compiler.is_compiling() or (values.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # (traced: no global tensor; captured: a tensor made now would live in the graph's
+        # memory pool, filled only when the graph replays)
+        return torch.cat([values, values.new_zeros(1, *shape)])
+    key = (shape, values.dtype, values.device)
+    zero = _ZERO_SLOTS.get(key)
+    if zero is None:
+        zero = _ZERO_SLOTS[key] = values.new_zeros(1, *shape)
+    return torch.cat([values, zero])
 
 
 #: Column lengths per pattern tensor TS (the tensor object itself, while it lives), for a

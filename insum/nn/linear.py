@@ -30,6 +30,8 @@ from ..errors import InsumError, InsumShapeError
 from ..formats.auto import packer, pruning_block
 from ..formats.base import SparseFormat, aligned_rows, format_class
 from .sparse_autograd import (
+    KeptLinear,
+    apply_kept,
     apply_linear,
     apply_sparse_linear,
     format_meta,
@@ -333,30 +335,33 @@ class SparseLinear(nn.Module):
         state.pop("_kept", None)  # (a copy or pickle builds its own)
         return state
 
-    def _kept_call(self) -> tuple[tuple, tuple[torch.Tensor, ...]]:
-        """(the autograd Function's info, its tensors) for the current tensors: built once and
-        kept outside torch.compile, so that the format object, and with it its pinned plans,
-        lives from one forward to the next; built anew for every trace."""
+    def _kept_call(self) -> tuple[tuple, tuple[torch.Tensor, ...], KeptLinear | None]:
+        """(the traced autograd Function's info, its tensors, the kept call or None) for the
+        current tensors: built once and kept outside torch.compile, so that the format object,
+        and with it its pinned plans, lives from one forward to the next; built anew for every
+        trace (no kept call then)."""
         kept = None if torch.compiler.is_compiling() else self.__dict__.get("_kept")
         if kept is not None:
-            info, tensors, held = kept
+            info, tensors, held, call = kept
             # A tensor swapped in the module's dicts (torch.func.functional_call): built anew.
             if all(where.get(name) is t for where, name, t in held):
-                return info, tensors
+                return info, tensors, call
         fmt = self._current_format()
         names = self._pattern_names if self.transposed_backward else ()
         pattern = {name: getattr(self, "grad_" + name) for name in names}
         tables = {name: getattr(self, "wgrad_" + name) for name in getattr(self, "_table_names", ())}
         info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision, tables)
         tensors = (*fmt._tensors.values(), *pattern.values(), *tables.values())
+        call = None
         if not torch.compiler.is_compiling():
+            call = KeptLinear(fmt, pattern, self._gradients, self.backend, self.precision, tables)
             held = []
             kept = (*fmt._tensors.items(), *(("grad_" + n, t) for n, t in pattern.items()),
                     *(("wgrad_" + n, t) for n, t in tables.items()))
             for name, t in kept:
                 held.append((self._parameters if name in self._parameters else self._buffers, name, t))
-            self.__dict__["_kept"] = (info, tensors, tuple(held))  # (not through __setattr__, which drops it)
-        return info, tensors
+            self.__dict__["_kept"] = (info, tensors, tuple(held), call)  # (not through __setattr__, which drops it)
+        return info, tensors, call
 
     def _current_format(self) -> SparseFormat:
         tensors = {name: getattr(self, name) for name in self._tensor_names}
@@ -370,7 +375,7 @@ class SparseLinear(nn.Module):
         one the forward runs on, kept across calls outside torch.compile."""
         if torch.compiler.is_compiling():
             return self._current_format()
-        return self._kept_call()[0][-1]
+        return self._kept_call()[2].fmt
 
     @property
     def format(self) -> str:
@@ -382,16 +387,18 @@ class SparseLinear(nn.Module):
                 f"SparseLinear: x has {x.shape[-1]} features (shape {tuple(x.shape)}) but the "
                 f"layer has {self.in_features} in_features"
             )
-        info, tensors = self._kept_call()
-        x2 = x.reshape(-1, self.in_features)
-        kept = info[-1]
-        if kept is not None and not torch.is_grad_enabled():
+        info, tensors, call = self._kept_call()
+        # (a reshape that changes nothing still adds an autograd node, run on every backward)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if call is None:
+            y = apply_linear(info, x2, tensors, self.bias)
+        elif not torch.is_grad_enabled():
             # No gradient to record (inference): the product straight, without the autograd
             # Function's own host time.
-            y = linear_product(kept, x2, self.bias, self.backend, self.precision)
+            y = linear_product(call.fmt, x2, self.bias, self.backend, self.precision)
         else:
-            y = apply_linear(info, x2, tensors, self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            y = apply_kept(call, x2, self.bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def to_dense(self) -> torch.Tensor:
         """W as a dense (out_features x in_features) tensor."""

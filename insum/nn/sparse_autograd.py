@@ -1,8 +1,11 @@
-"""The one autograd path of SparseLinear and `sparse_linear`: y = x W^T for a weight W held
+"""The autograd path of SparseLinear and `sparse_linear`: y = x W^T for a weight W held
 in a sparse format, with gradients for x and the format's value tensors.
 
-Every SparseLinear and `sparse_linear` runs through `_SparseLinearFunction`: the forward is
-the format's SpMM; each value tensor's gradient is its derived statement (insum.autograd)
+Every SparseLinear and `sparse_linear` runs through one of two autograd Functions that
+differ only in what passes through autograd: under torch.compile `_SparseLinearFunction`
+(every tensor of the format, rebuilt around the traced ones), outside it
+`_KeptLinearFunction` (x, the bias and the value tensors; the format object kept). Both
+compute the same `linear_gradients`. The forward is the format's SpMM; each value tensor's gradient is its derived statement (insum.autograd)
 on the format's views of x and dy, or the format's own cheaper one (`value_gradient`:
 Block-ELL runs it on the stored blocks only, its padding left zero); x's gradient runs on the transposed pattern when the
 layer keeps one (`SparseFormat.transposed_pattern`: an SpMM shaped like the forward, which
@@ -23,10 +26,13 @@ from ..formats.base import FORMATS, SparseFormat
 
 __all__ = [
     "Gradients",
+    "KeptLinear",
+    "apply_kept",
     "apply_linear",
     "apply_sparse_linear",
     "format_meta",
     "gradient_statements",
+    "linear_gradients",
     "linear_info",
     "linear_product",
     "rebuild_format",
@@ -74,7 +80,9 @@ def linear_product(fmt: SparseFormat, x2: torch.Tensor, bias, backend: str, prec
 class _SparseLinearFunction(torch.autograd.Function):
     """y = x W^T + b through the format's statements, with the gradients described above (the
     bias in the product's epilogue where the format allows, `SparseFormat.bias_expression`;
-    its gradient dy summed over the batch, here rather than in an autograd node of its own)."""
+    its gradient dy summed over the batch, here rather than in an autograd node of its own).
+    Every tensor of the format passes through it, so that a traced call rebuilds the format
+    around the traced tensors; outside torch.compile a layer runs `_KeptLinearFunction`."""
 
     @staticmethod
     def forward(ctx, info, x2, bias, *tensors):
@@ -93,22 +101,77 @@ class _SparseLinearFunction(torch.autograd.Function):
         pattern = dict(zip(pattern_names, tensors[len(names) :]))
         tables = dict(zip(table_names, tensors[len(names) + len(pattern_names) :]))
         needs = ctx.needs_input_grad
-        dtype = torch.promote_types(fmt.dtype, dy.dtype)
-        dC = fmt.output_view(as_dtype(dy.t(), dtype))
         wanted = {name for i, name in enumerate(names) if needs[3 + i]}
-        # x's operand view (a copy for formats that gather its rows): for the values' and the
-        # derived input gradients only
-        B = fmt.operand(as_dtype(x2.t(), dtype)) if wanted or (needs[1] and not pattern) else None
-        dx = None
-        if needs[1]:
-            if pattern:
-                dB = fmt.input_gradient(pattern, dC, backend, precision)
-            else:
-                dB = _derived_input_gradient(fmt, gradients, B, dC, backend, precision)
-            dx = as_dtype(fmt.from_operand(dB).t(), x2.dtype)
-        grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision, tables) if wanted else {}
+        dx, grads = linear_gradients(fmt, pattern, tables, gradients, backend, precision, x2, dy, needs[1], wanted)
         dbias = dy.sum(0) if ctx.biased and needs[2] else None
         return (None, dx, dbias, *(grads.get(name) for name in names), *([None] * (len(pattern_names) + len(tables))))
+
+
+class KeptLinear:
+    """What `_KeptLinearFunction` runs on: a format object kept from one call to the next
+    (so that its products and gradients stay pinned), the transposed pattern and gradient
+    tables, and the names of the format's floating-point tensors, the only ones of its
+    tensors that can have a gradient."""
+
+    __slots__ = ("fmt", "pattern", "tables", "gradients", "backend", "precision", "value_names", "values")
+
+    def __init__(self, fmt: SparseFormat, pattern, gradients: Gradients, backend: str, precision: str, tables=None):
+        self.fmt = fmt
+        self.pattern = dict(pattern)
+        self.tables = dict(tables or {})
+        self.gradients = gradients
+        self.backend = backend
+        self.precision = precision
+        self.value_names = tuple(name for name, t in fmt._tensors.items() if t.is_floating_point())
+        self.values = tuple(fmt._tensors[name] for name in self.value_names)
+
+
+class _KeptLinearFunction(torch.autograd.Function):
+    """`_SparseLinearFunction` for a kept format outside torch.compile: only x, the bias and
+    the format's value tensors pass through autograd (the index tensors, the pattern's and
+    the tables' stay with the `KeptLinear`). Every tensor given to an autograd Function costs
+    the host time of its bookkeeping, in the forward and again in the backward; a Block-ELL
+    layer gives it 3 tensors instead of 9."""
+
+    @staticmethod
+    def forward(ctx, kept, x2, bias, *values):
+        ctx.kept = kept
+        ctx.biased = bias is not None
+        ctx.save_for_backward(x2, *values)  # (the values: an in-place change before the backward raises)
+        return linear_product(kept.fmt, x2, bias, kept.backend, kept.precision)
+
+    @staticmethod
+    def backward(ctx, dy):
+        kept = ctx.kept
+        x2 = ctx.saved_tensors[0]
+        needs = ctx.needs_input_grad
+        wanted = {name for name, need in zip(kept.value_names, needs[3:]) if need}
+        dx, grads = linear_gradients(kept.fmt, kept.pattern, kept.tables, kept.gradients, kept.backend,
+                                     kept.precision, x2, dy, needs[1], wanted)
+        dbias = dy.sum(0) if ctx.biased and needs[2] else None
+        return (None, dx, dbias, *(grads.get(name) for name in kept.value_names))
+
+
+def linear_gradients(
+    fmt: SparseFormat, pattern: dict, tables: dict, gradients: Gradients, backend: str, precision: str,
+    x2: torch.Tensor, dy: torch.Tensor, x_wanted: bool, wanted: set[str],
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """(x's gradient or None, {value tensor name: its gradient}) for the output gradient dy
+    of y = x2 W^T: what both autograd Functions return."""
+    dtype = torch.promote_types(fmt.dtype, dy.dtype)
+    dC = fmt.output_view(as_dtype(dy.t(), dtype))
+    # x's operand view (a copy for formats that gather its rows): for the values' and the
+    # derived input gradients only
+    B = fmt.operand(as_dtype(x2.t(), dtype)) if wanted or (x_wanted and not pattern) else None
+    dx = None
+    if x_wanted:
+        if pattern:
+            dB = fmt.input_gradient(pattern, dC, backend, precision)
+        else:
+            dB = _derived_input_gradient(fmt, gradients, B, dC, backend, precision)
+        dx = as_dtype(fmt.from_operand(dB).t(), x2.dtype)
+    grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision, tables) if wanted else {}
+    return dx, grads
 
 
 def _derived_input_gradient(fmt: SparseFormat, gradients: Gradients, B, dC, backend: str, precision: str) -> torch.Tensor:
@@ -125,21 +188,24 @@ def _value_gradients(
     fmt: SparseFormat, gradients: Gradients, wanted: set[str], B, dC, backend: str, precision: str, tables
 ) -> dict[str, torch.Tensor]:
     """The gradient of every value tensor in `wanted`: the format's own statement where it
-    has one (on `tables`, its `value_gradient_tables` kept by the layer), else the derived ones."""
-    owner = {id(t): name for name, t in fmt.tensors.items()}
+    has one (on `tables`, its `value_gradient_tables` kept by the layer), else the derived
+    ones of every statement that reads it."""
     grads: dict[str, torch.Tensor] = {}
+    for name in wanted:
+        own = fmt.value_gradient(name, dC, B, backend, precision, tables)  # a cheaper statement of the format's
+        if own is not None:
+            grads[name] = as_dtype(own, fmt._tensors[name].dtype)
+    derived = wanted.difference(grads)
+    if not derived:
+        return grads
+    owner = {id(t): name for name, t in fmt.tensors.items()}
     for (_, tensors), (output_grad, _, statements) in zip(fmt.statements(), gradients):
         env = {**tensors, "B": B, output_grad: dC}
         for local, stmts in statements.items():
             if local not in tensors:  # B: the dense operand, no value tensor of the format
                 continue
             name = owner.get(id(tensors[local]))  # id() of a tensor: traceable by dynamo
-            if name not in wanted:
-                continue
-            own = fmt.value_gradient(name, dC, B, backend, precision, tables)  # a cheaper statement of the format's
-            if own is not None:
-                grad = as_dtype(own, tensors[local].dtype)
-                grads[name] = grad if name not in grads else grads[name] + grad
+            if name not in derived:
                 continue
             for stmt, reads in stmts:
                 grad = insum(stmt, backend=backend, precision=precision, **{n: env[n] for n in reads})
@@ -192,10 +258,18 @@ def apply_linear(info: tuple, x2: torch.Tensor, tensors: tuple, bias: torch.Tens
     return _SparseLinearFunction.apply(info, x2, bias, *tensors)
 
 
+def apply_kept(kept: KeptLinear, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 (batch, in) @ W^T + bias for a kept format (outside torch.compile)."""
+    return _KeptLinearFunction.apply(kept, x2, bias, *kept.values)
+
+
 def apply_sparse_linear(
     x2, fmt, meta, pattern, gradients: Gradients, backend: str, precision: str, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x2 (batch, in) @ W^T + bias through the one autograd path."""
+    """x2 (batch, in) @ W^T + bias through the one autograd path (the kept one outside
+    torch.compile)."""
+    if not torch.compiler.is_compiling():
+        return apply_kept(KeptLinear(fmt, pattern, gradients, backend, precision), x2, bias)
     info = linear_info(fmt, meta, pattern, gradients, backend, precision)
     return apply_linear(info, x2, (*fmt._tensors.values(), *pattern.values()), bias)
 
