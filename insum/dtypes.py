@@ -23,6 +23,7 @@ __all__ = [
     "DtypeName",
     "compute_dtype",
     "as_dtype",
+    "promoted",
 ]
 
 #: Factors and outputs.
@@ -68,3 +69,13 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (True, torch.float16)
     """
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """`torch.promote_types(a, b)`, without its dispatch where the two are the same (a
+    layer's backward asks three times a step).
+
+    >>> promoted(torch.float16, torch.float16), promoted(torch.float16, torch.float32)
+    (torch.float16, torch.float32)
+    """
+    return a if a == b else torch.promote_types(a, b)

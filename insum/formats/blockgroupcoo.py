@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..api import insum
 from ..arith import cdiv, next_power_of_2
-from ..dtypes import as_dtype
+from ..dtypes import as_dtype, promoted
 from ..errors import InsumError
 from .base import SparseFormat, pad_rows
 from .coords import Coords, check_positive_int, index_dtype_for
@@ -301,9 +301,17 @@ class BlockGroupCOO(SparseFormat):
 
     @property
     def padded_shape(self) -> tuple[int, int]:
-        """The shape rounded up to whole blocks, which the kernel works on."""
-        (bm, bk), (M, K) = self.block, self.shape
-        return (cdiv(M, bm) * bm, cdiv(K, bk) * bk)
+        """The shape rounded up to whole blocks, which the kernel works on (kept outside
+        traced code: a layer's step asks six times)."""
+        tracing = torch.compiler.is_compiling()
+        derived = None if tracing else self.__dict__.setdefault("_derived", {})
+        shape = None if tracing else derived.get("padded_shape")
+        if shape is None:
+            (bm, bk), (M, K) = self.block, self.shape
+            shape = (cdiv(M, bm) * bm, cdiv(K, bk) * bk)
+            if not tracing:
+                derived["padded_shape"] = shape
+        return shape
 
     def to_dense(self) -> torch.Tensor:
         (bm, bk), (Mp, Kp) = self.block, self.padded_shape
@@ -441,7 +449,7 @@ class BlockGroupCOO(SparseFormat):
         if name != "AV" or self._row_counts() is None:
             return None
         G, g, bm, bk = self.AV.shape
-        dtype = torch.promote_types(dC.dtype, B.dtype)
+        dtype = promoted(dC.dtype, B.dtype)
         groups = tables if tables else self._stored_groups()
         if groups:
             # A slot per group entry past the G * g real ones: enough for every padded entry.

@@ -15,7 +15,7 @@ import torch
 from ..arith import cdiv
 from ..bind import PerTensor, kept_per_version
 from ..cache import BoundedCache
-from ..dtypes import compute_dtype
+from ..dtypes import compute_dtype, promoted
 from .grouping import default_group_size
 from .repeat import run_repeated
 
@@ -147,7 +147,7 @@ def scalar_gradient(
     WT = with_zero_slot(AV.reshape(-1))
     if "TM" not in pattern:  # one owner per output row: no atomics
         facts = _column_lengths(pattern, WT.shape[0] - 1)
-        DX = DY.new_empty(pattern["TS"].shape[0], DY.shape[1], dtype=torch.promote_types(WT.dtype, DY.dtype))
+        DX = DY.new_empty(pattern["TS"].shape[0], DY.shape[1], dtype=promoted(WT.dtype, DY.dtype))
         statement = SCALAR_ROW
     else:
         facts = {}
@@ -168,7 +168,7 @@ def block_gradient(
     WT = with_zero_slot(AV.reshape(-1, bm, bk))
     if "TM" not in pattern:
         facts = _column_lengths(pattern, WT.shape[0] - 1)
-        DX = DY.new_empty(pattern["TS"].shape[0], bk, DY.shape[2], dtype=torch.promote_types(WT.dtype, DY.dtype))
+        DX = DY.new_empty(pattern["TS"].shape[0], bk, DY.shape[2], dtype=promoted(WT.dtype, DY.dtype))
         statement = BLOCK_ROW
     else:
         facts = {}

@@ -21,7 +21,7 @@ import torch
 
 from ..api import insum
 from ..autograd import derive
-from ..dtypes import as_dtype, compute_dtype
+from ..dtypes import as_dtype, compute_dtype, promoted
 from ..formats.base import FORMATS, SparseFormat
 
 __all__ = [
@@ -158,7 +158,7 @@ def linear_gradients(
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(x's gradient or None, {value tensor name: its gradient}) for the output gradient dy
     of y = x2 W^T: what both autograd Functions return."""
-    dtype = torch.promote_types(fmt.dtype, dy.dtype)
+    dtype = promoted(fmt.dtype, dy.dtype)
     dC = fmt.output_view(as_dtype(dy.t(), dtype))
     # x's operand view (a copy for formats that gather its rows): for the values' and the
     # derived input gradients only
