@@ -456,6 +456,8 @@ class BlockGroupCOO(SparseFormat):
             dW = torch.empty(G * g + groups["GF"].numel(), bm, bk, dtype=dtype, device=dC.device)
             run_repeated(self, self.GROUPED_GRADIENT, {"dW": dW, "dC": dC, "B": B, **groups},
                          {"unique_indices": _UNIQUE_GROUP_SLOTS}, _STORED_VARYING, backend=backend, precision=precision)
+            if torch.compiler.is_compiling():  # (traced: the slice and view the graph has always had)
+                return dW[: G * g].view(G, g, bm, bk)
             return dW.as_strided((G, g, bm, bk), (g * bm * bk, bm * bk, bk, 1))  # (its first G * g slots: one op)
         blocks = self._stored_blocks()
         if blocks is None:

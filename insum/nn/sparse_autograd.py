@@ -5,12 +5,13 @@ Every SparseLinear and `sparse_linear` runs through one of two autograd Function
 differ only in what passes through autograd: under torch.compile `_SparseLinearFunction`
 (every tensor of the format, rebuilt around the traced ones), outside it
 `_KeptLinearFunction` (x, the bias and the value tensors; the format object kept). Both
-compute the same `linear_gradients`. The forward is the format's SpMM; each value tensor's gradient is its derived statement (insum.autograd)
-on the format's views of x and dy, or the format's own cheaper one (`value_gradient`:
-Block-ELL runs it on the stored blocks only, its padding left zero); x's gradient runs on the transposed pattern when the
-layer keeps one (`SparseFormat.transposed_pattern`: an SpMM shaped like the forward, which
-the H200 measured faster than the derived scatter of every stored slot), else as the
-derived scatter statement.
+compute the same `linear_gradients`. The forward is the format's SpMM; each value tensor's
+gradient is its derived statement (insum.autograd) on the format's views of x and dy, or
+the format's own cheaper one (`value_gradient`: Block-ELL runs it on the stored blocks
+only, its padding left zero); x's gradient runs on the transposed pattern when the layer
+keeps one (`SparseFormat.transposed_pattern`: an SpMM shaped like the forward, which the
+H200 measured faster than the derived scatter of every stored slot), else as the derived
+scatter statement.
 """
 
 from __future__ import annotations
