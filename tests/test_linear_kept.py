@@ -379,9 +379,10 @@ def _float64_gradients(layer: SparseLinear, x: torch.Tensor, gy: torch.Tensor):
     values = {n: t.detach().double().requires_grad_() for n, t in fmt._tensors.items() if t.is_floating_point()}
     W = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), {**fmt._tensors, **values}).to_dense()
     xd = x.detach().double().requires_grad_()
-    b = layer.bias.detach().double().requires_grad_()
-    ((xd @ W.t() + b) * gy.double()).sum().backward()
-    return xd.grad, {n: v.grad for n, v in values.items()}, b.grad
+    b = None if layer.bias is None else layer.bias.detach().double().requires_grad_()
+    y = xd @ W.t()
+    ((y if b is None else y + b) * gy.double()).sum().backward()
+    return xd.grad, {n: v.grad for n, v in values.items()}, None if b is None else b.grad
 
 
 @pytest.mark.parametrize("fmt_name, params", [
@@ -389,15 +390,15 @@ def _float64_gradients(layer: SparseLinear, x: torch.Tensor, gy: torch.Tensor):
     ("BlockGroupCOO", {"block": (4, 4), "group_size": "row", "sparsity": 0.5}),
     ("CELL", {"sparsity": 0.5}),
 ], ids=["GroupCOO", "BlockELL", "CELL"])
-@pytest.mark.parametrize("lead", [(), (2,)], ids=["2d", "3d"])
-def test_kept_function_gradients_match_float64(fmt_name, params, lead):
+@pytest.mark.parametrize("lead, bias", [((), True), ((2,), True), ((), False)], ids=["2d", "3d", "2d-no-bias"])
+def test_kept_function_gradients_match_float64(fmt_name, params, lead, bias):
     """Outside torch.compile the layer's autograd Function takes x, the bias and the value
     tensors only (`_KeptLinearFunction`): x's, the values' and the bias's gradients match
     float64 autograd over repeated steps (the pinned repeats), for 2-D x (no reshape node
     between x and the Function) and 3-D x (Block-ELL: its stored blocks; its padding stays
-    zero). Index tensors get no gradient."""
+    zero), with a bias and without. Index tensors get no gradient."""
     torch.manual_seed(4)
-    layer = SparseLinear(12, 8, format=fmt_name, backend="triton", precision="ieee", **params)
+    layer = SparseLinear(12, 8, bias=bias, format=fmt_name, backend="triton", precision="ieee", **params)
     for step in range(3):
         x = torch.randn(*lead, 5, 12, generator=torch.Generator().manual_seed(step)).requires_grad_()
         gy = torch.randn(*lead, 5, 8, generator=torch.Generator().manual_seed(10 + step))
@@ -410,7 +411,10 @@ def test_kept_function_gradients_match_float64(fmt_name, params, lead):
         y.backward(gy)
         dx, dvalues, db = _float64_gradients(layer, x.reshape(-1, 12), gy.reshape(-1, 8))
         torch.testing.assert_close(x.grad.double().reshape(-1, 12), dx, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(layer.bias.grad.double(), db, rtol=1e-5, atol=1e-5)
+        if bias:
+            torch.testing.assert_close(layer.bias.grad.double(), db, rtol=1e-5, atol=1e-5)
+        else:
+            assert layer.bias is None and db is None
         lengths = layer.weight.declared_lengths()
         for name, expected in dvalues.items():
             got = getattr(layer, name).grad.double()
