@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from ..api import insum
-from ..dtypes import compute_dtype
+from ..dtypes import as_dtype, compute_dtype
 from ..errors import InsumError, InsumShapeError
 from .kernel_map import KernelMap, KernelMapCache, default_cache
 
@@ -227,9 +227,9 @@ class _SparseConv(torch.autograd.Function):
                 insum(_statement(WEIGHT_GRAD, absent), dWp=partial, X=x, dO=grad,
                       **{k: v for k, v in pairs.items() if k != "PW"}, **opts)
                 total.index_add_(0, pairs["PW"], partial)
-            grad_weight = total.to(weight.dtype)
+            grad_weight = as_dtype(total, weight.dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(0, dtype=compute_dtype(grad.dtype)).to(grad.dtype)
+            grad_bias = as_dtype(grad.sum(0, dtype=compute_dtype(grad.dtype)), grad.dtype)
         return grad_feats, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -262,10 +262,10 @@ def sparse_conv3d(
             f"feats must have shape [{kernel_map.n_in}, {weight.shape[3]}] (input sites, in channels), "
             f"got {tuple(feats.shape)}"
         )
-    w = weight.to(feats.dtype).reshape(k**3, weight.shape[3], weight.shape[4])
+    w = as_dtype(weight, feats.dtype).reshape(k**3, weight.shape[3], weight.shape[4])
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.shape[2]):
         raise InsumShapeError(f"bias must have shape [{w.shape[2]}] (out channels), got {tuple(bias.shape)}")
-    b = None if bias is None else bias.to(feats.dtype)
+    b = None if bias is None else as_dtype(bias, feats.dtype)
     return _SparseConv.apply(feats, w, b, kernel_map, form, tile, backend, precision, absent)
 
 
