@@ -567,7 +567,7 @@ class SparseFormat:
         """B's gradient, shaped like `operand(B)`, for the output gradient dC (viewed by
         `output_view`) on the transposed pattern: an SpMM shaped like the forward, with no
         scatter per stored slot."""
-        return scalar_gradient(self.AV.to(dC.dtype), pattern, dC, self.shape[1], backend, precision, owner=self)
+        return scalar_gradient(as_dtype(self.AV, dC.dtype), pattern, dC, self.shape[1], backend, precision, owner=self)
 
 
     def unique_in(self, tensors: Mapping[str, torch.Tensor]) -> frozenset[str]:
