@@ -159,13 +159,16 @@ def _widened(t: torch.Tensor, widening: Widening, values: bool = True) -> torch.
     return t.new_empty(*t.shape[:-1], widening.width)
 
 
-def widened_tensors(widening: Widening, tensors, out: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """`tensors` with the widened inputs copied into rows `widening.width` wide, and a buffer
-    for the output in such rows (uninitialised: `run_widened` fills it)."""
+def widened_tensors(
+    widening: Widening, tensors, out_shape, out_dtype: torch.dtype, device: torch.device, values: bool = True
+) -> tuple[dict, torch.Tensor]:
+    """`tensors` with the widened inputs in rows `widening.width` wide (copied in; without
+    `values`, uninitialised), and an uninitialised buffer for an output of `out_shape` in
+    such rows (`run_widened` fills it)."""
     widened = dict(tensors)
     for name in widening.names:
-        widened[name] = _widened(tensors[name], widening)
-    return widened, out.new_empty(*out.shape[:-1], widening.width)
+        widened[name] = _widened(tensors[name], widening, values)
+    return widened, torch.empty(*out_shape[:-1], widening.width, dtype=out_dtype, device=device)
 
 
 def widened_bound(widening: Widening, bound: Bound, values: bool = True) -> tuple[Bound, torch.Tensor]:
@@ -173,10 +176,7 @@ def widened_bound(widening: Widening, bound: Bound, values: bool = True) -> tupl
     buffer (given as the binding's output; uninitialised). values: the inputs copied in;
     without, uninitialised tensors of their widened layout, for what reads the binding's
     layout only (a prepared launch, `explain`)."""
-    tensors = dict(bound.tensors)
-    for name in widening.names:
-        tensors[name] = _widened(bound.tensors[name], widening, values)
-    buffer = torch.empty(*bound.out_shape[:-1], widening.width, dtype=bound.out_dtype, device=bound.device)
+    tensors, buffer = widened_tensors(widening, bound.tensors, bound.out_shape, bound.out_dtype, bound.device, values)
     tensors[bound.output_name] = buffer
     return bound.with_extent(widening.variable, widening.width, tensors), buffer
 
@@ -210,7 +210,8 @@ class WidenedLaunch:
     def run(self, tensors, out: torch.Tensor, autotune: bool | None = None) -> torch.Tensor:
         """Run on `tensors` (by name, or a `runtime.PinnedCall` of `pin`'s arguments) into `out`."""
         pinned = type(tensors) is self.pinned_call
-        widened, buffer = widened_tensors(self.widening, tensors.varying if pinned else tensors, out)
+        widened, buffer = widened_tensors(self.widening, tensors.varying if pinned else tensors, out.shape, out.dtype,
+                                          out.device)
         if pinned:
             widened[self.out_name] = buffer
             widened = self.pinned_call(tensors.pinned, widened)

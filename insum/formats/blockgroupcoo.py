@@ -303,15 +303,11 @@ class BlockGroupCOO(SparseFormat):
     def padded_shape(self) -> tuple[int, int]:
         """The shape rounded up to whole blocks, which the kernel works on (kept outside
         traced code: a layer's step asks six times)."""
-        tracing = torch.compiler.is_compiling()
-        derived = None if tracing else self.__dict__.setdefault("_derived", {})
-        shape = None if tracing else derived.get("padded_shape")
-        if shape is None:
+        derived = {} if torch.compiler.is_compiling() else self.__dict__.setdefault("_derived", {})
+        if "padded_shape" not in derived:
             (bm, bk), (M, K) = self.block, self.shape
-            shape = (cdiv(M, bm) * bm, cdiv(K, bk) * bk)
-            if not tracing:
-                derived["padded_shape"] = shape
-        return shape
+            derived["padded_shape"] = (cdiv(M, bm) * bm, cdiv(K, bk) * bk)
+        return derived["padded_shape"]
 
     def to_dense(self) -> torch.Tensor:
         (bm, bk), (Mp, Kp) = self.block, self.padded_shape

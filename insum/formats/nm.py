@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arith import cdiv
-from ..dtypes import as_dtype
+from ..dtypes import as_dtype, promoted
 from ..errors import InsumError, InsumShapeError
 from .base import SparseFormat, pad_rows
 from .coords import Coords, check_positive_int, check_values, index_dtype_for
@@ -242,7 +242,7 @@ class NM(SparseFormat):
     def input_gradient(self, pattern, dC, backend, precision) -> torch.Tensor:
         RB, L, U = self.AV.shape
         WT = with_zero_slot(as_dtype(self.AV, dC.dtype).transpose(1, 2).reshape(RB * U, L))
-        DX = torch.zeros(self.shape[1], dC.shape[-1], dtype=torch.promote_types(WT.dtype, dC.dtype), device=dC.device)
+        DX = torch.zeros(self.shape[1], dC.shape[-1], dtype=promoted(WT.dtype, dC.dtype), device=dC.device)
         run_repeated(self, self.input_gradient_expression, {"DX": DX, "WT": WT, "DY": dC, **pattern}, {},
                      _GRADIENT_VARYING, backend=backend, precision=precision)
         return DX
