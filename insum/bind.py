@@ -360,7 +360,8 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
 
 
 def _check_distinct_elements(name: str, output: torch.Tensor) -> None:
-    """An output whose elements share memory (a stride 0 from `expand`) cannot be written."""
+    """An output whose elements share memory (a stride 0 from `expand`, or strides that
+    overlap, from `as_strided`) cannot be written: two of its elements would be one."""
     for dim, (size, stride) in enumerate(zip(output.shape, output.stride())):
         if size > 1 and stride == 0:
             raise InsumShapeError(
@@ -368,3 +369,25 @@ def _check_distinct_elements(name: str, output: torch.Tensor) -> None:
                 "share memory (an expanded tensor?); pass a tensor with its own storage, e.g. "
                 f"{name}.clone()"
             )
+    if _overlaps(output):
+        raise InsumShapeError(
+            f"the output {name} (shape {tuple(output.shape)}, strides {output.stride()}) has elements "
+            f"that share memory; pass a tensor with its own storage, e.g. {name}.clone()"
+        )
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` share an address. Dimensions sorted by stride, each
+    stride beyond the span of the smaller ones proves there are none (every layout torch
+    makes); otherwise the addresses are counted."""
+    span = 0
+    for stride, size in sorted((abs(st), s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride <= span:
+            break
+        span += (size - 1) * stride
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return offsets.unique().numel() < t.numel()

@@ -34,6 +34,7 @@ import torch
 
 from .arith import cdiv, next_power_of_2
 from .bind import Bound, bind
+from .bounds import check_indices
 from .cache import BoundedCache
 from .codegen import (
     KERNEL_NAME,
@@ -280,7 +281,10 @@ class Kernel:
             kernel = self._siblings.get(spec)
             if kernel is None:
                 kernel = self._siblings[spec] = cached_kernel(spec, self.autotune)
-        return kernel.launch(bound, bound.output())
+        out = bound.output()
+        # As `insum()` does: what the extents decide always, index values under INSUM_CHECK_INDICES.
+        check_indices(bound, out, device_check=flag("INSUM_CHECK_INDICES", default=False))
+        return kernel.launch(bound, out)
 
     # -- launching ----------------------------------------------------------------------
     def launch(self, bound: Bound, out: torch.Tensor, *, autotune: bool | None = None) -> torch.Tensor:

@@ -367,6 +367,10 @@ BAD_INPUTS = [
      backend="torch"), InsumShapeError, "the output O has stride 0 in dimension 0"),
     ("stride0_output_auto", lambda: insum.insum("O[i] += A[i, j]", A=torch.ones(3, 2), O=torch.zeros(1).expand(3)),
      InsumShapeError, "the output O has stride 0"),
+    ("overlapping_output", lambda: insum.insum("C[i, j] += A[i, j]", A=torch.ones(3, 2),
+     C=torch.zeros(4).as_strided((3, 2), (1, 1))), InsumShapeError, "has elements that share memory"),
+    ("overlapping_output_torch", lambda: insum.insum("C[i, j] = A[i, j]", A=torch.ones(3, 2),
+     C=torch.zeros(4).as_strided((3, 2), (1, 1)), backend="torch"), InsumShapeError, "share memory"),
     ("meta_tensors", lambda: insum.insum("C[i] += A[I[i]]", A=_meta(3), I=torch.empty(2, dtype=torch.int64, device="meta"),
      backend="torch"), InsumTypeError, "meta device"),
     ("index_out_of_range_torch", lambda: insum.insum("C[i] += A[I[i]]", A=torch.ones(3), I=torch.tensor([0, 3]),
@@ -495,3 +499,49 @@ def test_formats_skip_the_check_and_raw_calls_take_it(monkeypatch):
     insum.insum(fmt.expression, backend="triton", B=torch.randn(5, 3, device=DEVICE),
                 C=torch.zeros(6, 3, device=DEVICE), **fmt.tensors)
     assert sorted(calls) == ["AK", "AM"]
+
+
+# ------------------------------------------------------------- found by fuzzing (session 20)
+
+
+@needs_kernels
+def test_interleaved_output_strides_are_accepted():
+    """Strides that interleave without sharing an element (as_strided (3, 2), (2, 3)) pass
+    the overlap check, which counts addresses when the stride order cannot prove it."""
+    base = torch.full((8,), float("nan"), device=DEVICE)
+    C = base.as_strided((3, 2), (2, 3))
+    A = torch.randn(3, 2, device=DEVICE)
+    insum.insum("C[i, j] = A[i, j]", A=A, C=C)
+    torch.testing.assert_close(C, A)
+    assert torch.isnan(base[[1, 6]]).all()  # the addresses C does not cover stay untouched
+
+
+@needs_kernels
+def test_compiled_kernel_checks_affine_ranges():
+    """A kernel from `insum.compile`, called on other extents, checks what the extents decide
+    as `insum()` does (it read B[4] of a 4-element B before)."""
+    k = insum.compile("C[i] = B[i + 1]", B=torch.randn(4, device=DEVICE), C=torch.zeros(3, device=DEVICE))
+    B = torch.randn(4, device=DEVICE)
+    torch.testing.assert_close(k(B=B, C=torch.zeros(3, device=DEVICE)), B[1:])
+    with pytest.raises(InsumIndexError, match="index 4 out of range for B dimension 0"):
+        k(B=B, C=torch.zeros(4, device=DEVICE))
+
+
+@needs_kernels
+@pytest.mark.parametrize("expr", ["C[i, n] = A[i, n]", "C[m, n] = A[m, k] * X[k, n]", "C[m, n] += A[m, k] * X[k, n]",
+                                  "C[I[m], n] += A[m, k] * X[k, n]"])
+def test_float64_factors_into_bf16(expr):
+    """A float64 accumulator stored into a bf16 output goes through float32 (as torch rounds
+    float64 to bf16); the interpreter's direct conversion wrote the float64 bits as tiny
+    numbers. (The interpreter truncates float32 to bf16: within one bf16 step here.)"""
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(6, 5, dtype=torch.float64, generator=gen).to(DEVICE)
+    X = torch.randn(5, 5, dtype=torch.float64, generator=gen).to(DEVICE)
+    rows = torch.tensor([0, 2, 2, 1, 0, 3], device=DEVICE)
+    tensors = {"A": A, "X": X, "I": rows}
+    tensors = {n: t for n, t in tensors.items() if f"{n}[" in expr}
+    start = torch.randn(4 if "I[" in expr else 6, 5, generator=gen).to(DEVICE)
+    C = start.to(torch.bfloat16)
+    expected = insum.insum(expr, backend="torch", C=C.double(), **tensors)
+    insum.insum(expr, backend="triton", C=C, **tensors)
+    torch.testing.assert_close(C.double(), expected, rtol=2e-2, atol=2e-2)

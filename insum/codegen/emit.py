@@ -547,21 +547,24 @@ def emit(plan: Plan) -> Source:
     mask_arg = f", mask={mask}" if mask else ""
     value = broadcast(Value("acc", acc_axes, 0), out_axes) if out_axes != acc_axes else "acc"
     out_ty = f"{em.ptr[stmt.output.name]}.dtype.element_ty"
+    # float64 into bf16 through float32, as torch rounds it (the interpreter's direct
+    # conversion reads the float64 bits as an integer).
+    via = ".to(tl.float32)" if plan.acc_dtype == "fp64" and plan.spec.dtype(stmt.output.name) == "bf16" else ""
     if plan.output == "segment":
         mask_arg, owned = _segment_lines(em, acc_axes, mask)
         if owned is not None:
             # `=`: a segment inside the tile is its row's only writer (the output was zeroed).
-            em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg} & {owned})")
+            em.put(0, f"tl.store(out_ptrs, acc{via}.to({out_ty}){mask_arg} & {owned})")
             mask_arg = f"{mask_arg} & ~{owned}"
     if plan.output in ("atomic", "segment"):
         # Into a float32 buffer, or the output's own dtype where the GPU has such atomics.
-        cast = f"({value}).to({out_ty})" if value != "acc" else f"acc.to({out_ty})"
+        cast = f"({value}){via}.to({out_ty})" if value != "acc" else f"acc{via}.to({out_ty})"
         em.put(0, f"tl.atomic_add(out_ptrs, {cast}{mask_arg}, sem=\"relaxed\")")
     elif stmt.accumulate:
         em.put(0, f"acc += tl.load(out_ptrs{mask_arg}).to({acc_tl})")
-        em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg})")
+        em.put(0, f"tl.store(out_ptrs, acc{via}.to({out_ty}){mask_arg})")
     else:
-        em.put(0, f"tl.store(out_ptrs, acc.to({out_ty}){mask_arg})")
+        em.put(0, f"tl.store(out_ptrs, acc{via}.to({out_ty}){mask_arg})")
 
     # Assemble: body first (which pointers it reads), then signature and docstring.
     tile = _launch_grid_lines(em)

@@ -1,0 +1,199 @@
+"""Random products on the GPU in what the CPU interpreter cannot run (bf16, fp16 atomics,
+tensor descriptors, tuned tiles), against float64:
+
+    python -m benchmarks.explore.gpu_fuzz [--budget 240] [--seed 0] [--out DIR]
+
+Why: the unit tests pin their shapes, and CI's interpreter has no bf16, no fp16 atomics and
+no descriptors. Each case draws a format (and its parameters), a dtype, an index dtype, a
+shape (odd sizes, one row, empty rows, not whole blocks) and a B (contiguous, transposed or a
+strided slice), packs a random sparse matrix, and checks `fmt @ B` against the float64
+product of the matrix it holds (relative error <= 1e-5 fp32 / 1e-2 fp16, bf16) with the
+output poisoned first where one is passed. A few cases run a `SparseLinear` step instead
+(forward and gradients of x, weights and bias against float64 autograd of the dense layer).
+Tuning is on for every fourth case, off (the default tile) otherwise, to cover both.
+A failing case prints everything needed to rerun it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+import traceback
+
+import torch
+
+from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, auto
+from insum.nn import SparseLinear
+
+#: --smoke: the CPU interpreter (fp32 only, small sizes).
+SMOKE = False
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def random_matrix(rng: random.Random, M: int, K: int, dtype, device) -> torch.Tensor:
+    """A random sparse matrix: uniform, with empty rows, one dense row, or blocks."""
+    kind = rng.choice(["uniform", "empty-rows", "hub", "blocks", "zero"] if M * K else ["uniform"])
+    gen = torch.Generator(device=device).manual_seed(rng.randrange(1 << 30))
+    A = torch.randn(M, K, device=device, generator=gen)
+    if kind == "zero":
+        return torch.zeros(M, K, device=device, dtype=dtype)
+    density = rng.choice([0.01, 0.05, 0.2, 0.5, 1.0])
+    keep = torch.rand(M, K, device=device, generator=gen) < density
+    if kind == "empty-rows":
+        keep &= torch.rand(M, 1, device=device, generator=gen) < 0.5
+    elif kind == "hub":
+        keep[rng.randrange(M)] = True
+    elif kind == "blocks":
+        b = rng.choice([16, 32, 64])
+        rows, cols = -(-M // b), -(-K // b)
+        blocks = torch.rand(rows, cols, device=device, generator=gen) < density
+        keep = blocks.repeat_interleave(b, 0).repeat_interleave(b, 1)[:M, :K]
+    return (A * keep).to(dtype)
+
+
+def draw_format(rng: random.Random, A: torch.Tensor, index_dtype):
+    """(label, packed format) for a random format and parameters."""
+    name = rng.choice(["COO", "GroupCOO", "ELL", "CELL", "BlockGroupCOO", "Block-ELL", "coarsened", "NM", "auto"])
+    idx = {"index_dtype": index_dtype}
+    if name == "COO":
+        return name, COO.from_dense(A, **idx)
+    if name == "GroupCOO":
+        g = rng.choice([1, 2, 4, 8, 16, 32])
+        return f"GroupCOO g={g}", GroupCOO.from_dense(A, group_size=g, **idx)
+    if name == "ELL":
+        return name, ELL.from_dense(A, **idx)
+    if name == "CELL":
+        p = min(rng.choice([1, 2, 4]), max(A.shape[1], 1))  # (at most one partition per column)
+        return f"CELL p={p}", CELL.from_dense(A, partitions=p, **idx)
+    b = rng.choice([16, 32, 64])
+    if name == "BlockGroupCOO":
+        return f"BlockGroupCOO {b}", BlockGroupCOO.from_dense(A, block=(b, b), **idx)
+    if name == "Block-ELL":
+        return f"Block-ELL {b}", BlockGroupCOO.from_dense(A, block=(b, b), group_size="row", **idx)
+    if name == "coarsened":
+        r = rng.choice([2, 4])
+        return f"Block-ELL {b} coarsen={r}", BlockGroupCOO.from_dense(A, block=(b, b), group_size="row", coarsen=r, **idx)
+    if name == "NM":
+        n, m = rng.choice([(2, 4), (1, 8), (2, 8), (3, 8)])
+        L = rng.choice([16, 32, 128])
+        return f"NM {n}:{m} L={L}", NM.from_dense(A, n=n, m=m, vector_len=L, **idx)
+    return "auto", auto(A, n_cols=64, measure=False, index_dtype=index_dtype)
+
+
+def draw_operand(rng: random.Random, K: int, N: int, dtype, device) -> tuple[str, torch.Tensor]:
+    layout = rng.choice(["contiguous", "transposed", "strided"])
+    if layout == "contiguous":
+        return layout, torch.randn(K, N, device=device).to(dtype)
+    if layout == "transposed":
+        return layout, torch.randn(N, K, device=device).to(dtype).t()
+    return layout, torch.randn(K, 2 * N, device=device).to(dtype)[:, ::2]
+
+
+def product_case(rng: random.Random, device) -> dict:
+    dtype = rng.choice([torch.float32] if SMOKE else [torch.float32, torch.float16, torch.bfloat16])
+    index_dtype = rng.choice([torch.int32, torch.int64])
+    M = rng.choice([1, 7, 64, 100] if SMOKE else [1, 7, 64, 100, 257, 1000, 2048, 3001])
+    K = rng.choice([1, 5, 64, 96] if SMOKE else [1, 5, 64, 96, 130, 1024, 2500])
+    N = rng.choice([1, 7, 33] if SMOKE else [1, 7, 33, 64, 128, 257, 1001])
+    A = random_matrix(rng, M, K, dtype, device)
+    label, fmt = draw_format(rng, A, index_dtype)
+    held = fmt.to_dense()
+    layout, B = draw_operand(rng, K, N, dtype, device)
+    case = dict(kind="product", format=label, dtype=str(dtype), index_dtype=str(index_dtype), M=M, K=K, N=N, B=layout)
+    got = fmt @ B
+    want = held.double() @ B.double()
+    case["err"] = relative_error(got, want) if want.numel() and want.norm() > 0 else float(got.abs().max() if got.numel() else 0)
+    case["shape_ok"] = tuple(got.shape) == (M, N)
+    case["ok"] = case["shape_ok"] and case["err"] <= TOL[dtype]
+    return case
+
+
+def layer_case(rng: random.Random, device) -> dict:
+    dtype = rng.choice([torch.float32] if SMOKE else [torch.float32, torch.float16, torch.bfloat16])
+    fin, fout, batch = rng.choice([64, 96, 256, 300]), rng.choice([32, 64, 200, 256]), rng.choice([1, 16, 100])
+    fmt, params = rng.choice([
+        ("BlockGroupCOO", dict(sparsity=0.75, block=(32, 32), group_size="row")),
+        ("BlockGroupCOO", dict(sparsity=0.5, block=(16, 16))),
+        ("GroupCOO", dict(sparsity=0.9)),
+        ("NM", dict(n=2, m=4, vector_len=32)),
+    ])
+    dense = torch.nn.Linear(fin, fout, device=device)
+    layer = SparseLinear.from_linear(dense, fmt, **params).to(dtype)
+    W = layer.weight.to_dense().double().detach().requires_grad_()
+    bias = layer.bias.double().detach().requires_grad_()
+    x = torch.randn(batch, fin, device=device).to(dtype).requires_grad_()
+    gy = torch.randn(batch, fout, device=device).to(dtype)
+    case = dict(kind="layer", format=f"{fmt} {params}", dtype=str(dtype), fin=fin, fout=fout, batch=batch)
+    for step in range(2):  # the second step runs the kept, pinned path
+        for p in layer.parameters():
+            p.grad = None
+        x.grad = None
+        y = layer(x)
+        y.backward(gy)
+        x64 = x.detach().double().requires_grad_()
+        W.grad = bias.grad = None
+        y64 = x64 @ W.t() + bias
+        y64.backward(gy.double())
+        errs = {"y": relative_error(y, y64), "dx": relative_error(x.grad, x64.grad),
+                "dbias": relative_error(layer.bias.grad, bias.grad)}
+        # The weight's gradient, on the stored entries (the format's own dense view of its values' gradient).
+        grads = {n: p.grad for n, p in layer.named_parameters() if n != "bias" and p.grad is not None}
+        errs["values_have_grad"] = float(len(grads) > 0)
+        case[f"step{step}"] = errs
+    tol = TOL[dtype] * 3
+    case["ok"] = all(v <= tol for s in ("step0", "step1") for k, v in case[s].items() if k != "values_have_grad") \
+        and all(case[s]["values_have_grad"] for s in ("step0", "step1"))
+    return case
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", type=float, default=240.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--smoke", action="store_true", help="the CPU interpreter, fp32 and small sizes: the plumbing")
+    args = parser.parse_args()
+    global SMOKE
+    SMOKE = args.smoke
+    device = torch.device("cpu" if args.smoke else "cuda")
+    say(f"{torch.cuda.get_device_name() if not args.smoke else 'cpu'} torch {torch.__version__}")
+    rng = random.Random(args.seed)
+    deadline = time.time() + args.budget
+    rows, failures, i = [], 0, 0
+    while time.time() < deadline:
+        seed = rng.randrange(1 << 30)
+        case_rng = random.Random(seed)
+        os.environ["INSUM_AUTOTUNE"] = "1" if i % 4 == 0 else "0"
+        try:
+            case = (layer_case if i % 5 == 4 else product_case)(case_rng, device)
+        except Exception as e:  # a crash is a finding too: reported with its seed
+            case = dict(kind="crash", error=f"{type(e).__name__}: {str(e)[:300]}", trace=traceback.format_exc()[-1500:],
+                        ok=False)
+        case.update(seed=seed, index=i, autotune=os.environ["INSUM_AUTOTUNE"])
+        rows.append(case)
+        if not case["ok"]:
+            failures += 1
+            say(f"FAIL {json.dumps(case, default=str)}")
+        i += 1
+    say(f"{i} cases, {failures} failed")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_fuzz.json"), "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
