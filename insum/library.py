@@ -43,7 +43,7 @@ from .autograd import Derivation, derive
 from .bind import PLAIN_TENSORS, bind
 from .dtypes import HALF_DTYPES, as_dtype, compute_dtype
 from .execute import prepared, run_and_prepare
-from .ir import Statement
+from .ir import Access, Statement, Var
 from .parser import parse
 
 __all__ = ["call", "insum_", "insum_functional"]
@@ -208,8 +208,10 @@ def _gradients(ctx, grad: torch.Tensor, wanted: Sequence[bool]) -> tuple[torch.T
     derivation = derive(ctx.expr)
     saved = ctx.saved_tensors
     tensors = dict(zip(ctx.names, saved))
+    lengths = {name[len(LENGTHS):]: t for name, t in tensors.items() if name.startswith(LENGTHS)}
     grads = [
-        _gradient(derivation, name, tensor, tensors, grad, ctx.options)
+        _past_lengths_zeroed(derivation.stmt, name, _gradient(derivation, name, tensor, tensors, grad, ctx.options),
+                             lengths)
         if want and name in derivation.gradients else None
         for name, tensor, want in zip(ctx.names, saved, wanted)
     ]
@@ -217,6 +219,34 @@ def _gradients(ctx, grad: torch.Tensor, wanted: Sequence[bool]) -> tuple[torch.T
     if ctx.init_dtype is not None and ctx.needs_input_grad[1] and derivation.passthrough:
         grad_init = grad.to(ctx.init_dtype)
     return grad_init, grads
+
+
+def _past_lengths_zeroed(stmt: Statement, name: str, grad: torch.Tensor, lengths: Mapping[str, torch.Tensor]):
+    """`grad` with the entries a declared length skips set to zero: the gradient statements
+    run without the lengths (the padding past them holds zeros, so their sums are the
+    same), but a factor indexed by the length's own variables, AV[p, q] under q < AL[p], has
+    a gradient at every q, and one past AL[p] would make the padding that the forward skips
+    nonzero after an update."""
+    accesses = [f for f in stmt.factors if isinstance(f, Access) and f.name == name]
+    if not lengths or len(accesses) != 1:
+        return grad
+    dims = {index.terms[0].atom.name: d for d, index in enumerate(accesses[0].indices)
+            if not index.const and len(index.terms) == 1 and index.terms[0].coef == 1
+            and isinstance(index.terms[0].atom, Var)}
+    for key, length in lengths.items():
+        var, _, rest = key.partition("[")
+        over = [v.strip() for v in rest.rstrip("] ").split(",")]
+        var = var.strip()
+        if var not in dims or any(v not in dims for v in over):
+            continue
+        at = [dims[v] for v in over] + [dims[var]]
+        past = torch.arange(grad.shape[dims[var]], device=grad.device) >= length.unsqueeze(-1)
+        past = past.permute(sorted(range(len(at)), key=at.__getitem__))  # into the gradient's dimension order
+        shape = [1] * grad.dim()
+        for size, d in zip(past.shape, sorted(at)):
+            shape[d] = size
+        grad = grad.masked_fill(past.reshape(shape), 0)
+    return grad
 
 
 def _backward(ctx, grad: torch.Tensor):

@@ -545,3 +545,60 @@ def test_float64_factors_into_bf16(expr):
     expected = insum.insum(expr, backend="torch", C=C.double(), **tensors)
     insum.insum(expr, backend="triton", C=C, **tensors)
     torch.testing.assert_close(C.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_padding_past_declared_lengths_gets_no_gradient(backend):
+    """Block-ELL's `fmt.spmm` differentiated through the format: the padding slots past AL,
+    which the forward skips, had gradients (the derived statements run without the lengths),
+    so an update made them nonzero and `to_dense()` disagreed with the product."""
+    torch.manual_seed(0)
+    A = torch.zeros(32, 16, device=DEVICE)
+    A[16:] = torch.randn(16, 16, device=DEVICE)  # block row 0 empty: its one slot is padding
+    fmt = BlockGroupCOO.from_dense(A, group_size="row")
+    fmt.AV.requires_grad_()
+    B = torch.randn(16, 3, device=DEVICE)
+    y = fmt.spmm(B, backend=backend)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert fmt.AV.grad[0].abs().max() == 0
+    torch.testing.assert_close(fmt.AV.grad[1, 0], dy[16:] @ B.t())
+    with torch.no_grad():
+        fmt.AV.sub_(0.1 * fmt.AV.grad)
+    torch.testing.assert_close(fmt.spmm(B, backend=backend), fmt.to_dense() @ B)
+
+
+@needs_kernels
+def test_declared_lengths_zero_the_gradient_in_the_factors_own_order():
+    """The length `q[p]` masks a factor indexed [q, p] (its dimensions in the other order)."""
+    gen = torch.Generator().manual_seed(1)
+    AV = torch.randn(3, 4, generator=gen).to(DEVICE).requires_grad_()  # AV[q, p]
+    AK = torch.randint(0, 5, (3, 4), generator=gen).to(DEVICE)
+    B = torch.randn(5, 2, generator=gen).to(DEVICE)
+    AL = torch.tensor([3, 0, 1, 2], device=DEVICE)
+    C = insum.insum("C[p, n] += AV[q, p] * B[AK[q, p], n]", AV=AV, AK=AK, B=B, C=torch.zeros(4, 2, device=DEVICE),
+                    lengths={"q[p]": AL})
+    dC = torch.randn(4, 2, generator=gen).to(DEVICE)
+    C.backward(dC)
+    past = torch.arange(3, device=DEVICE)[:, None] >= AL[None, :]
+    assert (AV.grad[past] == 0).all()
+    expected = (dC[None, :, :] * B[AK]).sum(-1)
+    torch.testing.assert_close(AV.grad[~past], expected[~past])
+
+
+@needs_kernels
+def test_layer_with_an_empty_cell_weight():
+    """A CELL with no nonzeros packs no tensors: the layer read its dtype and device from
+    them (a bare StopIteration); they are kept with the format's description now."""
+    from insum.nn import SparseLinear
+
+    layer = SparseLinear(21, 19, format="CELL", sparsity=1.0).to(DEVICE)
+    x = torch.randn(5, 21, device=DEVICE, requires_grad=True)
+    y = layer(x)
+    torch.testing.assert_close(y, layer.bias.expand(5, 19))
+    y.sum().backward()
+    assert x.grad.abs().max() == 0
+    assert layer.double()(x.double()).dtype == torch.float64
+    bare = SparseLinear.from_dense(torch.zeros(4, 3, device=DEVICE), None, "CELL")
+    assert (bare(torch.randn(2, 3, device=DEVICE)) == 0).all()

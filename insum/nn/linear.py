@@ -323,6 +323,11 @@ class SparseLinear(nn.Module):
         try:
             return super()._apply(fn, recurse)
         finally:
+            meta = getattr(self, "_format_meta", None)
+            if meta is not None and not self._tensor_names:  # (no tensor carries the dtype and device)
+                probe = fn(torch.empty(0, dtype=meta.get("dtype", torch.get_default_dtype()),
+                                       device=meta.get("device", "cpu")))
+                meta.update(dtype=probe.dtype, device=probe.device)
             for name in self._format_cls.aligned_tensors if hasattr(self, "_format_cls") else ():
                 tensor = getattr(self, name)
                 aligned = aligned_rows(tensor.data)
@@ -481,7 +486,9 @@ class SparseLinear(nn.Module):
                 self.register_buffer(name, tensor)
         self._tensor_names = tuple(n for n in state["tensors"] if prefix + n in state_dict)
         self._format_cls = cls
+        old_meta = getattr(self, "_format_meta", {})
         self._format_meta = {
+            **{k: old_meta[k] for k in ("dtype", "device") if k in old_meta},
             "nnz": int(state["nnz"]),
             "index_dtype": _DTYPES[state["index_dtype"]],
             "params": dict(state["params"]),

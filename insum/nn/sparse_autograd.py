@@ -217,20 +217,22 @@ def _value_gradients(
 
 def format_meta(fmt: SparseFormat) -> dict[str, Any]:
     """What rebuilds a format object around new tensors (see `rebuild_format`)."""
-    return {"nnz": fmt.nnz, "index_dtype": fmt.index_dtype, "params": dict(fmt.params), "expression": fmt.expression}
+    return {"nnz": fmt.nnz, "index_dtype": fmt.index_dtype, "params": dict(fmt.params), "expression": fmt.expression,
+            "dtype": fmt.dtype, "device": fmt.device}
 
 
 def rebuild_format(fmt_cls, shape, meta, tensors) -> SparseFormat:
-    """A format object over `tensors` (dtype and device from its values)."""
+    """A format object over `tensors` (dtype and device from its values; from `meta` where
+    the format packs no tensors, as an all-zero CELL)."""
     values = [t for n, t in tensors.items() if fmt_cls._is_value(fmt_cls, n)]
-    anchor = values[0] if values else next(iter(tensors.values()))
+    anchor = values[0] if values else next(iter(tensors.values()), None)
     fmt = fmt_cls(
         shape,
         tensors,
         nnz=meta["nnz"],
-        dtype=anchor.dtype,
+        dtype=anchor.dtype if anchor is not None else meta.get("dtype", torch.get_default_dtype()),
         index_dtype=meta["index_dtype"],
-        device=anchor.device,
+        device=anchor.device if anchor is not None else meta.get("device", torch.device("cpu")),
         params=meta["params"],
     )
     if meta["expression"] != fmt_cls.expression:  # a variant's statement (Block-ELL rows)
