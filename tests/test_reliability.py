@@ -563,10 +563,11 @@ def test_padding_past_declared_lengths_gets_no_gradient(backend):
     dy = torch.randn_like(y)
     y.backward(dy)
     assert fmt.AV.grad[0].abs().max() == 0
-    torch.testing.assert_close(fmt.AV.grad[1, 0], dy[16:] @ B.t())
+    tf32 = dict(rtol=1e-2, atol=1e-2)  # (fp32 products run in tf32 by default on a GPU)
+    torch.testing.assert_close(fmt.AV.grad[1, 0], dy[16:] @ B.t(), **tf32)
     with torch.no_grad():
         fmt.AV.sub_(0.1 * fmt.AV.grad)
-    torch.testing.assert_close(fmt.spmm(B, backend=backend), fmt.to_dense() @ B)
+    torch.testing.assert_close(fmt.spmm(B, backend=backend), fmt.to_dense() @ B, **tf32)
 
 
 @needs_kernels
@@ -584,7 +585,7 @@ def test_declared_lengths_zero_the_gradient_in_the_factors_own_order():
     past = torch.arange(3, device=DEVICE)[:, None] >= AL[None, :]
     assert (AV.grad[past] == 0).all()
     expected = (dC[None, :, :] * B[AK]).sum(-1)
-    torch.testing.assert_close(AV.grad[~past], expected[~past])
+    torch.testing.assert_close(AV.grad[~past], expected[~past], rtol=1e-2, atol=1e-2)
 
 
 @needs_kernels

@@ -7,7 +7,7 @@ Why: the unit tests pin their shapes, and CI's interpreter has no bf16, no fp16 
 no descriptors. Each case draws a format (and its parameters), a dtype, an index dtype, a
 shape (odd sizes, one row, empty rows, not whole blocks) and a B (contiguous, transposed or a
 strided slice), packs a random sparse matrix, and checks `fmt @ B` against the float64
-product of the matrix it holds (relative error <= 1e-5 fp32 / 1e-2 fp16, bf16) with the
+product of the matrix it holds (relative error <= 2e-3 fp32, which runs in tf32 / 1e-2 fp16, 2e-2 bf16) with the
 output poisoned first where one is passed. A few cases run a `SparseLinear` step instead
 (forward and gradients of x, weights and bias against float64 autograd of the dense layer).
 Tuning is on for every fourth case, off (the default tile) otherwise, to cover both.
@@ -30,7 +30,8 @@ from insum.nn import SparseLinear
 
 #: --smoke: the CPU interpreter (fp32 only, small sizes).
 SMOKE = False
-TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 2e-3,  # (tf32: the default precision of fp32 products on a GPU)
+        torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
 def say(line: str) -> None:
