@@ -19,7 +19,8 @@ unique_indices, lists of names):
 `insum()`'s declared `lengths` travel among the tensors, each under its key prefixed
 `lengths:` (`"lengths:q[p]"`: AL), so that a compiled call's kernel stops at them too;
 the key is static, the tensor an input like any other. The fake implementations ignore
-them, and so do the gradient statements (padding holds zeros: the same sums).
+them, and so do the gradient statements (padding holds zeros: the same sums); a factor
+indexed by a length's own variables gets a zero gradient past it (`_past_lengths_zeroed`).
 
 `insum()` goes through them only when it must: while torch.compile traces, or when a
 tensor requires grad. An eager call without gradients goes to the executor directly
