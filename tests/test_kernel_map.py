@@ -152,11 +152,16 @@ def test_the_hash_table_is_exact_when_fingerprints_collide(monkeypatch):
 @pytest.mark.parametrize("lookup", ["hash", "torch"])
 def test_out_of_range_sites_are_refused_on_every_path(monkeypatch, lookup):
     sites = random_sites(30, 5)
-    for bad in ([0, 32767, 0, 0], [0, 0, -32767, 0], [-1, 0, 0, 0]):  # no room for the taps; negative batch
+    # no room for the taps; a negative batch; batches past the key's top field (65536 aliased batch 0)
+    for bad in ([0, 32767, 0, 0], [0, 0, -32767, 0], [-1, 0, 0, 0], [32768, 0, 0, 0], [65536, 0, 0, 0]):
         with pytest.raises(InsumError, match="coords"):
             kernel_build(monkeypatch, lookup, torch.cat([sites, torch.tensor([bad])]).to(DEVICE))
     with pytest.raises(InsumError, match="out_coords"):  # 40000 at stride 2
         kernel_build(monkeypatch, lookup, sites.to(DEVICE), 3, 2, 1, "strided", torch.tensor([[0, 20000, 0, 0]], device=DEVICE))
+    with pytest.raises(InsumError, match="out_coords"):
+        kernel_build(monkeypatch, lookup, sites.to(DEVICE), 3, 2, 1, "strided", torch.tensor([[65536, 0, 0, 0]], device=DEVICE))
+    top = torch.cat([sites, torch.tensor([[kernel_map.MAX_BATCH, 0, 0, 0]])]).to(DEVICE)
+    kernel_build(monkeypatch, lookup, top)  # the greatest batch index is taken
 
 
 @pytest.mark.parametrize("k,d", [(3, 1), (3, 2), (5, 1)])

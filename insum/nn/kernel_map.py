@@ -65,6 +65,7 @@ __all__ = [
 
 _BITS = 16  # bits per spatial axis in a key; the batch index takes the top bits
 _BIAS = 1 << (_BITS - 1)
+MAX_BATCH = (1 << (63 - 3 * _BITS)) - 1  # the greatest batch index the key's top field holds
 _MODES = ("subm", "strided", "transposed")
 
 
@@ -102,20 +103,23 @@ def _decode(keys: torch.Tensor) -> torch.Tensor:
 
 
 def _range_stats(coords: torch.Tensor) -> list[torch.Tensor]:
-    """Device scalars (least axis value, greatest axis value, least batch index) of
-    non-empty [N, 4] coordinates, for `_check_stats` once they are on the host."""
+    """Device scalars (least axis value, greatest axis value, the batch index's least room:
+    min(batch, MAX_BATCH - batch), negative where one is out of range) of non-empty [N, 4]
+    coordinates, for `_check_stats` once they are on the host."""
     lo, hi = torch.aminmax(coords[:, 1:])
-    return [lo.view(1), hi.view(1), coords[:, 0].min().view(1)]
+    batch_lo, batch_hi = torch.aminmax(coords[:, 0])
+    return [lo.view(1), hi.view(1), torch.minimum(batch_lo, MAX_BATCH - batch_hi).view(1)]
 
 
 def _check_stats(stats: list[int], scale: int, reach: int, name: str) -> None:
-    """Raise unless (lo, hi, batch) from `_range_stats`, axes times `scale`, leave `reach`
-    of room on both sides of the key's 16-bit axes."""
+    """Raise unless (lo, hi, batch room) from `_range_stats`, axes times `scale`, leave
+    `reach` of room on both sides of the key's 16-bit axes, and the batch indices lie in
+    [0, MAX_BATCH] (the key's top field: a larger one would alias another batch)."""
     lo, hi, batch = stats
     if lo * scale - reach < -_BIAS or hi * scale + reach >= _BIAS or batch < 0:
         raise InsumError(
-            f"{name}: coordinates must lie in [{-_BIAS + reach}, {_BIAS - reach}) with a non-negative batch "
-            f"index for this kernel, got [{lo * scale}, {hi * scale}]"
+            f"{name}: coordinates must lie in [{-_BIAS + reach}, {_BIAS - reach}) and batch indices in "
+            f"[0, {MAX_BATCH}] for this kernel, got axes in [{lo * scale}, {hi * scale}]"
         )
 
 
@@ -569,8 +573,8 @@ def _slot_bits(n_in: int) -> int:
 @functools.cache
 def _stats_template(volume: int, device: torch.device) -> torch.Tensor:
     """The starting value of `_lookup_hashed`'s result buffer: for the input and the output
-    sites (least axis value, greatest axis value negated, least batch index: three least
-    values), then room for the pairs per offset. Cloned per build (one copy; a tensor built
+    sites (least axis value, greatest axis value negated, the batch index's least room:
+    three least values), then room for the pairs per offset. Cloned per build (one copy; a tensor built
     from a list is an upload, a sync)."""
     far = [_INT64_MAX, _INT64_MAX, _INT64_MAX]
     return torch.tensor(far + far + [0] * volume, dtype=torch.int64, device=device)
@@ -720,7 +724,7 @@ def _hash_kernels():
         hi = tl.maximum(tl.maximum(x, y), z)
         tl.store(ranges_ptr + pid * 3, tl.min(tl.where(mask, lo, 1 << 62), axis=0))
         tl.store(ranges_ptr + pid * 3 + 1, tl.min(tl.where(mask, -hi, 1 << 62), axis=0))
-        tl.store(ranges_ptr + pid * 3 + 2, tl.min(tl.where(mask, batch, 1 << 62), axis=0))
+        tl.store(ranges_ptr + pid * 3 + 2, tl.min(tl.where(mask, tl.minimum(batch, 32767 - batch), 1 << 62), axis=0))
 
     @triton.jit
     def insum_kernel_map_hash_probe(
@@ -806,7 +810,8 @@ def _hash_kernels():
             hi = tl.maximum(tl.maximum(x, y), z)
             tl.store(ranges_ptr + pid_m * 3, tl.min(tl.where(mask_m, lo, 1 << 62), axis=0))
             tl.store(ranges_ptr + pid_m * 3 + 1, tl.min(tl.where(mask_m, -hi, 1 << 62), axis=0))
-            tl.store(ranges_ptr + pid_m * 3 + 2, tl.min(tl.where(mask_m, batch, 1 << 62), axis=0))
+            tl.store(ranges_ptr + pid_m * 3 + 2, tl.min(tl.where(mask_m, tl.minimum(batch, 32767 - batch), 1 << 62),
+                                                        axis=0))
 
     return insum_kernel_map_hash_insert, insum_kernel_map_hash_probe
 
