@@ -603,3 +603,63 @@ def test_layer_with_an_empty_cell_weight():
     assert layer.double()(x.double()).dtype == torch.float64
     bare = SparseLinear.from_dense(torch.zeros(4, 3, device=DEVICE), None, "CELL")
     assert (bare(torch.randn(2, 3, device=DEVICE)) == 0).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["COO", "GroupCOO", "ELL", "BlockGroupCOO"])
+def test_empty_format_products_stay_in_the_graph(name):
+    """A product over no entries was a fresh zeros tensor cut off from B's and the values'
+    graphs: a loss on it alone could not backward, and B.grad stayed None."""
+    from insum import formats
+
+    fmt = getattr(formats, name).from_dense(torch.zeros(32, 16, device=DEVICE))
+    for t in fmt.tensors.values():
+        if t.is_floating_point():
+            t.requires_grad_()
+    B = torch.randn(16, 3, device=DEVICE, requires_grad=True)
+    y = fmt.spmm(B, backend="triton")
+    assert y.requires_grad and (y == 0).all()
+    y.sum().backward()
+    assert (B.grad == 0).all()
+    assert all((t.grad == 0).all() for t in fmt.tensors.values() if t.is_floating_point())
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["ELL", "NM"])
+def test_layer_with_an_all_zero_weight_trains_no_padding(name):
+    """An all-zero weight's product reads nothing; its padding slots (ELL's, N:M's) got the
+    gradient of a product that read them, and an update made the layer's `to_dense()`
+    disagree with its forward."""
+    from insum.nn import SparseLinear
+
+    layer = SparseLinear.from_dense(torch.zeros(4, 8, device=DEVICE), None, name, backend="triton")
+    x = torch.randn(2, 8, device=DEVICE, requires_grad=True)
+    layer(x).sum().backward()
+    for p in layer.parameters():
+        assert (p.grad == 0).all()
+    assert (x.grad == 0).all()
+
+
+@needs_kernels
+def test_convolution_gradient_over_repeated_sites_raises():
+    """Repeated sites all read the first copy's row (the forward, as documented); the input
+    gradient's transpose cannot hold several outputs per (input, offset) and gave wrong
+    gradients ([1, 1] where [101, 0] was right): it raises now."""
+    from insum.nn import SparseConv3d
+
+    for form in ("tiles", "pairs"):
+        conv = SparseConv3d(1, 1, kernel_size=1, form=form, backend="triton", precision="ieee").to(DEVICE)
+        with torch.no_grad():
+            conv.weight.fill_(1.0)
+        x = torch.tensor([[1.0], [10.0]], device=DEVICE, requires_grad=True)
+        out, _ = conv(x, torch.tensor([[0, 0, 0], [0, 0, 0]], device=DEVICE))
+        assert out.flatten().tolist() == [1.0, 1.0]
+        with pytest.raises(InsumError, match="the sites repeat"):
+            out.backward(torch.tensor([[1.0], [100.0]], device=DEVICE))
+
+
+def test_convolution_sizes_must_be_positive():
+    from insum.nn import SparseConv3d
+
+    with pytest.raises(InsumError, match="kernel_size must be a positive integer, got 0"):
+        SparseConv3d(5, 4, kernel_size=0)

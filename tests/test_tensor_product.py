@@ -768,3 +768,16 @@ def test_second_derivatives_of_the_gather_path_equal_e3nn(case):
 
     for got, want in zip(second(layer, w), second(ref, w)):
         _close(got, want, 1e-9)
+
+
+def test_from_e3nn_keeps_a_float64_modules_weights():
+    """A float64 e3nn module's weights were copied into a float32 weight (rounded: 5e-8
+    relative off e3nn where float64 gives 1e-16)."""
+    torch.manual_seed(4)
+    ref = o3.FullyConnectedTensorProduct("2x0e+1x1o", "1x0e+1x1o", "2x0e+1x1o").double()
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn_like(ref.weight))
+    layer = TensorProduct.from_e3nn(ref, backend="torch")
+    assert layer.weight.dtype == torch.float64
+    x1, x2 = torch.randn(5, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    torch.testing.assert_close(layer(x1, x2), ref(x1, x2), rtol=1e-12, atol=1e-12)

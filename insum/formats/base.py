@@ -579,6 +579,20 @@ _PLANS_PER_FORMAT = 16  # B signatures remembered per format object
 _VARYING = frozenset({"B", "C"})  # the tensors of a format's calls that change from call to call
 
 
+class _EmptyProduct(torch.autograd.Function):
+    """An empty format's product: zeros that still belong to B's and the values' graphs
+    (zero gradients), as a product over no entries would (a loss on it alone can backward)."""
+
+    @staticmethod
+    def forward(ctx, shape, dtype, B, *values):
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (B, *values)]
+        return torch.zeros(shape, dtype=dtype, device=B.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like))
+
+
 class _SpmmPlan:
     """A format's SpMM decided for one kind of B (dtype, shape, strides, device, options) and
     of bias: the output dtype and buffer, the statements with their tensors and facts. Checks
@@ -675,7 +689,11 @@ class _SpmmPlan:
         if self.vector:
             B = B.unsqueeze(1)
         if self.empty:
-            C = torch.zeros(self.M, self.N, dtype=self.dtype, device=B.device)
+            values = [t for t in fmt._tensors.values() if t.is_floating_point()]
+            if torch.is_grad_enabled() and (B.requires_grad or any(t.requires_grad for t in values)):
+                C = _EmptyProduct.apply((self.M, self.N), self.dtype, B, *values)
+            else:
+                C = torch.zeros(self.M, self.N, dtype=self.dtype, device=B.device)
             return self._finish(fmt, C, bias, viewed=True)
         C, calls = self._calls(fmt, B, bias)
         self._run(calls)

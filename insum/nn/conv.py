@@ -297,6 +297,10 @@ class SparseConv3d(nn.Module):
         cache: KernelMapCache | None = None,
     ) -> None:
         super().__init__()
+        for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("kernel_size", kernel_size),
+                            ("stride", stride), ("dilation", dilation)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InsumError(f"SparseConv3d: {name} must be a positive integer, got {value!r}")
         if subm and transposed:
             raise InsumError("SparseConv3d: a transposed convolution cannot be submanifold; pass subm=False")
         if subm and stride != 1:

@@ -7,7 +7,9 @@ coordinates' device without a Python loop over points: coordinates become int64 
 kernel) and one probe kernel looks every (output, offset) query up in it (`_lookup_hashed`,
 every mode); elsewhere (and with INSUM_MAP_KERNELS=0) the keys are sorted once and the
 queries found by one `torch.searchsorted`. Both give the same map, duplicate sites
-included (every copy reads the first copy's row). Keys are linear in the coordinates, so
+included (every copy reads the first copy's row; such a map is not symmetric, and its
+transpose, a convolution's input gradient, raises: several outputs would read one input at
+one offset). Keys are linear in the coordinates, so
 the query key of an offset is the output's key plus the offset's key; each axis is checked
 on its own.
 
@@ -507,6 +509,14 @@ def _transpose(km: KernelMap) -> KernelMap:
     out, w = (km.nbr >= 0).nonzero(as_tuple=True)
     nbr_t = torch.full((km.n_in, km.volume), -1, dtype=km.nbr.dtype, device=km.nbr.device)
     nbr_t[km.nbr[out, w].long(), w] = out.to(km.nbr.dtype)
+    if int((nbr_t >= 0).sum()) != out.numel():  # (`nonzero` above synced already)
+        # Repeated sites: several outputs read one input at one offset, which a table of one
+        # output per (input, offset) cannot hold; the gradient would lose all but one.
+        raise InsumError(
+            "the transpose of this kernel map (a convolution's input gradient) needs every input site read by at "
+            "most one output per offset, and the sites repeat (coords or out_coords list a site twice); pass "
+            "unique sites (torch.unique(coords, dim=0))"
+        )
     return KernelMap(nbr_t, km.n_out, km.out_coords.new_empty(0, 4), km.kernel_size)
 
 
@@ -572,12 +582,13 @@ def _slot_bits(n_in: int) -> int:
 
 @functools.cache
 def _stats_template(volume: int, device: torch.device) -> torch.Tensor:
-    """The starting value of `_lookup_hashed`'s result buffer: for the input and the output
-    sites (least axis value, greatest axis value negated, the batch index's least room:
-    three least values), then room for the pairs per offset. Cloned per build (one copy; a tensor built
-    from a list is an upload, a sync)."""
+    """The starting value of `_lookup_hashed`'s result buffer: for the input sites (least
+    axis value, greatest axis value negated, the batch index's least room, -1 where a site
+    repeats: four least values), for the output sites the first three, then room for the
+    pairs per offset. Cloned per build (one copy; a tensor built from a list is an upload, a
+    sync)."""
     far = [_INT64_MAX, _INT64_MAX, _INT64_MAX]
-    return torch.tensor(far + far + [0] * volume, dtype=torch.int64, device=device)
+    return torch.tensor(far + [0] + far + [0] * volume, dtype=torch.int64, device=device)
 
 
 def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_size: int, stride: int,
@@ -643,10 +654,10 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
     if n_in:
         block = 128
         grid = cdiv(n_in, block)
-        ranges = torch.empty((grid, 3), dtype=torch.int64, device=device)
+        ranges = torch.empty((grid, 4), dtype=torch.int64, device=device)
         _launch(insert, (grid,), coords, table, row_keys, ranges, n_in, slot_bits, row_bits,
                 coords.stride(0), coords.stride(1), BLOCK=block)
-        torch.amin(ranges, 0, out=stats[0:3])
+        torch.amin(ranges, 0, out=stats[0:4])
     if n_out:
         block_w = next_power_of_2(volume)
         block_m = max(1, 256 // block_w)
@@ -657,8 +668,8 @@ def _lookup_hashed(coords: torch.Tensor, out: torch.Tensor, mode: str, kernel_si
                 DILATION=dilation, K=kernel_size, TRANSPOSED=mode == "transposed", OUT_STATS=check_out, BITS=bits,
                 PAIR_ROWS=pair_rows, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=1)
         if check_out:
-            torch.amin(ranges, 0, out=stats[3:6])
-    torch.sum(block_pairs, 1, out=stats[6:])
+            torch.amin(ranges, 0, out=stats[4:7])
+    torch.sum(block_pairs, 1, out=stats[7:])
     return nbr, mask, stats, block_pairs
 
 
@@ -704,6 +715,7 @@ def _hash_kernels():
         # least row of its copies, another key sends the row on. A settled row compares with
         # -2 (no entry): its try writes nothing.
         pending = mask  # [BLOCK]
+        repeated = offs < 0  # [BLOCK] a site whose key an earlier row holds
         while tl.max(pending.to(tl.int32), axis=0) > 0:
             held = tl.atomic_cas(table_ptr + slot, tl.where(pending, -1, -2), tl.where(pending, entry, -2),
                                  sem="relaxed")  # [BLOCK]
@@ -716,15 +728,18 @@ def _hash_kernels():
                         | (tl.load(held_ptrs + 3 * stride_cc, mask=alike, other=0) + 32768))  # [BLOCK]
             copy = alike & (held_key == key)  # [BLOCK]
             tl.atomic_min(table_ptr + slot, entry, mask=copy, sem="relaxed")  # (a copy's entry: the same fingerprint)
+            repeated = repeated | copy
             pending = taken & ~copy
             slot = tl.where(pending, (slot + 1) & slot_mask, slot)
         # the range check's values of this program's sites: least axis value, greatest negated,
-        # least batch index (a row of `ranges`, whose least values the build reads)
+        # the batch index's least room, -1 where a site repeats (a row of `ranges`, whose
+        # least values the build reads)
         lo = tl.minimum(tl.minimum(x, y), z)
         hi = tl.maximum(tl.maximum(x, y), z)
-        tl.store(ranges_ptr + pid * 3, tl.min(tl.where(mask, lo, 1 << 62), axis=0))
-        tl.store(ranges_ptr + pid * 3 + 1, tl.min(tl.where(mask, -hi, 1 << 62), axis=0))
-        tl.store(ranges_ptr + pid * 3 + 2, tl.min(tl.where(mask, tl.minimum(batch, 32767 - batch), 1 << 62), axis=0))
+        tl.store(ranges_ptr + pid * 4, tl.min(tl.where(mask, lo, 1 << 62), axis=0))
+        tl.store(ranges_ptr + pid * 4 + 1, tl.min(tl.where(mask, -hi, 1 << 62), axis=0))
+        tl.store(ranges_ptr + pid * 4 + 2, tl.min(tl.where(mask, tl.minimum(batch, 32767 - batch), 1 << 62), axis=0))
+        tl.store(ranges_ptr + pid * 4 + 3, tl.min(tl.where(repeated, -1, 0).to(tl.int64), axis=0))
 
     @triton.jit
     def insum_kernel_map_hash_probe(
@@ -946,20 +961,24 @@ def build_kernel_map(
         nbr, row_mask, stats, block_pairs = _lookup_hashed(coords, out, mode, kernel_size, stride, dilation,
                                                            len(checks) == 2)
         host = stats.tolist()
-        ranges = [[lo, -negated_hi, batch] for lo, negated_hi, batch in (host[0:3], host[3:6])][: len(checks)]
-        offset_pairs = host[6:]
+        ranges = [[lo, -negated_hi, batch] for lo, negated_hi, batch in (host[0:3], host[4:7])][: len(checks)]
+        repeated = host[3] < 0
+        offset_pairs = host[7:]
     else:
         in_keys, order = torch.sort(_keys(coords), stable=True)  # stable: duplicates map to their first row
         if mode != "transposed" and _use_kernels(coords.device):
             nbr, counts, row_mask = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
         else:
             nbr, counts = _lookup(in_keys, order, out, mode, kernel_size, stride, dilation)
-        host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [counts]).tolist()
+        repeats = (in_keys[1:] == in_keys[:-1]).any().view(1).to(counts.dtype)
+        host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [repeats, counts]).tolist()
         ranges = [host[3 * i: 3 * i + 3] for i in range(len(checks))]
-        offset_pairs = host[3 * len(checks):]
+        repeated = host[3 * len(checks)] > 0
+        offset_pairs = host[3 * len(checks) + 1:]
     for (_, scale, name), values in zip(checks, ranges):
         _check_stats(values, scale, reach, name)
-    symmetric = mode == "subm" and kernel_size % 2 == 1
+    # (repeated sites all read the first copy's row, which no copy's row reads back: not symmetric)
+    symmetric = mode == "subm" and kernel_size % 2 == 1 and not repeated
     return KernelMap(nbr, coords.shape[0], out, kernel_size, offset_pairs=offset_pairs, symmetric=symmetric,
                      _row_mask=row_mask, _block_pairs=block_pairs)
 

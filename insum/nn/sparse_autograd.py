@@ -159,6 +159,8 @@ def linear_gradients(
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(x's gradient or None, {value tensor name: its gradient}) for the output gradient dy
     of y = x2 W^T: what both autograd Functions return."""
+    if fmt.nnz == 0:  # the product read nothing (`_SpmmPlan.empty`): its padding slots are not trained
+        return (torch.zeros_like(x2) if x_wanted else None), {name: torch.zeros_like(fmt._tensors[name]) for name in wanted}
     dtype = promoted(fmt.dtype, dy.dtype)
     dC = fmt.output_view(as_dtype(dy.t(), dtype))
     # x's operand view (a copy for formats that gather its rows): for the values' and the

@@ -287,6 +287,9 @@ class TensorProduct(nn.Module):
             layer.instructions.append(Instruction(ins.i_in1, ins.i_in2, ins.i_out, ins.connection_mode, float(ins.path_weight)))
         layer._setup(tp.shared_weights, tp.internal_weights, options.get("backend", "auto"),
                      options.get("precision", "tf32"), options.get("output"), options.get("row_buckets", 1))
+        dtype = next((t.dtype for t in tp.parameters() if t.is_floating_point()), None)
+        if dtype is not None:
+            layer = layer.to(dtype)  # (a float64 module's weights, not rounded through float32)
         if layer.internal_weights:
             with torch.no_grad():
                 layer.weight.copy_(tp.weight.detach().reshape(-1))
