@@ -105,12 +105,19 @@ def _decode(keys: torch.Tensor) -> torch.Tensor:
 
 
 def _range_stats(coords: torch.Tensor) -> list[torch.Tensor]:
-    """Device scalars (least axis value, greatest axis value, the batch index's least room:
-    min(batch, MAX_BATCH - batch), negative where one is out of range) of non-empty [N, 4]
-    coordinates, for `_check_stats` once they are on the host."""
+    """Device scalars (least and greatest axis value, least and greatest batch index) of
+    non-empty [N, 4] coordinates, for `_batch_room` and `_check_stats` once on the host."""
     lo, hi = torch.aminmax(coords[:, 1:])
     batch_lo, batch_hi = torch.aminmax(coords[:, 0])
-    return [lo.view(1), hi.view(1), torch.minimum(batch_lo, MAX_BATCH - batch_hi).view(1)]
+    return [lo.view(1), hi.view(1), batch_lo.view(1), batch_hi.view(1)]
+
+
+def _batch_room(stats: list[int]) -> list[int]:
+    """`_range_stats`' four values as `_check_stats` takes them (the hash kernels' three):
+    the batch index's least room min(batch, MAX_BATCH - batch), negative where one is out of
+    range."""
+    lo, hi, batch_lo, batch_hi = stats
+    return [lo, hi, min(batch_lo, MAX_BATCH - batch_hi)]
 
 
 def _check_stats(stats: list[int], scale: int, reach: int, name: str) -> None:
@@ -127,7 +134,7 @@ def _check_stats(stats: list[int], scale: int, reach: int, name: str) -> None:
 
 def _check_range(coords: torch.Tensor, reach: int, name: str) -> None:
     if coords.numel():
-        _check_stats(torch.cat(_range_stats(coords)).tolist(), 1, reach, name)
+        _check_stats(_batch_room(torch.cat(_range_stats(coords)).tolist()), 1, reach, name)
 
 
 @functools.cache
@@ -970,11 +977,11 @@ def build_kernel_map(
             nbr, counts, row_mask = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
         else:
             nbr, counts = _lookup(in_keys, order, out, mode, kernel_size, stride, dilation)
-        repeats = (in_keys[1:] == in_keys[:-1]).any().view(1).to(counts.dtype)
+        repeats = (in_keys[1:] == in_keys[:-1]).any().view(1)
         host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [repeats, counts]).tolist()
-        ranges = [host[3 * i: 3 * i + 3] for i in range(len(checks))]
-        repeated = host[3 * len(checks)] > 0
-        offset_pairs = host[3 * len(checks) + 1:]
+        ranges = [_batch_room(host[4 * i: 4 * i + 4]) for i in range(len(checks))]
+        repeated = host[4 * len(checks)] > 0
+        offset_pairs = host[4 * len(checks) + 1:]
     for (_, scale, name), values in zip(checks, ranges):
         _check_stats(values, scale, reach, name)
     # (repeated sites all read the first copy's row, which no copy's row reads back: not symmetric)
