@@ -135,7 +135,7 @@ def sorted_facts(bound: Bound, names, option: str = "sorted_indices") -> frozens
 #: Declared lengths as a kernel sees them: (variable, tensor name, index variables, order
 #: tensor name: "" unless the length is over one variable, see `longest_first`).
 Lengths = tuple[tuple[str, str, tuple[str, ...], str], ...]
-_LENGTH_KEY = re.compile(r"^\s*([A-Za-z_]\w*)\s*\[\s*([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*\]\s*$")
+LENGTH_KEY = re.compile(r"^\s*([A-Za-z_]\w*)\s*\[\s*([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*\]\s*$")
 
 
 def length_facts(bound: Bound, lengths: Mapping[str, torch.Tensor]) -> tuple[Bound, Lengths]:
@@ -144,7 +144,7 @@ def length_facts(bound: Bound, lengths: Mapping[str, torch.Tensor]) -> tuple[Bou
     taken = {access.name for access, _ in bound.stmt.walk()}
     extra, facts, signature = {}, [], []
     for key, tensor in lengths.items():
-        match = _LENGTH_KEY.match(key) if isinstance(key, str) else None
+        match = LENGTH_KEY.match(key) if isinstance(key, str) else None
         if match is None:
             raise InsumError(f"lengths key {key!r} is not of the form 'q[p]' (q's length for each p)")
         var, index = match.group(1), tuple(v.strip() for v in match.group(2).split(","))

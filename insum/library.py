@@ -43,7 +43,7 @@ import torch
 from .autograd import Derivation, derive
 from .bind import PLAIN_TENSORS, bind
 from .dtypes import HALF_DTYPES, as_dtype, compute_dtype
-from .execute import prepared, run_and_prepare
+from .execute import LENGTH_KEY, prepared, run_and_prepare
 from .ir import Access, Statement, Var
 from .parser import parse
 
@@ -235,9 +235,8 @@ def _past_lengths_zeroed(stmt: Statement, name: str, grad: torch.Tensor, lengths
             if not index.const and len(index.terms) == 1 and index.terms[0].coef == 1
             and isinstance(index.terms[0].atom, Var)}
     for key, length in lengths.items():
-        var, _, rest = key.partition("[")
-        over = [v.strip() for v in rest.rstrip("] ").split(",")]
-        var = var.strip()
+        var, over = LENGTH_KEY.match(key).groups()  # (checked when the call bound them)
+        over = [v.strip() for v in over.split(",")]
         if var not in dims or any(v not in dims for v in over):
             continue
         at = [dims[v] for v in over] + [dims[var]]

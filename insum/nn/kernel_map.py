@@ -745,6 +745,7 @@ def _hash_kernels():
         hi = tl.maximum(tl.maximum(x, y), z)
         tl.store(ranges_ptr + pid * 4, tl.min(tl.where(mask, lo, 1 << 62), axis=0))
         tl.store(ranges_ptr + pid * 4 + 1, tl.min(tl.where(mask, -hi, 1 << 62), axis=0))
+        # (32767: MAX_BATCH)
         tl.store(ranges_ptr + pid * 4 + 2, tl.min(tl.where(mask, tl.minimum(batch, 32767 - batch), 1 << 62), axis=0))
         tl.store(ranges_ptr + pid * 4 + 3, tl.min(tl.where(repeated, -1, 0).to(tl.int64), axis=0))
 
