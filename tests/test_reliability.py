@@ -661,5 +661,5 @@ def test_convolution_gradient_over_repeated_sites_raises():
 def test_convolution_sizes_must_be_positive():
     from insum.nn import SparseConv3d
 
-    with pytest.raises(InsumError, match="kernel_size must be a positive integer, got 0"):
+    with pytest.raises(InsumError, match="SparseConv3d: kernel_size must be an integer >= 1, got 0"):
         SparseConv3d(5, 4, kernel_size=0)

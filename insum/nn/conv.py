@@ -57,6 +57,7 @@ from torch import nn
 from ..api import insum
 from ..dtypes import as_dtype, compute_dtype
 from ..errors import InsumError, InsumShapeError
+from ..formats.coords import check_positive_int
 from .kernel_map import KernelMap, KernelMapCache, default_cache
 
 __all__ = [
@@ -299,8 +300,7 @@ class SparseConv3d(nn.Module):
         super().__init__()
         for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("kernel_size", kernel_size),
                             ("stride", stride), ("dilation", dilation)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InsumError(f"SparseConv3d: {name} must be a positive integer, got {value!r}")
+            check_positive_int(f"SparseConv3d: {name}", value)
         if subm and transposed:
             raise InsumError("SparseConv3d: a transposed convolution cannot be submanifold; pass subm=False")
         if subm and stride != 1:

@@ -87,8 +87,8 @@ class _SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, info, x2, bias, *tensors):
-        fmt_cls, shape, meta, names, pattern_names, table_names, gradients, backend, precision, kept = info
-        fmt = kept if kept is not None else rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
+        fmt_cls, shape, meta, names, pattern_names, table_names, gradients, backend, precision = info
+        fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
         ctx.info = info
         ctx.biased = bias is not None
         ctx.save_for_backward(x2, *tensors)
@@ -96,9 +96,9 @@ class _SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        fmt_cls, shape, meta, names, pattern_names, table_names, gradients, backend, precision, kept = ctx.info
+        fmt_cls, shape, meta, names, pattern_names, table_names, gradients, backend, precision = ctx.info
         x2, *tensors = ctx.saved_tensors
-        fmt = kept if kept is not None else rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
+        fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
         pattern = dict(zip(pattern_names, tensors[len(names) :]))
         tables = dict(zip(table_names, tensors[len(names) + len(pattern_names) :]))
         needs = ctx.needs_input_grad
@@ -248,13 +248,11 @@ def linear_info(
     fmt: SparseFormat, meta, pattern, gradients: Gradients, backend: str, precision: str, tables=None
 ) -> tuple:
     """What `_SparseLinearFunction` needs besides the tensors (the format's, the transposed
-    pattern's, then the value-gradient tables', in that order). Outside torch.compile it
-    carries `fmt` itself, which the forward and backward then run on (so that a repeated
-    product reaches its pinned plans, `SparseFormat.spmm`); traced, each rebuilds the format
-    object around the traced tensors."""
-    kept = None if torch.compiler.is_compiling() else fmt
+    pattern's, then the value-gradient tables', in that order): its forward and backward
+    rebuild the format object around the traced tensors (outside torch.compile a layer
+    runs `_KeptLinearFunction` on its kept format instead)."""
     return (type(fmt), fmt.shape, meta, tuple(fmt._tensors), tuple(pattern), tuple(tables or ()), gradients, backend,
-            precision, kept)
+            precision)
 
 
 def apply_linear(info: tuple, x2: torch.Tensor, tensors: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
