@@ -70,10 +70,19 @@ def test_repeated_backward_matches_the_dense_gradients():
         xd = x.detach().double().requires_grad_(True)
         (xd @ W.t() + layer.bias.double()).square().sum().backward()
         torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
-        # Every stored slot's gradient is dW at its position (a padded slot repeats one).
-        rows = layer.weight._slot_rows()[0].expand_as(layer.AK).reshape(-1).long()
-        at_slots = W.grad[rows, layer.AK.reshape(-1).long()]
-        torch.testing.assert_close(layer.AV.grad.double().reshape(-1), at_slots, rtol=1e-5, atol=1e-5)
+        # Every trained slot's gradient is dW at its position; padding is frozen (zero).
+        torch.testing.assert_close(layer.AV.grad.double().reshape(-1), _at_slots(layer, W.grad), rtol=1e-5, atol=1e-5)
+
+
+def _at_slots(layer: SparseLinear, dW: torch.Tensor) -> torch.Tensor:
+    """A scalar-slot layer's expected value gradient: dW at each slot's position, 0 at its
+    frozen slots (padding: `frozen_slots`)."""
+    fmt = layer.weight
+    rows = fmt._slot_rows()[0].expand_as(fmt.AK).reshape(-1).long()
+    expected = dW[rows, fmt.AK.reshape(-1).long()]
+    if "AV" in layer._frozen_names:
+        expected = expected.masked_fill(layer.frozen_AV.reshape(-1), 0)
+    return expected
 
 
 def test_replaced_parameter_drops_the_kept_format():
@@ -265,10 +274,10 @@ def test_repeated_backward_runs_its_gradients_pinned_and_reads_in_place_updates(
         torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer.bias.grad.double(), bd.grad, rtol=1e-5, atol=1e-5)
         fmt_now = layer.weight
-        if fmt == "ELL":  # every slot's gradient is dW at its position (a padded slot repeats one)
-            rows = fmt_now._slot_rows()[0].expand_as(fmt_now.AK).reshape(-1).long()
-            expected = W.grad[rows, fmt_now.AK.reshape(-1).long()]
-            torch.testing.assert_close(layer.AV.grad.double().reshape(-1), expected, rtol=1e-5, atol=1e-5)
+        if fmt == "ELL":  # every trained slot's gradient is dW at its position, the padding's zero
+            assert layer._frozen_names == ("AV",)
+            torch.testing.assert_close(layer.AV.grad.double().reshape(-1), _at_slots(layer, W.grad), rtol=1e-5,
+                                       atol=1e-5)
         else:  # the stored blocks' gradients in place (the padding's zero), against dW on the pattern
             stored = fmt_now.to_dense() != 0
             torch.testing.assert_close(_value_gradient_dense(layer), W.grad * stored, rtol=1e-5, atol=1e-5)
@@ -422,6 +431,10 @@ def test_kept_function_gradients_match_float64(fmt_name, params, lead, bias):
                 stored = torch.arange(got.shape[1]) < next(iter(lengths.values()))[:, None]
                 assert bool((got[~stored] == 0).all())
                 got, expected = got[stored], expected[stored]
+            elif name in layer._frozen_names:  # padding slots: frozen, zero
+                frozen = getattr(layer, "frozen_" + name)
+                assert bool((got[frozen] == 0).all())
+                got, expected = got[~frozen], expected[~frozen]
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for name, t in layer.weight._tensors.items():
         if not t.is_floating_point():

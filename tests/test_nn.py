@@ -60,8 +60,8 @@ def test_gradcheck_layer(fmt, params, transposed, in_features):
     planned = fmt != "CELL" and not (fmt == "NM" and in_features % 4)
     assert bool(layer._pattern_names) == planned
     values = [n for n, _ in layer.named_parameters()]
-    # Declared padding (Block-ELL rows) is no weight: its gradient is zero and it stays zero,
-    # so the function checked holds it at zero (elsewhere padded slots are trained too).
+    # Padding (declared, as Block-ELL's, or frozen by the layer) is no weight: its gradient is
+    # zero and it stays zero, so the function checked holds it at zero.
     kept = {n: _stored_slots(layer, n) for n in values}
 
     def f(x, *vals):
@@ -71,7 +71,7 @@ def test_gradcheck_layer(fmt, params, transposed, in_features):
     x = torch.randn(3, in_features, dtype=torch.float64, requires_grad=True)
     inputs = (x, *(p.detach().clone().requires_grad_(True) for _, p in layer.named_parameters()))
     assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
-    # after training steps padded slots hold values too (but declared padding): the gradients stay exact
+    # after training steps the trained slots hold other values: the gradients stay exact
     with torch.no_grad():
         for n, p in layer.named_parameters():
             p.add_(torch.randn_like(p) * (1 if kept[n] is None else kept[n]))
@@ -80,13 +80,87 @@ def test_gradcheck_layer(fmt, params, transposed, in_features):
 
 
 def _stored_slots(layer: SparseLinear, name: str) -> torch.Tensor | None:
-    """1 at a value tensor's stored slots and 0 at its declared padding; None without any."""
+    """1 at a value tensor's trained slots, 0 at its declared padding and at its frozen slots
+    (`frozen_slots`: padding, repeated positions); None where every slot is trained."""
+    stored = torch.ones(getattr(layer, name).shape, dtype=torch.bool)
     lengths = layer.weight.declared_lengths()
-    if lengths is None or name != "AV":
-        return None
-    (counts,) = lengths.values()
-    stored = torch.arange(layer.AV.shape[1]) < counts[:, None]
-    return stored[:, :, None, None].to(layer.AV.dtype).expand_as(layer.AV)
+    if lengths is not None and name == "AV":
+        (counts,) = lengths.values()
+        rows = torch.arange(layer.AV.shape[1]) < counts[:, None]
+        stored &= rows[:, :, None, None].expand_as(layer.AV)
+    if name in layer._frozen_names:
+        stored &= ~getattr(layer, "frozen_" + name)
+    return None if bool(stored.all()) else stored.to(getattr(layer, name).dtype)
+
+
+def _with_empty_rows(seed: int = 0) -> torch.Tensor:
+    """A 6 x 8 weight of scattered nonzeros with two empty rows (an empty row's padding
+    points at column 0, which its row does not hold)."""
+    W = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    W[W.abs() < 0.8] = 0
+    W[2] = W[4] = 0
+    return W
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("fmt, params", FORMATS + [("GroupCOO", {"group_size": 3})], ids=IDS + ["GroupCOO-g3"])
+def test_training_step_matches_the_dense_masked_step(fmt, params, compiled):
+    """Found by fuzzing: padding slots were trained. An empty row's padding (column 0) grew
+    the pattern, and a group's padding (a repeat of a stored position) stepped that entry
+    twice. A step now moves exactly the weight's nonzeros, as a dense layer's masked step."""
+    W, b = _with_empty_rows(), torch.randn(6, dtype=torch.float64)
+    layer = SparseLinear.from_dense(W, b, fmt, backend="torch", **params)
+    if fmt == "NM":  # NM prunes: its pattern is what it kept
+        W = layer.to_dense().detach()
+    if compiled:
+        torch._dynamo.reset()  # (one compilation per format: not counted against the next tests')
+    run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    dense = W.clone()
+    for step in range(2):
+        x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        run(x).square().sum().backward()
+        optimizer.step()
+        Wd = dense.clone().requires_grad_(True)
+        (x @ Wd.t() + b).square().sum().backward()
+        dense -= 0.1 * Wd.grad * (W != 0)
+        b = b - 0.1 * 2 * (x @ Wd.detach().t() + b).sum(0)
+        torch.testing.assert_close(layer.to_dense().detach(), dense)
+        assert bool((layer.to_dense()[W == 0] == 0).all())
+
+
+def test_repeated_position_is_trained_once():
+    """Two slots at one position (a format packed with repeats) add up in the product; only
+    the first is trained, so a step moves that weight entry once."""
+    layer = SparseLinear.from_dense(_with_empty_rows(1), None, "COO", backend="torch")
+    fmt = layer.weight
+    AM, AK, AV = fmt.AM.clone(), fmt.AK.clone(), fmt.AV.detach().clone()
+    first, second = (AV != 0).nonzero().flatten()[:2].tolist()  # two stored slots of one row
+    assert AM[first] == AM[second] and AK[first] != AK[second]
+    AK[second] = AK[first]
+    repeated = type(fmt)(fmt.shape, {"AM": AM, "AK": AK, "AV": AV}, nnz=fmt.nnz, dtype=fmt.dtype,
+                         index_dtype=fmt.index_dtype, device=fmt.device, params=fmt.params)
+    twice = SparseLinear.from_format(repeated, None, backend="torch")
+    assert int(twice.frozen_AV.sum()) == int(layer.frozen_AV.sum()) + 1  # (COO pads its empty rows)
+    assert bool(twice.frozen_AV[second]) and not bool(twice.frozen_AV[first])
+    x = torch.randn(4, 8, dtype=torch.float64)
+    W = twice.to_dense().detach().requires_grad_(True)
+    (x @ W.t()).square().sum().backward()
+    twice(x).square().sum().backward()
+    assert twice.AV.grad[second] == 0
+    torch.testing.assert_close(twice.AV.grad[first], W.grad[AM[first].long(), AK[first].long()])
+
+
+def test_frozen_slots_follow_a_loaded_pattern():
+    """The frozen slots are the loaded weight's: a state_dict of another pattern brings its own."""
+    layer = SparseLinear.from_dense(_with_empty_rows(2), None, "ELL", backend="torch")
+    dense = torch.randn(6, 8, dtype=torch.float64)
+    other = SparseLinear.from_dense(dense, None, "ELL", backend="torch")  # no padding at all
+    assert layer._frozen_names == ("AV",) and other._frozen_names == ()
+    other.load_state_dict(layer.state_dict())
+    assert other._frozen_names == ("AV",)
+    torch.testing.assert_close(other.frozen_AV, layer.frozen_AV)
 
 
 def test_block_ell_padding_gets_no_gradient_and_stays_zero():
@@ -168,8 +242,9 @@ def test_gradcheck_functional(fmt, params):
 def test_parameters_and_buffers():
     layer = layer_for("BlockGroupCOO", {"block": (4, 4)})
     assert {n for n, _ in layer.named_parameters()} == {"AV", "bias"}
-    assert {n for n, _ in layer.named_buffers()} == {"AM", "AK", "grad_TM", "grad_TS", "grad_TR"}
-    assert set(layer.state_dict()) == {"AV", "AM", "AK", "bias", "_extra_state"}  # no grad_*
+    # frozen_AV: its padding blocks (`frozen_slots`)
+    assert {n for n, _ in layer.named_buffers()} == {"AM", "AK", "grad_TM", "grad_TS", "grad_TR", "frozen_AV"}
+    assert set(layer.state_dict()) == {"AV", "AM", "AK", "bias", "_extra_state"}  # no grad_*, frozen_*
     x = torch.randn(5, 12, dtype=torch.float64)
     layer(x).sum().backward()
     assert layer.AV.grad is not None and layer.AV.grad.shape == layer.AV.shape

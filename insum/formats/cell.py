@@ -403,10 +403,9 @@ class CELL(SparseFormat):
         first = start + (fold << row_exp)
         end = seg.end.reshape(-1)[cell]
         # A slot past its row's end pads with the first column of its fold (a position the
-        # row stores: trained, it is the same weight counted twice), a covering layout's
-        # padding bucket row with its row's first column, and every empty row with the first
-        # entry's column (one row of B for all of them; as ELL's empty rows, a new weight if
-        # trained).
+        # row stores), a covering layout's padding bucket row with its row's first column, and
+        # every empty row with the first entry's column (one row of B for all of them). A
+        # SparseLinear freezes every such slot (`insum.nn.sparse_autograd.frozen_slots`).
         pad = torch.where(first < end, first, torch.where(start < end, start, 0)) if covering else first
         RI = (cell if partitions == 1 else cell % M).to(itype)
         # Slots: row_width[j] consecutive slots per bucket row, all widths in one array.

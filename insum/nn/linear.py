@@ -9,11 +9,15 @@
 `SparseLinear` computes y = x @ W^T + b as the format's SpMM, W @ x^T, one insum
 statement (or one per bucket for CELL). The format's value tensors are parameters, its
 index tensors buffers, so `.to()`, `.half()`, optimizers and `state_dict` see them; the
-pattern itself never changes in training. Padding slots are trained too (a padded slot
-repeats a stored position, so it is the same weight entry counted twice), except where the
-format declares its padding (BlockGroupCOO's group_size="row": `declared_lengths`): there the
-products skip it, and its gradient is zero, so it stays zero.
-`insum.nn.functional.sparse_linear(x, fmt, bias)` is the functional form.
+pattern itself never changes in training. The pattern is the weight's nonzeros when the
+layer is built (or its state loaded), each position trained once: padding slots (an empty
+row's, which point at column 0; a group's tail, which repeats a stored position) and repeated
+positions get zero gradients (`frozen_slots`, kept as non-persistent `frozen_<name>` buffers
+where a value tensor has any), so padding stays zero and a step moves every weight entry as
+a dense layer's masked step would. Where the format declares its padding (Block-ELL's
+`declared_lengths`) the products skip it as well.
+`insum.nn.functional.sparse_linear(x, fmt, bias)` is the functional form: it differentiates
+every slot of the format it is given, padding included (the derivative of its product).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .sparse_autograd import (
     apply_linear,
     apply_sparse_linear,
     format_meta,
+    frozen_slots,
     gradient_statements,
     linear_info,
     linear_product,
@@ -300,6 +305,12 @@ class SparseLinear(nn.Module):
             self.register_buffer("wgrad_" + name, tensor, persistent=False)
         self._table_names = tuple(tables)
         self._gradients = gradient_statements(fmt)
+        for name in getattr(self, "_frozen_names", ()):
+            delattr(self, "frozen_" + name)
+        frozen = frozen_slots(fmt, self._gradients, tables)
+        for name, mask in frozen.items():
+            self.register_buffer("frozen_" + name, mask, persistent=False)
+        self._frozen_names = tuple(frozen)
         self._drop_kept()
 
     # ------------------------------------------------------------------ the kept call
@@ -355,14 +366,16 @@ class SparseLinear(nn.Module):
         names = self._pattern_names if self.transposed_backward else ()
         pattern = {name: getattr(self, "grad_" + name) for name in names}
         tables = {name: getattr(self, "wgrad_" + name) for name in getattr(self, "_table_names", ())}
-        info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision, tables)
-        tensors = (*fmt._tensors.values(), *pattern.values(), *tables.values())
+        frozen = {name: getattr(self, "frozen_" + name) for name in getattr(self, "_frozen_names", ())}
+        info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision, tables,
+                           frozen)
+        tensors = (*fmt._tensors.values(), *pattern.values(), *tables.values(), *frozen.values())
         call = None
         if not torch.compiler.is_compiling():
-            call = KeptLinear(fmt, pattern, self._gradients, self.backend, self.precision, tables)
+            call = KeptLinear(fmt, pattern, self._gradients, self.backend, self.precision, tables, frozen)
             held = []
             kept = (*fmt._tensors.items(), *(("grad_" + n, t) for n, t in pattern.items()),
-                    *(("wgrad_" + n, t) for n, t in tables.items()))
+                    *(("wgrad_" + n, t) for n, t in tables.items()), *(("frozen_" + n, t) for n, t in frozen.items()))
             for name, t in kept:
                 held.append((self._parameters if name in self._parameters else self._buffers, name, t))
             self.__dict__["_kept"] = (info, tensors, tuple(held), call)  # (not through __setattr__, which drops it)

@@ -12,6 +12,10 @@ only, its padding left zero); x's gradient runs on the transposed pattern when t
 keeps one (`SparseFormat.transposed_pattern`: an SpMM shaped like the forward, which the
 H200 measured faster than the derived scatter of every stored slot), else as the derived
 scatter statement.
+
+A layer trains each position of its weight's pattern once (`frozen_slots`): padding slots
+(an empty row's, a group's tail) and repeats of an earlier slot's position get no gradient,
+so that the pattern never grows and no weight entry is stepped twice.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "apply_linear",
     "apply_sparse_linear",
     "format_meta",
+    "frozen_slots",
     "gradient_statements",
     "linear_gradients",
     "linear_info",
@@ -87,7 +92,7 @@ class _SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, info, x2, bias, *tensors):
-        fmt_cls, shape, meta, names, pattern_names, table_names, gradients, backend, precision = info
+        fmt_cls, shape, meta, names, pattern_names, table_names, frozen_names, gradients, backend, precision = info
         fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
         ctx.info = info
         ctx.biased = bias is not None
@@ -96,30 +101,35 @@ class _SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        fmt_cls, shape, meta, names, pattern_names, table_names, gradients, backend, precision = ctx.info
+        fmt_cls, shape, meta, names, pattern_names, table_names, frozen_names, gradients, backend, precision = ctx.info
         x2, *tensors = ctx.saved_tensors
         fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
-        pattern = dict(zip(pattern_names, tensors[len(names) :]))
-        tables = dict(zip(table_names, tensors[len(names) + len(pattern_names) :]))
+        rest = tensors[len(names) :]
+        pattern = dict(zip(pattern_names, rest))
+        tables = dict(zip(table_names, rest[len(pattern_names) :]))
+        frozen = dict(zip(frozen_names, rest[len(pattern_names) + len(table_names) :]))
         needs = ctx.needs_input_grad
         wanted = {name for i, name in enumerate(names) if needs[3 + i]}
-        dx, grads = linear_gradients(fmt, pattern, tables, gradients, backend, precision, x2, dy, needs[1], wanted)
+        dx, grads = linear_gradients(fmt, pattern, tables, gradients, backend, precision, x2, dy, needs[1], wanted,
+                                     frozen)
         dbias = dy.sum(0) if ctx.biased and needs[2] else None
-        return (None, dx, dbias, *(grads.get(name) for name in names), *([None] * (len(pattern_names) + len(tables))))
+        return (None, dx, dbias, *(grads.get(name) for name in names), *([None] * len(rest)))
 
 
 class KeptLinear:
     """What `_KeptLinearFunction` runs on: a format object kept from one call to the next
     (so that its products and gradients stay pinned), the transposed pattern and gradient
-    tables, and the names of the format's floating-point tensors, the only ones of its
-    tensors that can have a gradient."""
+    tables, the frozen slots' masks (`frozen_slots`), and the names of the format's
+    floating-point tensors, the only ones of its tensors that can have a gradient."""
 
-    __slots__ = ("fmt", "pattern", "tables", "gradients", "backend", "precision", "value_names", "values")
+    __slots__ = ("fmt", "pattern", "tables", "frozen", "gradients", "backend", "precision", "value_names", "values")
 
-    def __init__(self, fmt: SparseFormat, pattern, gradients: Gradients, backend: str, precision: str, tables=None):
+    def __init__(self, fmt: SparseFormat, pattern, gradients: Gradients, backend: str, precision: str, tables=None,
+                 frozen=None):
         self.fmt = fmt
         self.pattern = dict(pattern)
         self.tables = dict(tables or {})
+        self.frozen = dict(frozen or {})
         self.gradients = gradients
         self.backend = backend
         self.precision = precision
@@ -148,17 +158,18 @@ class _KeptLinearFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad
         wanted = {name for name, need in zip(kept.value_names, needs[3:]) if need}
         dx, grads = linear_gradients(kept.fmt, kept.pattern, kept.tables, kept.gradients, kept.backend,
-                                     kept.precision, x2, dy, needs[1], wanted)
+                                     kept.precision, x2, dy, needs[1], wanted, kept.frozen)
         dbias = dy.sum(0) if ctx.biased and needs[2] else None
         return (None, dx, dbias, *(grads.get(name) for name in kept.value_names))
 
 
 def linear_gradients(
     fmt: SparseFormat, pattern: dict, tables: dict, gradients: Gradients, backend: str, precision: str,
-    x2: torch.Tensor, dy: torch.Tensor, x_wanted: bool, wanted: set[str],
+    x2: torch.Tensor, dy: torch.Tensor, x_wanted: bool, wanted: set[str], frozen: dict | None = None,
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(x's gradient or None, {value tensor name: its gradient}) for the output gradient dy
-    of y = x2 W^T: what both autograd Functions return."""
+    of y = x2 W^T: what both autograd Functions return. frozen: value tensor name -> the
+    bool mask of its slots left untrained (`frozen_slots`), their gradients zero."""
     if fmt.nnz == 0:  # the product read nothing (`_SpmmPlan.empty`): its padding slots are not trained
         return (torch.zeros_like(x2) if x_wanted else None), {name: torch.zeros_like(fmt._tensors[name]) for name in wanted}
     dtype = promoted(fmt.dtype, dy.dtype)
@@ -174,7 +185,54 @@ def linear_gradients(
             dB = _derived_input_gradient(fmt, gradients, B, dC, backend, precision)
         dx = as_dtype(fmt.from_operand(dB).t(), x2.dtype)
     grads = _value_gradients(fmt, gradients, wanted, B, dC, backend, precision, tables) if wanted else {}
+    for name, mask in (frozen or {}).items():
+        if name in grads:
+            grads[name] = grads[name].masked_fill(mask, 0)
     return dx, grads
+
+
+def frozen_slots(fmt: SparseFormat, gradients: Gradients, tables=None) -> dict[str, torch.Tensor]:
+    """{value tensor name: bool mask of its slots that a layer must not train}, for the value
+    tensors that have any; {} when every slot the product reads is a position of the pattern
+    of its own. A slot is trained when the product reads it, it holds a nonzero value (the
+    pattern: packing stores zeros only as padding) and no earlier slot holds its position.
+    Otherwise an empty row's padding, which points at column 0, would grow the pattern, and a
+    group's padding, which repeats a stored position, would step that weight entry twice.
+
+    Every slot's position comes from the value gradients themselves, run once in float64 by
+    the reference lowering on a dy and an x of two rows each, chosen so that a slot at (r, c)
+    gets the gradient r * in_features + c + 1 exactly (0: a slot the product never reads, as
+    past a declared length). Built outside traced code: it syncs to tell whether any slot is
+    frozen."""
+    values = [name for name, t in fmt._tensors.items() if t.is_floating_point()]
+    if not values or fmt.nnz == 0:
+        return {}
+    exact = rebuild_format(
+        type(fmt), fmt.shape, format_meta(fmt),
+        {n: t.detach().double() if n in values else t for n, t in fmt._tensors.items()},
+    )
+    M, K = fmt.shape
+    rows = torch.arange(M, dtype=torch.float64, device=fmt.device)
+    cols = torch.arange(K, dtype=torch.float64, device=fmt.device)
+    dy = torch.stack([rows * K + 1, torch.ones_like(rows)])
+    x2 = torch.stack([torch.ones_like(cols), cols])
+    _, codes = linear_gradients(exact, {}, dict(tables or {}), gradients, "torch", "ieee", x2, dy, False, set(values))
+    code = torch.cat([codes[name].reshape(-1) for name in values])
+    stored = torch.cat([fmt._tensors[name].detach().reshape(-1) != 0 for name in values])
+    slot = torch.arange(code.numel(), device=code.device)
+    _, position = torch.unique(code, return_inverse=True)
+    first = torch.full_like(slot, code.numel()).scatter_reduce_(0, position, slot, reduce="amin")
+    frozen = (code > 0) & ~(stored & (first[position] == slot))
+    if not bool(frozen.any()):
+        return {}
+    masks, start = {}, 0
+    for name in values:
+        t = fmt._tensors[name]
+        mask = frozen[start : start + t.numel()].reshape(t.shape)
+        start += t.numel()
+        if bool(mask.any()):
+            masks[name] = mask
+    return masks
 
 
 def _derived_input_gradient(fmt: SparseFormat, gradients: Gradients, B, dC, backend: str, precision: str) -> torch.Tensor:
@@ -245,14 +303,14 @@ def rebuild_format(fmt_cls, shape, meta, tensors) -> SparseFormat:
 
 
 def linear_info(
-    fmt: SparseFormat, meta, pattern, gradients: Gradients, backend: str, precision: str, tables=None
+    fmt: SparseFormat, meta, pattern, gradients: Gradients, backend: str, precision: str, tables=None, frozen=None
 ) -> tuple:
     """What `_SparseLinearFunction` needs besides the tensors (the format's, the transposed
-    pattern's, then the value-gradient tables', in that order): its forward and backward
-    rebuild the format object around the traced tensors (outside torch.compile a layer
-    runs `_KeptLinearFunction` on its kept format instead)."""
-    return (type(fmt), fmt.shape, meta, tuple(fmt._tensors), tuple(pattern), tuple(tables or ()), gradients, backend,
-            precision)
+    pattern's, the value-gradient tables', then the frozen slots' masks, in that order): its
+    forward and backward rebuild the format object around the traced tensors (outside
+    torch.compile a layer runs `_KeptLinearFunction` on its kept format instead)."""
+    return (type(fmt), fmt.shape, meta, tuple(fmt._tensors), tuple(pattern), tuple(tables or ()), tuple(frozen or ()),
+            gradients, backend, precision)
 
 
 def apply_linear(info: tuple, x2: torch.Tensor, tensors: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
