@@ -82,8 +82,9 @@ def insum(
     with q >= AL[p] are padding that contributes zero (value 0 at a valid index, as the
     formats pad), so the generated kernel stops its loop over q there (the longest row of
     a tile when p is tiled) and masks their loads (a K tile loaded through a tensor
-    descriptor is still read whole: padding must be zero). Unchecked beyond shapes; a length
-    above q's extent is clamped. Under torch.compile (and in an autograd forward) the
+    descriptor is still read whole: padding must be zero). Checked for shapes, and for
+    negative values with the index values (check_indices); a length above q's extent is
+    clamped. Under torch.compile (and in an autograd forward) the
     tensors pass through the custom operator (`insum.library`) and the kernel stops there
     too; a hint all the same: ignored where it does not apply, by the gradient statements
     and by the torch backend, which give the same result.

@@ -16,7 +16,9 @@ On CUDA the scan ends in a device-side assert: no host sync, and a bad index sto
 stream before the kernel runs (CUDA reports `device-side assert triggered` at the next
 synchronisation, with the tensor named in the assert message, and the CUDA context is lost,
 as with torch's own indexing). On the CPU (the interpreter) the check reads the values and
-raises `InsumIndexError` naming the tensor, the dimension and the value.
+raises `InsumIndexError` naming the tensor, the dimension and the value. Declared lengths
+(`insum(lengths=)`) are checked the same way for negative values (a length above its
+variable's extent is clamped, not an error).
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True)
         _check_range(bound.tensors[name], lo, hi, name, where)
     for index, size, where in checks.evaluated:
         _check_range(_evaluate(bound, index), 0, size - 1, "the index", where)
+    for entry in bound.signature or ():  # declared lengths (`execute.length_facts`): none negative
+        if entry[0] == "lengths":
+            name = entry[1]
+            _check_range(bound.tensors[name], 0, torch.iinfo(bound.tensors[name].dtype).max,
+                         "a declared length", f"lengths of {name.removeprefix('LEN_').rstrip('_')!r}")
 
 
 def _plan(bound: Bound, out: torch.Tensor) -> _Checks:
@@ -155,9 +162,8 @@ def _check_range(values: torch.Tensor, lo: int, hi: int, name: str, where: str) 
         low, high = (int(v) for v in torch.aminmax(values.reshape(-1)))
         if low < lo or high > hi:
             bad = low if low < lo else high
-            raise InsumIndexError(
-                f"{name} holds {bad}, out of range for {where} (valid values {lo}..{hi})"
-            )
+            valid = f"{lo}..{hi}" if hi < type_hi else f">= {lo}"
+            raise InsumIndexError(f"{name} holds {bad}, out of range for {where} (valid values {valid})")
         return
     flat = values.reshape(-1)
     n = flat.numel()

@@ -211,6 +211,22 @@ def test_bad_scatter_index_raises_with_env(monkeypatch):
 
 
 @needs_kernels
+def test_negative_declared_length_raises_with_check():
+    """A negative declared length ran as zero, silently: with the index check it raises (and
+    a length above its extent is clamped, as documented)."""
+    if CUDA:
+        pytest.skip("on CUDA a bad index is a device-side assert (benchmarks.study_index_check)")
+    AV, AK, B = torch.randn(4, 3), torch.randint(0, 6, (4, 3)), torch.randn(6, 2)
+    stmt = "C[p,n] += AV[p,q]*B[AK[p,q],n]"
+    with pytest.raises(InsumIndexError, match="a declared length holds -1, out of range for lengths of 'q'"):
+        insum.insum(stmt, AV=AV, AK=AK, B=B, lengths={"q[p]": torch.tensor([1, -1, 3, 2])}, backend="triton",
+                    check_indices=True)
+    clamped = insum.insum(stmt, AV=AV, AK=AK, B=B, lengths={"q[p]": torch.tensor([9, 3, 3, 3])}, backend="triton",
+                          check_indices=True)
+    torch.testing.assert_close(clamped, insum.insum(stmt, AV=AV, AK=AK, B=B, backend="torch"))
+
+
+@needs_kernels
 @pytest.mark.parametrize(
     "stmt, tensors, message",
     [
