@@ -1303,7 +1303,9 @@ class KernelMapCache:
     """Kernel maps keyed by the identity and version of the coordinate tensors (and the
     kernel's geometry). Entries die with their coordinate tensors. Pass one cache to every
     layer of a network, or rely on `default_cache`. Inference tensors keep no version
-    counter: their maps are built on each call, not kept."""
+    counter: their maps are built on each call, not kept. A change that bypasses the version
+    counter (through `.data`, `.numpy()` or DLPack) is not seen: the old map is returned;
+    give changed coordinates as a new tensor, or `clear()` the cache."""
 
     def __init__(self) -> None:
         self._maps: dict[tuple, tuple[list[weakref.ref], KernelMap]] = {}
