@@ -27,6 +27,7 @@ import torch
 
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, auto
 from insum.nn import SparseLinear
+from insum.nn.sparse_autograd import format_meta, rebuild_format
 
 #: --smoke: the CPU interpreter (fp32 only, small sizes).
 SMOKE = False
@@ -131,6 +132,9 @@ def layer_case(rng: random.Random, device) -> dict:
         ("BlockGroupCOO", dict(sparsity=0.5, block=(16, 16))),
         ("GroupCOO", dict(sparsity=0.9)),
         ("NM", dict(n=2, m=4, vector_len=32)),
+        ("ELL", dict(sparsity=0.95)),
+        ("CELL", dict(sparsity=0.9)),
+        ("COO", dict(sparsity=0.98)),  # (empty rows: padding at column 0)
     ])
     dense = torch.nn.Linear(fin, fout, device=device)
     layer = SparseLinear.from_linear(dense, fmt, **params).to(dtype)
@@ -151,9 +155,13 @@ def layer_case(rng: random.Random, device) -> dict:
         y64.backward(gy.double())
         errs = {"y": relative_error(y, y64), "dx": relative_error(x.grad, x64.grad),
                 "dbias": relative_error(layer.bias.grad, bias.grad)}
-        # The weight's gradient, on the stored entries (the format's own dense view of its values' gradient).
+        # The weight's gradient: the values' gradients seen densely (the format over them) are
+        # dW on the pattern (padding frozen, each position trained once: `frozen_slots`).
         grads = {n: p.grad for n, p in layer.named_parameters() if n != "bias" and p.grad is not None}
         errs["values_have_grad"] = float(len(grads) > 0)
+        fmt = layer.weight
+        seen = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), {**fmt._tensors, **grads}).to_dense()
+        errs["dW"] = relative_error(seen, W.grad * (W != 0))
         case[f"step{step}"] = errs
     tol = TOL[dtype] * 3
     case["ok"] = all(v <= tol for s in ("step0", "step1") for k, v in case[s].items() if k != "values_have_grad") \
