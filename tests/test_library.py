@@ -267,3 +267,22 @@ def test_compile_format_matmul_operator():
     A = torch.randn(10, 8) * (torch.rand(10, 8) < 0.5)
     B = torch.randn(8, 3)
     torch.testing.assert_close(compiled(GroupCOO.from_dense(A), B), A @ B * 2)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_dense_times_format_is_not_taken_for_format_times_dense(fullgraph):
+    """Found by fuzzing: dynamo handed `B @ fmt` and `fmt @ B` over alike (as
+    `Tensor.matmul(B, fmt)`), so a compiled `B @ fmt` silently computed fmt @ B where both
+    shapes fit. `fmt @ B` now arrives as `Tensor.__rmatmul__` (`_reflected_matmul_in_dynamo`)
+    and `B @ fmt` raises, as it does eagerly."""
+    torch._dynamo.reset()
+    A = torch.randn(6, 6) * (torch.rand(6, 6) < 0.5)
+    B = torch.randn(6, 6)
+    fmt = GroupCOO.from_dense(A)
+    right = torch.compile(lambda B: fmt @ B, backend="eager", fullgraph=fullgraph)
+    torch.testing.assert_close(right(B), A @ B)
+    for left in (lambda B: B @ fmt, lambda B: B.matmul(fmt)):
+        with pytest.raises(Exception, match="not supported|unsupported operand|Observed exception"):
+            torch.compile(left, backend="eager", fullgraph=fullgraph)(B)
+    with pytest.raises(TypeError):
+        B @ fmt

@@ -418,16 +418,15 @@ class SparseFormat:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """`fmt @ B` under torch.compile: dynamo hands it over as `B.matmul(fmt)` (operands
-        swapped) or `Tensor.__rmatmul__`; both are the format's SpMM."""
-        if (
-            len(args) == 2
-            and not kwargs
-            and isinstance(args[0], torch.Tensor)
-            and isinstance(args[1], SparseFormat)
-            and (func is torch.Tensor.__rmatmul__ or (func is torch.Tensor.matmul and torch.compiler.is_compiling()))
-        ):
-            return args[1].spmm(args[0])
+        """`fmt @ B` under torch.compile: dynamo hands it over as `Tensor.__rmatmul__(B, fmt)`
+        (`_reflected_matmul_in_dynamo`), the format's SpMM. `B @ fmt` (which arrives as
+        `Tensor.matmul(B, fmt)` or `Tensor.__matmul__`) is not supported, eager or traced."""
+        if len(args) == 2 and not kwargs and isinstance(args[0], torch.Tensor) and isinstance(args[1], SparseFormat):
+            if func is torch.Tensor.__rmatmul__:
+                return args[1].spmm(args[0])
+            if func in (torch.Tensor.matmul, torch.Tensor.__matmul__, torch.matmul):
+                # (eager: a TypeError becomes NotImplemented, then Python's own operand error)
+                raise TypeError(f"B @ {cls.__name__} (a dense matrix times a format) is not supported; fmt @ B is")
         return NotImplemented
 
     def _is_value(self, name: str) -> bool:
@@ -777,3 +776,25 @@ class _SpmmPlan:
         if not pinned.run(varying):
             return self(fmt, original, bias)
         return self._finish(fmt, result, bias, viewed=True)
+
+
+def _reflected_matmul_in_dynamo() -> None:
+    """Make dynamo trace `fmt @ B` as `Tensor.__rmatmul__(B, fmt)`. For an operator whose left
+    operand is not a tensor but has `__torch_function__`, dynamo swaps the operands and calls
+    the tensor method of the operator's reflection, but it has none recorded for `@` and calls
+    `Tensor.matmul(B, fmt)`, exactly what `B @ fmt` gives: the two would be one product (a
+    silently wrong one where both shapes fit). Recording `__rmatmul__` for `@` keeps them
+    apart (checked by tests/test_reliability.py on every torch this runs on); without dynamo's
+    table (another torch) `fmt @ B` breaks the graph and runs eagerly, never swapped."""
+    import operator
+
+    try:
+        from torch._dynamo.variables import builtin
+    except ImportError:
+        return
+    reflected = getattr(builtin, "BUILTIN_TO_TENSOR_RFN_MAP", None)
+    if isinstance(reflected, dict):
+        reflected.setdefault(operator.matmul, torch.Tensor.__rmatmul__)
+
+
+_reflected_matmul_in_dynamo()
