@@ -723,6 +723,11 @@ def prepare_batch(calls, options: tuple) -> None:
         if call.aligned is not None:
             aligned.append((len(parts) - 1, call))
         outputs.add(next(i for i, t in enumerate(distinct) if t is tensors[call.out_name]))
+    # One launch runs the calls' programs in any order: none may read another's output (the
+    # repeated call's storage check covers distinct tensors that share memory, this the same one).
+    read = {id(t) for (_, tensors, *_), out in zip(calls, out_names) for name, t in tensors.items() if name != out}
+    if any(id(distinct[position]) in read for position in outputs):
+        return
     try:
         launch = batch_launch(parts, disjoint, covering)
     except UnsupportedStatement:

@@ -339,3 +339,37 @@ def test_batch_of_descriptor_kernels_repeats_only_at_their_alignment(monkeypatch
     C = torch.zeros(4, 3)
     insum.insum_many(calls(C, shifted), backend="triton")
     torch.testing.assert_close(C, torch.zeros(4, 3).index_add_(0, rows, (A1 + shifted).unsqueeze(1) * B))
+
+
+def test_batch_never_runs_a_call_that_reads_another_calls_output(monkeypatch):
+    """Found by fuzzing: where one call read another's output (the same tensor), the repeated
+    `insum_many` still ran them as one launch, whose programs run in any order (on an H200 every
+    repeat was off by 17). Such calls keep running one by one; calls that only share inputs
+    still batch."""
+    from insum import execute
+    from insum.cache import BoundedCache
+
+    monkeypatch.setattr(execute, "_BATCHED", BoundedCache())
+    stmt = "C[I[p],n] += A[p]*B[p,n]"
+    gen = torch.Generator().manual_seed(9)
+    I1, I2 = torch.randint(0, 6, (6,), generator=gen), torch.randint(0, 6, (6,), generator=gen)
+    A1, A2, B = torch.randn(6, generator=gen), torch.randn(6, generator=gen), torch.randn(6, 3, generator=gen)
+    options = ("triton", "tf32", None, None, False, None)
+
+    def chained(C1, C2):  # the second call reads C1, which the first writes
+        return [(stmt, dict(C=C1, I=I1, A=A1, B=B)), (stmt, dict(C=C2, I=I2, A=A2, B=C1))]
+
+    def shared(C1, C2):
+        return [(stmt, dict(C=C1, I=I1, A=A1, B=B)), (stmt, dict(C=C2, I=I2, A=A2, B=B))]
+
+    for build in (chained, shared):
+        for _ in range(3):
+            C1, C2 = torch.zeros(6, 3), torch.zeros(6, 3)
+            insum.insum_many(build(C1, C2), backend="triton")
+            first = torch.zeros(6, 3, dtype=torch.float64).index_add_(0, I1, A1.double()[:, None] * B.double())
+            second_in = first if build is chained else B.double()
+            second = torch.zeros(6, 3, dtype=torch.float64).index_add_(0, I2, A2.double()[:, None] * second_in)
+            torch.testing.assert_close(C1.double(), first)
+            torch.testing.assert_close(C2.double(), second)
+        batched = execute.prepared_batch(build(torch.zeros(6, 3), torch.zeros(6, 3)), options)
+        assert (batched is None) == (build is chained)
