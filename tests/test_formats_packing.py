@@ -19,21 +19,23 @@ def _csr(rows=600, cols=500, avg=12.0, seed=0):
     return power_law_matrix(rows, cols, avg, alpha=1.0, seed=seed, dtype=torch.float32)
 
 
-# (format, params, most ops): one host sync each, the read of the padded sizes.
+# (format, params, most ops): one host sync each, the read of the padded sizes. Each counts
+# the range check of the CSR tensor's columns (one aminmax, read in the sync; BlockGroupCOO
+# and CELL clamp the columns too, since their device work indexes by them before the sync).
 BUDGET = [
     (COO, {}, 12),  # each packer also reads its fan-in (groups per output row) in the sync
     (GroupCOO, {}, 30),
-    (GroupCOO, {"group_size": 8}, 26),
+    (GroupCOO, {"group_size": 8}, 27),
     (ELL, {}, 19),
-    (BlockGroupCOO, {}, 44),
-    (BlockGroupCOO, {"group_size": 2}, 41),
-    (BlockGroupCOO, {"group_size": "row"}, 34),
+    (BlockGroupCOO, {}, 45),
+    (BlockGroupCOO, {"group_size": 2}, 43),
+    (BlockGroupCOO, {"group_size": "row"}, 35),
     # CELL: +65 for the covering layout's next fit (a scan over the fold counts' runs) and
     # summary, before the sync (this matrix's hub rows fold too often for the layout;
     # `test_covering_cell_packs_in_one_sync` takes it).
-    (CELL, {}, 142),
-    (CELL, {"partitions": 3}, 84),
-    (CELL, {"max_width": 8}, 137),
+    (CELL, {}, 144),
+    (CELL, {"partitions": 3}, 85),
+    (CELL, {"max_width": 8}, 139),
 ]
 
 

@@ -28,7 +28,7 @@ from insum import (
     InsumTypeError,
     UnsupportedStatement,
 )
-from insum.formats import CELL, NM, BlockGroupCOO, GroupCOO
+from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -679,3 +679,31 @@ def test_convolution_sizes_must_be_positive():
 
     with pytest.raises(InsumError, match="SparseConv3d: kernel_size must be an integer >= 1, got 0"):
         SparseConv3d(5, 4, kernel_size=0)
+
+
+# ------------------------------------------------------------- found by fuzzing (session 21)
+
+
+def _outside_inputs() -> dict[str, torch.Tensor]:
+    """Torch sparse tensors with an index outside their shape (torch checks them only on request)."""
+    return {
+        "coo-col": torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 1000]]), torch.tensor([1.0, 2.0]), (2, 4)),
+        "coo-row": torch.sparse_coo_tensor(torch.tensor([[0, 7], [1, 1]]), torch.tensor([1.0, 2.0]), (2, 4)),
+        "coo-negative": torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, -1]]), torch.tensor([1.0, 2.0]), (2, 4),
+                                                check_invariants=False),
+        "csr-col": torch.sparse_csr_tensor(torch.tensor([0, 1, 2]), torch.tensor([1, 9]), torch.tensor([1.0, 2.0]),
+                                           (2, 4)),
+    }
+
+
+@pytest.mark.parametrize("name", ["coo-col", "coo-row", "coo-negative", "csr-col"])
+@pytest.mark.parametrize("cls, params", [
+    (COO, {}), (ELL, {}), (GroupCOO, {}), (CELL, {}), (NM, dict(n=1, m=2, vector_len=1)),
+    (BlockGroupCOO, dict(block=(1, 2))), (BlockGroupCOO, dict(block=(1, 2), group_size="row")),
+], ids=["COO", "ELL", "GroupCOO", "CELL", "NM", "BlockGroupCOO", "BlockELL"])
+def test_sparse_tensor_with_an_index_outside_its_shape_raises(cls, params, name):
+    """A torch sparse tensor with a column past K was packed as it was, and the product (which
+    trusts packed indices) read B out of bounds; a row past M was dropped, or raised a bare
+    IndexError. Packing now raises, from the packer's one sync."""
+    with pytest.raises(InsumShapeError, match=r"index outside its shape \(2, 4\)"):
+        cls.from_torch(_outside_inputs()[name], **params)

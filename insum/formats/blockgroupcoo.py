@@ -147,6 +147,7 @@ class BlockGroupCOO(SparseFormat):
         backend: str = "auto",
         coarsen: int | str = 1,
     ) -> BlockGroupCOO:
+        coords = coords.within_shape()  # (its device work indexes by them before its sync)
         bm, bk = _block_of(block)
         if coarsen != 1 or isinstance(coarsen, bool):
             return cls._coarsened(coords, (bm, bk), coarsen, group_size=group_size, pad=pad, index_dtype=index_dtype,

@@ -303,6 +303,7 @@ class CELL(SparseFormat):
         cover: bool = True,
         index_dtype: torch.dtype | None = None,
     ) -> CELL:
+        coords = coords.within_shape()  # (its device work indexes by them before its sync)
         M, K = coords.shape
         check_positive_int("partitions", partitions)
         if partitions > max(K, 1):

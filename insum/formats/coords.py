@@ -37,7 +37,11 @@ class Coords:
     known to be sorted and duplicate-free; otherwise (a CSR tensor, whose invariants torch
     checks only on request) it is a device scalar, positive iff they are. Packers read it in
     their one host sync (`read`) instead of paying a sync of its own, and start again
-    from `canonical()` when it fails.
+    from `canonical()` when it fails. `outside` is None when every coordinate is known to
+    lie within the shape; otherwise (a torch sparse tensor: torch checks its indices only on
+    request) the least and the greatest (row and) column (`_extremes`), read in the same
+    sync, which then raises: a packed index out of range would send the products (which
+    trust their packed indices) outside B or C.
     """
 
     shape: tuple[int, int]
@@ -46,6 +50,7 @@ class Coords:
     vals: torch.Tensor
     crow: torch.Tensor | None = None
     unchecked: torch.Tensor | None = None
+    outside: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def nnz(self) -> int:
@@ -85,21 +90,42 @@ class Coords:
         parts = [t.reshape(-1) for t in tensors]
         if self.unchecked is not None:
             parts.insert(0, self.unchecked.reshape(1))
+        if self.outside is not None:
+            parts[:0] = self.outside
         if not parts:
             return []
         parts = [p if p.dtype == torch.int64 else p.long() for p in parts]
         values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        if self.outside is not None and _outside(
+            self.shape, *([values.pop(0) for _ in range(len(part))] for part in self.outside)
+        ):
+            raise InsumShapeError(
+                f"the sparse tensor holds an index outside its shape {self.shape} (torch checks a sparse "
+                "tensor's indices only on request: torch.sparse.check_sparse_tensor_invariants)"
+            )
         if self.unchecked is not None and values.pop(0) <= 0:
             return None
         return values
 
     def checked(self) -> Coords:
-        """These coordinates if canonical (one sync when unverified), else `canonical()`."""
-        if self.unchecked is None:
+        """These coordinates if canonical and within the shape (one sync when unverified),
+        else `canonical()`."""
+        if self.unchecked is None and self.outside is None:
             return self
         if self.read() is None:
             return self.canonical()
         return Coords(self.shape, self.rows, self.cols, self.vals, self.crow)
+
+    def within_shape(self) -> Coords:
+        """These coordinates with any index outside the shape clamped into it (one op a
+        checked axis), for a packer whose device work indexes by them before its sync: the
+        sync's `read` raises all the same."""
+        if self.outside is None:
+            return self
+        M, K = self.shape
+        rows = self.rows.clamp(0, max(M - 1, 0)) if len(self.outside[0]) == 2 else self.rows
+        cols = self.cols.clamp(0, max(K - 1, 0))
+        return Coords(self.shape, rows, cols, self.vals, self.crow, self.unchecked, self.outside)
 
     def canonical(self) -> Coords:
         """Sorted row-major with duplicates summed (torch's coalesce rule)."""
@@ -120,13 +146,29 @@ def check_values(dtype: torch.dtype, what: str = "matrix values have") -> None:
 
 
 def _unchecked(shape: tuple[int, int], rows, cols, vals, crow=None) -> Coords:
-    """Coordinates whose canonical check is left on the device for the packer's one sync."""
+    """Coordinates whose canonical and range checks are left on the device for the packer's
+    one sync."""
     rows, cols = rows.long(), cols.long()
     check = None
     if cols.numel() > 1:
         # Strictly increasing row-major keys: sorted and duplicate-free.
         check = torch.add(cols, rows, alpha=max(shape[1], 1)).diff().min()
-    return Coords(shape, rows, cols, vals, crow, check)
+    return Coords(shape, rows, cols, vals, crow, check, _extremes(cols.view(1, -1)))
+
+
+def _extremes(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`Coords.outside` in one op: the least and the greatest of each row of `indices` (2 x nnz
+    rows and columns, or 1 x nnz columns whose rows follow from a row pointer). None without
+    coordinates."""
+    if indices.numel() == 0:
+        return None
+    return torch.aminmax(indices, dim=1)
+
+
+def _outside(shape: tuple[int, int], least: list[int], greatest: list[int]) -> bool:
+    """Whether the least / greatest (row and) column (`_extremes`) leave `shape`."""
+    sizes = shape[-len(least):]
+    return min(least) < 0 or any(g >= n for g, n in zip(greatest, sizes))
 
 
 def coords_of(A: torch.Tensor) -> Coords:
@@ -154,7 +196,7 @@ def coords_of(A: torch.Tensor) -> Coords:
             )
         A = A.coalesce()
         rows, cols = A.indices()
-        return Coords(shape, rows, cols, A.values())
+        return Coords(shape, rows, cols, A.values(), outside=_extremes(A.indices()))
     if layout == torch.sparse_csr:
         if A.values().dim() != 1:
             raise InsumShapeError("batched or hybrid sparse CSR tensors are not supported")
@@ -186,7 +228,7 @@ def coords_of(A: torch.Tensor) -> Coords:
         if layout == torch.sparse_bsc:
             keep = vals != 0
             rows, cols, vals = rows[keep], cols[keep], vals[keep]
-        return Coords(shape, rows, cols, vals)
+        return Coords(shape, rows, cols, vals, outside=_extremes(torch.stack([rows, cols])))
     raise InsumTypeError(f"unsupported tensor layout {layout}")
 
 
