@@ -62,6 +62,10 @@ class BoundedCache(dict[_K, _V]):
             self.pop(next(iter(self), None), None)
         super().__setitem__(key, value)
 
+    def __reduce__(self):
+        # (pickle's dict protocol would set items before `limit` exists)
+        return type(self), (self.limit,), None, None, iter(self.items())
+
 
 def memoize(fn: Callable[[_K], _R]) -> Callable[[_K], _R]:
     """Cache a one-argument pure function in a `BoundedCache` (exceptions are not cached)."""

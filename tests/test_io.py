@@ -183,7 +183,10 @@ def test_smtx(tmp_path, compress):
         ("3 5\n0 0 0 0\n\n", "line 1: expected 'nrows, ncols, nnz'"),
         ("3, 5, 4\n", "line 2: missing"),
         ("3, 5, 4\n0 2 4\n1 4 0 3\n", "line 2: expected 4 row offsets"),
-        ("3, 5, 4\n0 2 x 4\n1 4 0 3\n", "line 2: row offsets must be integers; token 3 is 'x'"),
+        ("3, 5, 4\n0 2 x 4\n1 4 0 3\n", "line 2: row offsets must be integers; token 3, 'x', is not an integer"),
+        # (found by fuzzing: a bare StopIteration)
+        ("3, 5, 4\n0 2 2 4\n1 99999999999999999999999 0 3\n",
+         "line 3: column indices must be integers; token 2, '99999999999999999999999', is out of the int64 range"),
         ("3, 5, 4\n0 3 2 4\n1 4 0 3\n", "token 3 is below the one before it"),
         ("3, 5, 4\n1 2 2 4\n1 4 0 3\n", "must start at 0"),
         ("3, 5, 4\n0 2 2 3\n1 4 0 3\n", "end at nnz=4"),

@@ -707,3 +707,47 @@ def test_sparse_tensor_with_an_index_outside_its_shape_raises(cls, params, name)
     IndexError. Packing now raises, from the packer's one sync."""
     with pytest.raises(InsumShapeError, match=r"index outside its shape \(2, 4\)"):
         cls.from_torch(_outside_inputs()[name], **params)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_format_pickles_after_its_products(backend):
+    """A format that had run a product could not be pickled or `torch.save`d (its plans hold
+    launchers, and a BoundedCache did not unpickle); a copy now drops what products built."""
+    import io
+    import pickle
+
+    if backend == "triton" and not (CUDA or INTERPRET):
+        pytest.skip("no generated kernels here")
+    A = torch.tensor([[1.0, 0, 2], [0, 3, 0]], device=DEVICE)
+    B = torch.randn(3, 4, device=DEVICE)
+    fmt = ELL.from_dense(A)
+    fmt.spmm(B, backend=backend)
+    fmt.spmm(B, backend=backend)  # (pinned)
+    copy = pickle.loads(pickle.dumps(fmt))
+    assert "_spmm_plans" not in copy.__dict__
+    torch.testing.assert_close(copy.spmm(B, backend=backend), A @ B)
+    buffer = io.BytesIO()
+    torch.save(fmt, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=False).spmm(B, backend=backend), A @ B)
+
+
+def test_bounded_cache_pickles():
+    import pickle
+
+    from insum.cache import BoundedCache
+
+    cache = BoundedCache(2)
+    cache["a"], cache["b"], cache["c"] = 1, 2, 3
+    again = pickle.loads(pickle.dumps(cache))
+    assert again == {"b": 2, "c": 3} and again.limit == 2
+
+
+@pytest.mark.parametrize("cls, params", [(ELL, {}), (BlockGroupCOO, dict(block=(2, 2), group_size="row")), (COO, {})],
+                         ids=["ELL", "BlockELL", "COO"])
+def test_matrix_without_columns_to_dense(cls, params):
+    """A matrix with K = 0 packs padding at column 0, which it does not have: to_dense raised
+    a bare IndexError (the product, which reads nothing, was right)."""
+    fmt = cls.from_dense(torch.zeros(5, 0), **params)
+    assert torch.equal(fmt.to_dense(), torch.zeros(5, 0))
+    assert torch.equal(fmt @ torch.zeros(0, 3), torch.zeros(5, 3))

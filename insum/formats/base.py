@@ -260,10 +260,23 @@ class SparseFormat:
                 f"{type(self).__name__}.{name} is a packed tensor and cannot be replaced: update its "
                 f"values in place ({name}.copy_(...)) or pack a new {type(self).__name__}"
             )
-        self.__dict__.pop("_spmm_plans", None)
-        self.__dict__.pop("_repeated", None)  # the gradients' pinned calls (`formats.repeat`)
-        self.__dict__.pop("_derived", None)  # what a format works out from its tensors once
+        # (the SpMM plans, the gradients' pinned calls of `formats.repeat`, and what a format
+        # works out from its tensors once)
+        for built in self._BUILT:
+            self.__dict__.pop(built, None)
         object.__setattr__(self, name, value)
+
+    #: What a format builds from its tensors on use, dropped by an assignment and by a copy.
+    _BUILT = ("_spmm_plans", "_repeated", "_derived")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle, `torch.save`, copy and deepcopy take the format without what its products
+        built (plans hold kernel launchers, and views pinned to these very tensors); a copy
+        builds its own on its first product."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._BUILT}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)  # (not through __setattr__, which refuses packed tensors)
 
     @property
     def nbytes(self) -> int:
@@ -321,7 +334,15 @@ class SparseFormat:
         return {k: aligned_rows(v) if k in cls.aligned_tensors else v for k, v in tensors.items()}
 
     def to_dense(self) -> torch.Tensor:
-        """The matrix as a dense tensor; padding adds exact zeros, so this is exact."""
+        """The matrix as a dense tensor; padding adds exact zeros, so this is exact. With
+        nothing stored, zeros (as the product, which reads nothing then: a matrix without
+        columns packs padding at a column it does not have)."""
+        if self.nnz == 0:
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self._dense()
+
+    def _dense(self) -> torch.Tensor:
+        """`to_dense` where something is stored."""
         slots = self._slot_rows()
         if slots is None:
             raise NotImplementedError

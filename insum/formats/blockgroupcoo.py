@@ -310,7 +310,7 @@ class BlockGroupCOO(SparseFormat):
             derived["padded_shape"] = (cdiv(M, bm) * bm, cdiv(K, bk) * bk)
         return derived["padded_shape"]
 
-    def to_dense(self) -> torch.Tensor:
+    def _dense(self) -> torch.Tensor:
         (bm, bk), (Mp, Kp) = self.block, self.padded_shape
         G, g = self.AK.shape
         tiles = torch.zeros(Mp // bm, Kp // bk, bm, bk, dtype=self.dtype, device=self.device)

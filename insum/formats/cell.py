@@ -486,7 +486,7 @@ class CELL(SparseFormat):
             for w in self.widths
         ]
 
-    def to_dense(self) -> torch.Tensor:
+    def _dense(self) -> torch.Tensor:
         dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         for _, t in self.statements():
             rows = t["RI"].long().unsqueeze(1).expand_as(t["CI"])

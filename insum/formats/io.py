@@ -206,9 +206,14 @@ def _integers(path, lines: list[str], index: int, what: str) -> np.ndarray:
     try:
         return np.array(tokens, dtype=np.int64) if tokens else np.zeros(0, dtype=np.int64)
     except (ValueError, OverflowError):
-        position = next(i for i, t in enumerate(tokens) if not re.fullmatch(r"[+-]?\d+", t))
+        position = next((i for i, t in enumerate(tokens) if not re.fullmatch(r"[+-]?\d+", t)), None)
+        if position is None:  # every token an integer: one past int64
+            position = next(i for i, t in enumerate(tokens) if not -(2**63) <= int(t) < 2**63)
+            problem = "is out of the int64 range"
+        else:
+            problem = "is not an integer"
         raise InsumError(
-            f"{path}, line {index + 1}: {what} must be integers; token {position + 1} is {tokens[position]!r}"
+            f"{path}, line {index + 1}: {what} must be integers; token {position + 1}, {tokens[position]!r}, {problem}"
         ) from None
 
 

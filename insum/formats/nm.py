@@ -201,7 +201,7 @@ class NM(SparseFormat):
     def padded_rows(self) -> int:
         return int(self.AV.shape[0] * self.AV.shape[1])
 
-    def to_dense(self) -> torch.Tensor:
+    def _dense(self) -> torch.Tensor:
         RB, L, U = self.AV.shape
         R, K = self.shape
         dense = torch.zeros(RB, K, L, dtype=self.dtype, device=self.device)
