@@ -751,3 +751,10 @@ def test_matrix_without_columns_to_dense(cls, params):
     fmt = cls.from_dense(torch.zeros(5, 0), **params)
     assert torch.equal(fmt.to_dense(), torch.zeros(5, 0))
     assert torch.equal(fmt @ torch.zeros(0, 3), torch.zeros(5, 3))
+
+
+def test_format_to_a_dtype_raises_clearly():
+    """`fmt.to(torch.float64)` took the dtype for a device and converted the index tensors first."""
+    fmt = ELL.from_dense(torch.eye(3))
+    with pytest.raises(InsumTypeError, match="moves a format to a device; torch.float64 is a dtype"):
+        fmt.to(torch.float64)

@@ -319,7 +319,10 @@ class SparseFormat:
         )
 
     def to(self, device: torch.device | str) -> SparseFormat:
-        """A copy with every tensor on `device` (the packing itself is not repeated)."""
+        """A copy with every tensor on `device` (the packing itself is not repeated). A dtype
+        is not a device: pack again (`from_dense(A.to(dtype))`) for other values' dtypes."""
+        if isinstance(device, torch.dtype):
+            raise InsumTypeError(f"{type(self).__name__}.to() moves a format to a device; {device} is a dtype")
         moved = copy.copy(self)
         # (drops the plans: __setattr__)
         moved._tensors = self.with_aligned_rows({k: v.to(device) for k, v in self._tensors.items()})
@@ -356,8 +359,11 @@ class SparseFormat:
     ) -> torch.Tensor:
         """A @ B (+ bias[:, None]) by running the format's indirect Einsum through `insum()`.
 
-        B is (K, N) or a vector (K,). The result has the promoted dtype of A and B;
-        half-precision results are accumulated in float32 and rounded once. bias: one value
+        B is (K, N) or a vector (K,). The result has the promoted dtype of A and B. Each
+        group's (each row's, each block's) products are summed in float32; a half-precision
+        result adds those partial sums into its rows in float32 and rounds once, except where
+        at most `grouping.HALF_FAN_IN` (8) add into one row: there they add in the result's
+        own precision (native atomics). bias: one value
         per row of A (M,), added to every column; in the kernel's epilogue where the format's
         product is one statement over C's rows (ELL, Block-ELL, NM: `bias_expression`), else
         added after it.
