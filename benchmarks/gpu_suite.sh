@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_suite.sh structured,nm,fusion
 #   bash benchmarks/gpu_suite.sh tests                  # the CUDA test suite, then codegen and the demo
 #   bash benchmarks/gpu_suite.sh torch                  # torch_checks: opcheck, autograd, graphs, MLP
+#   bash benchmarks/gpu_suite.sh reliability            # CUDA tests of the fuzzing fixes, gpu_fuzz, torch_checks' checks
 #   bash benchmarks/gpu_suite.sh packing                # packing time and ops per format
 #   bash benchmarks/gpu_suite.sh shapes                 # rectangular, odd and unaligned shapes (explore/shapes), N:M aligned rows
 #   bash benchmarks/gpu_suite.sh cellfill               # CELL without a zero fill (< 90 s): CUDA tests, host time, device A/B
@@ -55,6 +56,16 @@ case "$PART" in
     python -m benchmarks.codegen "$@" 2>&1 | tee "$DIR/codegen.log"
     python -m benchmarks.host_time 2>&1 | tee "$DIR/host_time.log"
     python -m insum demo --data .data 2>&1 | tee "$DIR/demo.log" | grep -v Warning
+    ;;
+  reliability)
+    # The CUDA tests of what the fuzzing fixes touch, random products and layer steps against
+    # float64 (explore/gpu_fuzz), torch_checks' checks, and the insum_many race at its size.
+    timeout 240 python -m pytest -q -p no:cacheprovider tests/test_reliability.py tests/test_nn.py tests/test_library.py \
+      tests/test_formats.py tests/test_host_path.py tests/test_io.py ${PYTEST_ARGS:-} 2>&1 \
+      | tee "$DIR/pytest_reliability.log" | tail -6
+    timeout 150 python -m benchmarks.explore.gpu_fuzz --budget 120 --out "$DIR" 2>&1 | tail -6 | tee "$DIR/gpu_fuzz.log"
+    timeout 150 python -m benchmarks.torch_checks --skip-bench 2>&1 | quiet | grep -E "PASS|FAIL|SKIP" \
+      | tee "$DIR/torch_checks.log"
     ;;
   torch)
     timeout 560 python -m benchmarks.torch_checks --out "$DIR/torch_mlp.json" "$@" 2>&1 | quiet | tee "$DIR/torch_checks.log"

@@ -758,3 +758,23 @@ def test_format_to_a_dtype_raises_clearly():
     fmt = ELL.from_dense(torch.eye(3))
     with pytest.raises(InsumTypeError, match="moves a format to a device; torch.float64 is a dtype"):
         fmt.to(torch.float64)
+
+
+@pytest.mark.skipif(not CUDA, reason="the race needs a GPU's concurrent programs (the CPU case: test_host_path)")
+def test_chained_insum_many_repeats_stay_right_on_the_gpu():
+    """Where a call reads another's output, every repeat runs them one by one (it raced as one
+    launch: off by 17 from the second call on, on an H200)."""
+    M, N = 1 << 16, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    I1 = torch.randint(0, M, (M,), device="cuda", generator=gen)
+    I2 = torch.randint(0, M, (M,), device="cuda", generator=gen)
+    A1, A2 = torch.randn(M, device="cuda", generator=gen), torch.randn(M, device="cuda", generator=gen)
+    B = torch.randn(M, N, device="cuda", generator=gen)
+    stmt = "C[I[p],n] += A[p]*B[p,n]"
+    first = torch.zeros(M, N, dtype=torch.float64, device="cuda").index_add_(0, I1, A1.double()[:, None] * B.double())
+    second = torch.zeros(M, N, dtype=torch.float64, device="cuda").index_add_(0, I2, A2.double()[:, None] * first)
+    for _ in range(3):
+        C1, C2 = torch.zeros(M, N, device="cuda"), torch.zeros(M, N, device="cuda")
+        insum.insum_many([(stmt, dict(C=C1, I=I1, A=A1, B=B)), (stmt, dict(C=C2, I=I2, A=A2, B=C1))],
+                         backend="triton")
+        torch.testing.assert_close(C2.double(), second, rtol=1e-4, atol=1e-4)
