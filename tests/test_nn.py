@@ -163,6 +163,75 @@ def test_frozen_slots_follow_a_loaded_pattern():
     torch.testing.assert_close(other.frozen_AV, layer.frozen_AV)
 
 
+def _two_patterns(fmt: str, params: dict):
+    """Two layers of one format and tensor shapes but other patterns (ELL rows of 2, 1, 2 and 1, 2, 2)."""
+    A = torch.tensor([[1.0, 2, 0, 0], [0, 3, 0, 0], [4, 0, 5, 0]], dtype=torch.float64)
+    B = torch.tensor([[0.0, 0, 7, 0], [0, 8, 0, 9], [0, 1, 0, 2]], dtype=torch.float64)
+    first, second = (SparseLinear.from_dense(W, None, fmt, backend="torch", **params) for W in (A, B))
+    shapes = [{k: v.shape for k, v in layer.state_dict().items() if torch.is_tensor(v)} for layer in (first, second)]
+    if shapes[0] != shapes[1]:
+        pytest.skip("the two patterns pack to other shapes in this format")
+    return first, second
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "derived"])
+@pytest.mark.parametrize("fmt, params", [("ELL", {}), ("GroupCOO", {"group_size": 2}), ("COO", {})],
+                         ids=["ELL", "GroupCOO", "COO"])
+def test_functional_call_with_another_pattern_gets_its_gradients(fmt, params, transposed):
+    """Found by fuzzing: `torch.func.functional_call` with another layer's tensors (another
+    pattern, the same shapes) ran the backward on the layer's own transposed pattern and frozen
+    slots: x's and the values' gradients were wrong. The swapped index tensors get a plan of
+    their own."""
+    first, second = _two_patterns(fmt, params)
+    first.transposed_backward = second.transposed_backward = transposed
+    state = {k: (v.detach().clone().requires_grad_() if v.is_floating_point() else v)
+             for k, v in second.state_dict().items() if torch.is_tensor(v)}
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 3, dtype=torch.float64)
+    for _ in range(2):  # (and the layer's own call in between)
+        x.grad = None
+        (torch.func.functional_call(first, state, (x,)) * dy).sum().backward()
+        xs = x.detach().clone().requires_grad_()
+        second.zero_grad()
+        (second(xs) * dy).sum().backward()
+        torch.testing.assert_close(x.grad, xs.grad)
+        torch.testing.assert_close(state["AV"].grad, second.AV.grad)
+        state["AV"].grad = None
+        first(x)
+
+
+def test_assigned_index_tensors_rebuild_the_plan():
+    """Assigning another pattern's tensors (a buffer and a parameter replaced) rebuilds the
+    layer's transposed pattern and frozen slots (they had stayed the old pattern's)."""
+    first, second = _two_patterns("ELL", {})
+    first.AK = second.AK.clone()
+    first.AV = torch.nn.Parameter(second.AV.detach().clone())
+    x = torch.randn(2, 4, dtype=torch.float64)
+    dy = torch.randn(2, 3, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (first(xa) * dy).sum().backward()
+    (second(xb) * dy).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    torch.testing.assert_close(first.AV.grad, second.AV.grad)
+    torch.testing.assert_close(first.frozen_AV, second.frozen_AV)
+
+
+def test_zero_slot_before_a_stored_one_does_not_freeze_it():
+    """Found by fuzzing: a zero slot at a position that a later slot stores took the position,
+    and the stored weight was frozen."""
+    from insum.formats import COO
+
+    AM, AK = torch.tensor([0, 0, 1]), torch.tensor([2, 2, 0])
+    AV = torch.tensor([0.0, 3.0, 2.0], dtype=torch.float64)
+    fmt = COO((2, 3), {"AM": AM.int(), "AK": AK.int(), "AV": AV}, nnz=2, dtype=torch.float64,
+              index_dtype=torch.int32, device=torch.device("cpu"), params={})
+    layer = SparseLinear.from_format(fmt, None, backend="torch")
+    assert layer.frozen_AV.tolist() == [True, False, False]
+    x = torch.ones(1, 3, dtype=torch.float64)
+    layer(x).sum().backward()
+    assert layer.AV.grad.tolist() == [0.0, 1.0, 1.0]
+
+
 def test_block_ell_padding_gets_no_gradient_and_stays_zero():
     layer = layer_for("BlockGroupCOO", {"block": (4, 4), "group_size": "row"}, out_features=16, seed=3)
     counts = layer.weight.declared_lengths()["q[p]"]

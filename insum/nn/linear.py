@@ -149,6 +149,18 @@ def initial_bias(out_features: int, in_features: int, device, dtype) -> torch.Te
     return torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)
 
 
+#: The prefixes of a layer's plan buffers: the transposed pattern's, the value gradient's
+#: tables', the frozen slots' masks' (`_plan_of`'s order).
+_PLAN_PREFIXES = ("grad_", "wgrad_", "frozen_")
+
+
+def _plan_of(fmt: SparseFormat, gradients) -> tuple[dict, dict, dict]:
+    """What a layer's backward runs on besides the format: its transposed pattern, the value
+    gradient's tables and the frozen slots (host syncs: outside traced code)."""
+    tables = fmt.value_gradient_tables()
+    return fmt.transposed_pattern() or {}, tables, frozen_slots(fmt, gradients, tables)
+
+
 class SparseLinear(nn.Module):
     """y = x @ W^T + b with W (out_features x in_features) held in a sparse format.
 
@@ -288,30 +300,31 @@ class SparseLinear(nn.Module):
         self._make_plan()
 
     def _make_plan(self) -> None:
-        """(Re)build the transposed pattern and the value gradient's tables from the current
-        index tensors (outside traced code: counting them may need a host sync)."""
+        """(Re)build the transposed pattern, the value gradient's tables and the frozen slots
+        from the current tensors (outside traced code: counting them may need a host sync),
+        kept as non-persistent buffers."""
         self._drop_kept()
-        for name in getattr(self, "_pattern_names", ()):
-            delattr(self, "grad_" + name)
-        for name in getattr(self, "_table_names", ()):
-            delattr(self, "wgrad_" + name)
+        for prefix, names in self._plan_buffers():
+            for name in names:
+                delattr(self, prefix + name)
         fmt = self._current_format()
-        pattern = fmt.transposed_pattern() or {}
-        for name, tensor in pattern.items():
-            self.register_buffer("grad_" + name, tensor, persistent=False)
-        self._pattern_names = tuple(pattern)
-        tables = fmt.value_gradient_tables()
-        for name, tensor in tables.items():
-            self.register_buffer("wgrad_" + name, tensor, persistent=False)
-        self._table_names = tuple(tables)
         self._gradients = gradient_statements(fmt)
-        for name in getattr(self, "_frozen_names", ()):
-            delattr(self, "frozen_" + name)
-        frozen = frozen_slots(fmt, self._gradients, tables)
-        for name, mask in frozen.items():
-            self.register_buffer("frozen_" + name, mask, persistent=False)
-        self._frozen_names = tuple(frozen)
+        plan = _plan_of(fmt, self._gradients)
+        for prefix, part in zip(_PLAN_PREFIXES, plan):
+            for name, tensor in part.items():
+                self.register_buffer(prefix + name, tensor, persistent=False)
+        self._pattern_names, self._table_names, self._frozen_names = (tuple(part) for part in plan)
+        self._plan_source = self._index_tensors()
         self._drop_kept()
+
+    def _plan_buffers(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return tuple(zip(_PLAN_PREFIXES, (getattr(self, "_pattern_names", ()), getattr(self, "_table_names", ()),
+                                          getattr(self, "_frozen_names", ()))))
+
+    def _index_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The format's index tensors as the layer holds them now (what its plan is built from)."""
+        tensors = (getattr(self, name) for name in self._tensor_names)
+        return tuple(t for t in tensors if not t.is_floating_point())
 
     # ------------------------------------------------------------------ the kept call
 
@@ -322,6 +335,8 @@ class SparseLinear(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         self._drop_kept()  # (register_parameter / register_buffer callers drop it themselves)
         super().__setattr__(name, value)
+        if name in self.__dict__.get("_tensor_names", ()):
+            self._make_plan()  # a format tensor replaced: the plan follows it (another pattern, other values)
 
     def __delattr__(self, name: str) -> None:
         self._drop_kept()
@@ -344,6 +359,8 @@ class SparseLinear(nn.Module):
                 aligned = aligned_rows(tensor.data)
                 if aligned is not tensor.data:
                     tensor.data = aligned
+            if "_plan_source" in self.__dict__:  # (the plan's buffers moved alike)
+                self._plan_source = self._index_tensors()
             self._drop_kept()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -363,10 +380,18 @@ class SparseLinear(nn.Module):
             if all(where.get(name) is t for where, name, t in held):
                 return info, tensors, call
         fmt = self._current_format()
-        names = self._pattern_names if self.transposed_backward else ()
-        pattern = {name: getattr(self, "grad_" + name) for name in names}
-        tables = {name: getattr(self, "wgrad_" + name) for name in getattr(self, "_table_names", ())}
-        frozen = {name: getattr(self, "frozen_" + name) for name in getattr(self, "_frozen_names", ())}
+        source = self._index_tensors()
+        if torch.compiler.is_compiling() or (
+            len(source) == len(self._plan_source) and all(a is b for a, b in zip(source, self._plan_source))
+        ):
+            pattern, tables, frozen = ({name: getattr(self, prefix + name) for name in names}
+                                       for prefix, names in self._plan_buffers())
+        else:
+            # Index tensors swapped in (torch.func.functional_call): a plan of their own, for this
+            # call only (its host syncs each time; under torch.compile a swap is not seen).
+            pattern, tables, frozen = _plan_of(fmt, self._gradients)
+        if not self.transposed_backward:
+            pattern = {}
         info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision, tables,
                            frozen)
         tensors = (*fmt._tensors.values(), *pattern.values(), *tables.values(), *frozen.values())

@@ -195,7 +195,7 @@ def frozen_slots(fmt: SparseFormat, gradients: Gradients, tables=None) -> dict[s
     """{value tensor name: bool mask of its slots that a layer must not train}, for the value
     tensors that have any; {} when every slot the product reads is a position of the pattern
     of its own. A slot is trained when the product reads it, it holds a nonzero value (the
-    pattern: packing stores zeros only as padding) and no earlier slot holds its position.
+    pattern: packing stores zeros only as padding) and no earlier such slot holds its position.
     Otherwise an empty row's padding, which points at column 0, would grow the pattern, and a
     group's padding, which repeats a stored position, would step that weight entry twice.
 
@@ -221,7 +221,9 @@ def frozen_slots(fmt: SparseFormat, gradients: Gradients, tables=None) -> dict[s
     stored = torch.cat([fmt._tensors[name].detach().reshape(-1) != 0 for name in values])
     slot = torch.arange(code.numel(), device=code.device)
     _, position = torch.unique(code, return_inverse=True)
-    first = torch.full_like(slot, code.numel()).scatter_reduce_(0, position, slot, reduce="amin")
+    # the first stored slot of each position (a zero slot before it does not take its place)
+    first = torch.full_like(slot, code.numel()).scatter_reduce_(
+        0, position, torch.where(stored, slot, code.numel()), reduce="amin")
     frozen = (code > 0) & ~(stored & (first[position] == slot))
     if not bool(frozen.any()):
         return {}
