@@ -356,6 +356,22 @@ def linear_sharded_input_local_output(rank):
 
 
 @check
+def linear_nm_from_dense_is_the_single_layer(rank):
+    """Found by fuzzing: N:M prunes per vector of vector_len rows, and a rank split inside a
+    vector pruned each part on its own (a weight off by 1.3 from SparseLinear's). The ranks
+    split at multiples of vector_len (`row_granule`)."""
+    W = torch.randn(5, 4, generator=torch.Generator().manual_seed(31), dtype=torch.float64)
+    params = dict(n=1, m=2, vector_len=2)
+    layer = DistributedSparseLinear.from_dense(W, None, "NM", backend="torch", **params)
+    assert layer.ranges == [range(0, 4), range(4, 5)]
+    single = SparseLinear.from_dense(W, None, "NM", backend="torch", **params)
+    gathered = layer(torch.eye(4, dtype=torch.float64)).t()
+    torch.testing.assert_close(gathered, single.to_dense())
+    with pytest.raises(InsumError, match="at least one output feature \\(in runs of 8"):
+        DistributedSparseLinear.from_dense(W, None, "NM", backend="torch", n=1, m=2, vector_len=8)
+
+
+@check
 def linear_new_layer_and_errors(rank):
     torch.manual_seed(rank)  # each rank draws its own rows
     layer = DistributedSparseLinear(8, 6, format="GroupCOO", sparsity=0.5)

@@ -566,6 +566,12 @@ class SparseFormat:
         return None
 
     @classmethod
+    def row_granule(cls, params: Mapping[str, Any]) -> int:
+        """How many rows packing treats together (1: each row on its own): rows split at its
+        multiples pack, part by part, as the whole matrix does (`DistributedSparseLinear`)."""
+        return 1
+
+    @classmethod
     def row_padding_slots(cls, shape: tuple[int, int], longest: int, params: Mapping[str, Any]) -> int:
         """At most how many value slots packing a matrix of `shape` whose longest row holds
         `longest` entries stores, for a format that pads rows toward the longest (0: it does

@@ -15,6 +15,7 @@ K * n / m is, so that the kernel loads their tiles as vectors.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -223,6 +224,11 @@ class NM(SparseFormat):
 
     def output_view(self, dC: torch.Tensor) -> torch.Tensor:
         return pad_rows(dC, self.padded_rows).reshape(self.output_shape(dC.shape[1]))
+
+    @classmethod
+    def row_granule(cls, params: Mapping[str, Any]) -> int:
+        """A vector of vector_len rows keeps one n:m choice of columns."""
+        return params.get("vector_len", inspect.signature(cls._pack).parameters["vector_len"].default)
 
     @classmethod
     def pruning_block(cls, params: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -28,24 +28,35 @@ from torch import nn
 
 from ..arith import cdiv
 from ..errors import InsumError, InsumShapeError
+from ..formats.base import format_class
 from .linear import SparseLinear, initial_bias, initial_weight, pruned_linear
 
 __all__ = ["DistributedSparseLinear", "feature_ranges"]
 
 
-def feature_ranges(features: int, world_size: int) -> list[range]:
-    """The contiguous output features of each rank: sizes differ by at most one.
+def feature_ranges(features: int, world_size: int, granule: int = 1) -> list[range]:
+    """The contiguous output features of each rank, split at multiples of `granule` (the
+    format's `row_granule`: N:M's vectors), so that every rank packs its rows as the whole
+    weight packs them; sizes differ by at most one granule.
 
     >>> feature_ranges(7, 2)
     [range(0, 4), range(4, 7)]
+    >>> feature_ranges(10, 2, granule=4)
+    [range(0, 8), range(8, 10)]
     """
-    if world_size < 1 or features < world_size:
+    units = cdiv(features, granule)
+    if world_size < 1 or units < world_size:
         raise InsumError(
-            f"DistributedSparseLinear splits out_features={features} over {world_size} ranks: "
-            "each rank needs at least one output feature"
+            f"DistributedSparseLinear splits out_features={features} over {world_size} ranks: each rank needs "
+            f"at least one output feature" + (f" (in runs of {granule}, the format's row granule)" if granule > 1 else "")
         )
-    bounds = [cdiv(k * features, world_size) for k in range(world_size + 1)]
+    bounds = [min(features, cdiv(k * units, world_size) * granule) for k in range(world_size + 1)]
     return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def row_granule(format: str, format_params: dict[str, Any]) -> int:
+    """The rows a format packs together (1 for "auto", which each rank chooses itself)."""
+    return 1 if format == "auto" else format_class(format).row_granule(format_params)
 
 
 def _group_info(group) -> tuple[int, int]:
@@ -117,7 +128,9 @@ class DistributedSparseLinear(nn.Module):
 
     Every rank builds it with the same arguments. A new layer draws its rows of W as
     nn.Linear would and prunes them by magnitude to `sparsity` (each rank's rows on
-    their own); `from_dense`/`from_linear` take a full weight and keep this rank's rows.
+    their own); `from_dense`/`from_linear` take a full weight and keep this rank's rows,
+    the same weight as `SparseLinear.from_dense` packs: the rows split at multiples of the
+    format's row granule (N:M's vector_len: its pruning keeps one choice per vector).
     format, format_params, backend, precision: as for `SparseLinear`.
     input_is_sharded: x holds this rank's rows of the batch (the same count on every rank)
     instead of all of them. gather_output: return all features instead of this rank's.
@@ -144,7 +157,7 @@ class DistributedSparseLinear(nn.Module):
         **format_params: Any,
     ):
         super().__init__()
-        self._setup(in_features, out_features, group, input_is_sharded, gather_output)
+        self._setup(in_features, out_features, group, input_is_sharded, gather_output, row_granule(format, format_params))
         rows = len(self.out_rows)
         weight = initial_weight(rows, in_features, format, sparsity, format_params, device, dtype)
         local_bias = initial_bias(rows, in_features, device, dtype) if bias else None
@@ -152,11 +165,11 @@ class DistributedSparseLinear(nn.Module):
             weight, local_bias, format, backend=backend, precision=precision, **format_params
         )
 
-    def _setup(self, in_features, out_features, group, input_is_sharded, gather_output) -> None:
+    def _setup(self, in_features, out_features, group, input_is_sharded, gather_output, granule: int) -> None:
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.group = group
         self.rank, self.world_size = _group_info(group)
-        self.ranges = feature_ranges(self.out_features, self.world_size)
+        self.ranges = feature_ranges(self.out_features, self.world_size, granule)
         self.out_rows = self.ranges[self.rank]
         self.input_is_sharded, self.gather_output = bool(input_is_sharded), bool(gather_output)
 
@@ -180,7 +193,8 @@ class DistributedSparseLinear(nn.Module):
             raise InsumShapeError(f"weight must be (out_features, in_features), got {got}")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._setup(weight.shape[1], weight.shape[0], group, input_is_sharded, gather_output)
+        layer._setup(weight.shape[1], weight.shape[0], group, input_is_sharded, gather_output,
+                     row_granule(format, format_params))
         if bias is not None and tuple(bias.shape) != (layer.out_features,):
             raise InsumShapeError(f"bias must have shape ({layer.out_features},), got {tuple(bias.shape)}")
         rows = slice(layer.out_rows.start, layer.out_rows.stop)
