@@ -380,9 +380,10 @@ class SparseLinear(nn.Module):
             if all(where.get(name) is t for where, name, t in held):
                 return info, tensors, call
         fmt = self._current_format()
+        planned = self.__dict__.get("_plan_source")  # (None: a layer pickled before it was kept)
         source = self._index_tensors()
-        if torch.compiler.is_compiling() or (
-            len(source) == len(self._plan_source) and all(a is b for a, b in zip(source, self._plan_source))
+        if torch.compiler.is_compiling() or planned is None or (
+            len(source) == len(planned) and all(a is b for a, b in zip(source, planned))
         ):
             pattern, tables, frozen = ({name: getattr(self, prefix + name) for name in names}
                                        for prefix, names in self._plan_buffers())
