@@ -35,6 +35,7 @@ from .execute import (
 )
 from .library import call
 from .parser import parse
+from .runtime import mark_written
 from .widening import plain_rows, widened_bound, widening_for
 
 __all__ = ["insum", "insum_many", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]
@@ -102,7 +103,9 @@ def insum(
     key = (backend, precision, autotune, check_indices, declared_key(sorted_indices), declared_key(unique_indices))
     repeat = prepared(expr, key, tensors, lengths)  # a call like an earlier one: straight to its launch
     if repeat is not None:
-        return repeat(tensors, lengths)
+        out = repeat(tensors, lengths)
+        mark_written(out)
+        return out
     check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     stmt = parse(expr)
@@ -110,7 +113,9 @@ def insum(
     if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
         return call(expr, tensors, stmt=stmt, sorted_indices=sorted_indices, unique_indices=unique_indices,
                     lengths=lengths, **options)
-    return run_and_prepare(expr, key, bind(stmt, tensors), tensors, lengths, sorted_indices, unique_indices, **options)
+    out = run_and_prepare(expr, key, bind(stmt, tensors), tensors, lengths, sorted_indices, unique_indices, **options)
+    mark_written(out)
+    return out
 
 
 def insum_many(
@@ -153,7 +158,9 @@ def insum_many(
     if not torch.compiler.is_compiling():
         batch = prepared_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
         if batch is not None:
-            return batch(calls)
+            outs = batch(calls)
+            mark_written(*{id(out): out for out in outs}.values())
+            return outs
     # (a widened statement would not join the repeats' one launch; traced code has no such
     # repeats, and dynamo does not trace a context variable)
     with contextlib.nullcontext() if torch.compiler.is_compiling() else plain_rows():

@@ -240,6 +240,15 @@ def _plan_here(spec: KernelSpec) -> Plan:
     return plan
 
 
+def mark_written(*outs: torch.Tensor) -> None:
+    """Tell autograd that a launch wrote `outs` in place (the kernel writes memory behind
+    torch's back): a tensor autograd saved before is then reported as modified at backward,
+    as after torch's own in-place ops, instead of being read with its new values."""
+    for out in outs:
+        if not out.is_inference():  # (no version counter)
+            torch.autograd.graph.increment_version(out)
+
+
 class Kernel:
     """A generated kernel: `.source`, `.plan`, and a launcher that tunes on first use.
 
@@ -284,7 +293,9 @@ class Kernel:
         out = bound.output()
         # As `insum()` does: what the extents decide always, index values under INSUM_CHECK_INDICES.
         check_indices(bound, out, device_check=flag("INSUM_CHECK_INDICES", default=False))
-        return kernel.launch(bound, out)
+        result = kernel.launch(bound, out)
+        mark_written(out)
+        return result
 
     # -- launching ----------------------------------------------------------------------
     def launch(self, bound: Bound, out: torch.Tensor, *, autotune: bool | None = None) -> torch.Tensor:

@@ -778,3 +778,33 @@ def test_chained_insum_many_repeats_stay_right_on_the_gpu():
         insum.insum_many([(stmt, dict(C=C1, I=I1, A=A1, B=B)), (stmt, dict(C=C2, I=I2, A=A2, B=C1))],
                          backend="triton")
         torch.testing.assert_close(C2.double(), second, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_generated_kernel_writes_bump_the_version_counter():
+    """Found by fuzzing: the generated kernel wrote its output behind autograd's back, so a
+    tensor that autograd had saved was read at backward with its new values (a silently wrong
+    gradient); torch's own in-place ops make backward raise instead, and so do insum's now:
+    `insum()` (first and repeated calls), `insum_many`'s one launch and `insum.compile`."""
+    stmt = "C[i, j] += A[i, k] * B[k, j]"
+    A, B = torch.ones(1, 1, device=DEVICE), torch.full((1, 2), 10.0, device=DEVICE)
+
+    def saved_then_written(write):
+        C = torch.tensor([[1.0, 2.0]], device=DEVICE)
+        w = torch.ones(1, 2, device=DEVICE, requires_grad=True)
+        z = (C * w).sum()  # saves C
+        write(C)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.backward()
+
+    for _ in range(3):  # the first call, then the prepared repeats
+        saved_then_written(lambda C: insum.insum(stmt, C=C, A=A, B=B, backend="triton"))
+    for _ in range(3):
+        saved_then_written(lambda C: insum.insum_many([(stmt, dict(C=C, A=A, B=B)), (stmt, dict(C=C, A=A, B=B))],
+                                                      backend="triton"))
+    kernel = insum.compile(stmt, C=torch.zeros(1, 2, device=DEVICE), A=A, B=B)
+    saved_then_written(lambda C: kernel(C=C, A=A, B=B))
+    with torch.inference_mode():  # (inference tensors keep no version counter)
+        C = torch.zeros(1, 2, device=DEVICE)
+        insum.insum(stmt, C=C, A=A, B=B, backend="triton")
+        torch.testing.assert_close(C, torch.full((1, 2), 10.0, device=DEVICE))
