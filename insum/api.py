@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .bind import bind
+from .bind import bind, mark_written
 from .errors import UnsupportedStatement
 from .execute import (
     BACKENDS,
@@ -35,7 +35,6 @@ from .execute import (
 )
 from .library import call
 from .parser import parse
-from .runtime import mark_written
 from .widening import plain_rows, widened_bound, widening_for
 
 __all__ = ["insum", "insum_many", "compile", "explain", "check_options", "BACKENDS", "PRECISIONS", "OPTIONS"]

@@ -222,6 +222,15 @@ def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:
     return tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
 
 
+def mark_written(*outs: torch.Tensor) -> None:
+    """Tell autograd that a launch wrote `outs` in place (the kernel writes memory behind
+    torch's back): a tensor autograd saved before is then reported as modified at backward,
+    as after torch's own in-place ops, instead of being read with its new values."""
+    for out in outs:
+        if not out.is_inference():  # (no version counter)
+            torch.autograd.graph.increment_version(out)
+
+
 def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:
     """Check `tensors` against `stmt`; raise an `InsumError` subclass naming what is wrong.
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .arith import cdiv, next_power_of_2
-from .bind import Bound, bind
+from .bind import Bound, bind, mark_written
 from .bounds import check_indices
 from .cache import BoundedCache
 from .codegen import (
@@ -238,15 +238,6 @@ def _plan_here(spec: KernelSpec) -> Plan:
     if plan.dot_dtype == "bf16" and _interpreting():
         plan = dataclasses.replace(plan, dot_dtype="fp32", spec=dataclasses.replace(spec, precision="ieee"))
     return plan
-
-
-def mark_written(*outs: torch.Tensor) -> None:
-    """Tell autograd that a launch wrote `outs` in place (the kernel writes memory behind
-    torch's back): a tensor autograd saved before is then reported as modified at backward,
-    as after torch's own in-place ops, instead of being read with its new values."""
-    for out in outs:
-        if not out.is_inference():  # (no version counter)
-            torch.autograd.graph.increment_version(out)
 
 
 class Kernel:

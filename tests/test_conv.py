@@ -392,3 +392,34 @@ def test_inference_mode_coordinates_are_mapped_without_the_cache():
         y, _ = conv(x_i, coords_i)
     torch.testing.assert_close(y, expected)
     assert len(cache) == 1  # only the map of the ordinary coordinates
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreter)])
+@pytest.mark.parametrize("form", ["pairs", "tiles", "auto"])
+def test_one_output_site_leaves_the_bias_as_it_is(form, backend):
+    """Found by fuzzing: with one output site the expanded bias is contiguous, so the pairs'
+    accumulator was the bias parameter itself: every forward added the convolution into the
+    bias (and returned a view of it)."""
+    layer = SparseConv3d(2, 3, kernel_size=3, bias=True, form=form, backend=backend).double()
+    with torch.no_grad():
+        layer.bias.copy_(torch.tensor([10.0, 20.0, 30.0]))
+    coords, feats = torch.tensor([[0, 4, 5, 6]]), torch.ones(1, 2, dtype=torch.float64)
+    expected = feats @ layer.weight.detach()[1, 1, 1] + torch.tensor([10.0, 20.0, 30.0])
+    for _ in range(3):
+        out, _ = layer(feats, coords)
+        torch.testing.assert_close(out.detach(), expected)
+        assert layer.bias.tolist() == [10.0, 20.0, 30.0]
+
+
+def test_returned_sites_edited_by_the_caller_come_back_unedited():
+    """Found by fuzzing: a strided layer returned the map's own sites tensor (a view of the
+    map's coordinates), so a caller's in-place edit changed the map and came back on the next
+    call; the sites are a copy of their own, made again when the caller changed them."""
+    layer = SparseConv3d(1, 1, 3, stride=2, subm=False, backend="torch").double()
+    coords, feats = torch.tensor([[0, 0, 0], [0, 0, 4]]), torch.ones(2, 1, dtype=torch.float64)
+    out, sites = layer(feats, coords)
+    expected = sites.clone()
+    assert layer(feats, coords)[1] is sites  # (one tensor per map: the next layer's cache hits)
+    sites += 100
+    again = layer(feats, coords)[1]
+    assert torch.equal(again, expected) and torch.equal(layer(feats, coords)[0], out)

@@ -197,7 +197,9 @@ class _SparseConv(torch.autograd.Function):
             if bias is None:
                 acc = torch.zeros(shape, dtype=acc_dtype, device=feats.device)
             else:
-                acc = bias.to(acc_dtype).expand(shape).contiguous()
+                # a copy always: with one output site the expanded bias is contiguous already,
+                # and the pairs' `+=` would add into the parameter itself
+                acc = torch.empty(shape, dtype=acc_dtype, device=feats.device).copy_(bias.expand(shape))
             if km.n_in:
                 pairs = _pair_tensors(km, tile, absent, feats.dtype)
                 insum(_statement(PAIRS, absent), O=acc, X=x, W=weight, **pairs, **opts)
@@ -268,6 +270,14 @@ def sparse_conv3d(
         raise InsumShapeError(f"bias must have shape [{w.shape[2]}] (out channels), got {tuple(bias.shape)}")
     b = None if bias is None else as_dtype(bias, feats.dtype)
     return _SparseConv.apply(feats, w, b, kernel_map, form, tile, backend, precision, absent)
+
+
+def _sites(km: KernelMap, coords: torch.Tensor) -> torch.Tensor:
+    """The map's output sites as the caller's coordinates lay them out (batch column or not,
+    their dtype), in a tensor of their own."""
+    columns = coords.shape[1]
+    sites = torch.empty((km.n_out, columns), dtype=coords.dtype, device=coords.device)
+    return sites.copy_(km.out_coords[:, 4 - columns :])
 
 
 class SparseConv3d(nn.Module):
@@ -345,8 +355,15 @@ class SparseConv3d(nn.Module):
             return out, coords
         if out_coords is not None:
             return out, out_coords
-        # One tensor per map, so the next layer's cache lookup hits.
-        sites = km.cached(("sites", coords.shape[1], coords.dtype), lambda: km.out_coords[:, 4 - coords.shape[1]:].to(coords.dtype))
+        # One tensor per map, so the next layer's cache lookup hits: a copy of the map's own
+        # sites (an edit of it must not reach the map), made again if the caller changed it in
+        # place (its version moved), which would otherwise come back changed.
+        key = ("sites", coords.shape[1], coords.dtype)
+        sites, version = km.cached(key, lambda: (_sites(km, coords), None))
+        if version is not None and sites._version != version:
+            sites = _sites(km, coords)
+        if version is None or sites._version != version:
+            km._packed[key] = (sites, None if sites.is_inference() else sites._version)
         return out, sites
 
     def extra_repr(self) -> str:
