@@ -199,7 +199,7 @@ class _SparseConv(torch.autograd.Function):
             else:
                 # a copy always: with one output site the expanded bias is contiguous already,
                 # and the pairs' `+=` would add into the parameter itself
-                acc = torch.empty(shape, dtype=acc_dtype, device=feats.device).copy_(bias.expand(shape))
+                acc = bias.to(acc_dtype).expand(shape).clone(memory_format=torch.contiguous_format)
             if km.n_in:
                 pairs = _pair_tensors(km, tile, absent, feats.dtype)
                 insum(_statement(PAIRS, absent), O=acc, X=x, W=weight, **pairs, **opts)
