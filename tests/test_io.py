@@ -5,7 +5,7 @@ import gzip
 import pytest
 import torch
 
-from insum.errors import InsumError
+from insum.errors import InsumError, InsumTypeError
 from insum.formats import load_mtx, load_smtx
 
 
@@ -229,3 +229,15 @@ def test_real_dlmc(data_dir):
             rows, cols, nnz = (int(t) for t in f.readline().split(","))
         A = load_smtx(path)
         assert A.shape == (rows, cols) and A._nnz() == nnz, path.name
+
+
+def test_mtx_integer_field_and_value_dtype(tmp_path):
+    """Found by fuzzing: an integer file's fractional value was read as it was, and an integer
+    dtype was accepted for the values."""
+    path = _write(tmp_path, "frac.mtx", "%%MatrixMarket matrix coordinate integer general\n2 2 1\n1 1 2.5\n")
+    with pytest.raises(InsumError, match="line 3: an integer matrix holds a fractional value"):
+        load_mtx(path)
+    good = _write(tmp_path, "int.mtx", "%%MatrixMarket matrix coordinate integer general\n2 2 1\n1 1 3\n")
+    assert load_mtx(good).to_dense().tolist() == [[3.0, 0.0], [0.0, 0.0]]
+    with pytest.raises(InsumTypeError, match="loaded values would have dtype torch.int64"):
+        load_mtx(good, dtype=torch.int64)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import InsumError
+from .coords import check_values
 
 __all__ = ["load_mtx", "load_smtx"]
 
@@ -96,6 +97,7 @@ def load_mtx(
     >>> A.shape, A.layout  # doctest: +SKIP
     (torch.Size([2708, 2708]), torch.sparse_csr)
     """
+    check_values(dtype, "loaded values would have")
     lines = _read_text(path).splitlines()
     if not lines:
         raise InsumError(f"{path}, line 1: empty file, expected a %%MatrixMarket header")
@@ -187,6 +189,10 @@ def load_mtx(
         )
         raise InsumError(f"{path}, line {number}: {reason}: {lines[number - 1]!r}")
 
+    if field == "integer" and (data[:, 2] != np.floor(data[:, 2])).any():
+        entry = int(np.argmax(data[:, 2] != np.floor(data[:, 2])))
+        number = _entry_lines(lines, size_at + 1)[entry]
+        raise InsumError(f"{path}, line {number}: an integer matrix holds a fractional value: {lines[number - 1]!r}")
     rows, cols = rows.astype(np.int64) - 1, cols.astype(np.int64) - 1
     vals = _pattern_values(nnz, seed) if field == "pattern" else torch.from_numpy(data[:, 2].copy())
     if symmetry != "general":
@@ -229,6 +235,7 @@ def load_smtx(
     >>> A.shape, A._nnz()  # doctest: +SKIP
     (torch.Size([64, 256]), 3276)
     """
+    check_values(dtype, "loaded values would have")
     lines = _read_text(path).splitlines()
     if not lines:
         raise InsumError(f"{path}, line 1: empty file, expected 'nrows, ncols, nnz'")
