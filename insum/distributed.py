@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .api import insum
 from .arith import cdiv
@@ -470,6 +471,7 @@ class _HaloSpMM(torch.autograd.Function):
         return C.to(B_local.dtype)
 
     @staticmethod
+    @once_differentiable  # (its exchange records no graph: a double backward would drop the halo's terms)
     def backward(ctx, dC):
         part, group = ctx.part, ctx.group
         dtype = dC.dtype

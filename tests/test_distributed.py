@@ -356,6 +356,23 @@ def linear_sharded_input_local_output(rank):
 
 
 @check
+def spmm_double_backward_raises(rank):
+    """Found by fuzzing: a double backward through the exchange kept each rank's own terms and
+    dropped the halo's (its all_to_all records no graph), silently; it raises now."""
+    gen = torch.Generator().manual_seed(3)
+    A = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    A[torch.rand(6, 6, generator=gen) > 0.4] = 0
+    B = torch.randn(6, 2, generator=gen, dtype=torch.float64)
+    (part,) = partition_rows(A.to_sparse(), 2, "rows", rank=rank, format="COO")
+    local = B[part.rows.start : part.rows.stop].clone().requires_grad_()
+    C = spmm(part, local, backend="torch", precision="ieee")
+    (grad,) = torch.autograd.grad((C**2).sum(), local, create_graph=True)
+    torch.testing.assert_close(grad, (2 * A.t() @ (A @ B))[part.rows.start : part.rows.stop])
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked with @once_differentiable"):
+        grad.sum().backward()
+
+
+@check
 def linear_nm_from_dense_is_the_single_layer(rank):
     """Found by fuzzing: N:M prunes per vector of vector_len rows, and a rank split inside a
     vector pruned each part on its own (a weight off by 1.3 from SparseLinear's). The ranks
