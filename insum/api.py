@@ -158,7 +158,7 @@ def insum_many(
         batch = prepared_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
         if batch is not None:
             outs = batch(calls)
-            mark_written(*{id(out): out for out in outs}.values())
+            mark_written(*outs)
             return outs
     # (a widened statement would not join the repeats' one launch; traced code has no such
     # repeats, and dynamo does not trace a context variable)

@@ -147,7 +147,6 @@ class BlockGroupCOO(SparseFormat):
         backend: str = "auto",
         coarsen: int | str = 1,
     ) -> BlockGroupCOO:
-        coords = coords.within_shape()  # (its device work indexes by them before its sync)
         bm, bk = _block_of(block)
         if coarsen != 1 or isinstance(coarsen, bool):
             return cls._coarsened(coords, (bm, bk), coarsen, group_size=group_size, pad=pad, index_dtype=index_dtype,
@@ -171,6 +170,7 @@ class BlockGroupCOO(SparseFormat):
         device = coords.device
         params = dict(block=(bm, bk), group_size=group_size, pad=pad, index_dtype=index_dtype)
 
+        coords = coords.within_shape()  # (the device work below indexes by them before the sync)
         rows, cols = coords.rows, coords.cols
         br = torch.div(rows, bm, rounding_mode="floor")
         bc = torch.div(cols, bk, rounding_mode="floor")

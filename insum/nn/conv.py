@@ -272,12 +272,13 @@ def sparse_conv3d(
     return _SparseConv.apply(feats, w, b, kernel_map, form, tile, backend, precision, absent)
 
 
-def _sites(km: KernelMap, coords: torch.Tensor) -> torch.Tensor:
+def _sites(km: KernelMap, coords: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     """The map's output sites as the caller's coordinates lay them out (batch column or not,
-    their dtype), in a tensor of their own."""
+    their dtype), in a tensor of their own, and its version (None: an inference tensor)."""
     columns = coords.shape[1]
     sites = torch.empty((km.n_out, columns), dtype=coords.dtype, device=coords.device)
-    return sites.copy_(km.out_coords[:, 4 - columns :])
+    sites.copy_(km.out_coords[:, 4 - columns :])
+    return sites, None if sites.is_inference() else sites._version
 
 
 class SparseConv3d(nn.Module):
@@ -359,11 +360,9 @@ class SparseConv3d(nn.Module):
         # sites (an edit of it must not reach the map), made again if the caller changed it in
         # place (its version moved), which would otherwise come back changed.
         key = ("sites", coords.shape[1], coords.dtype)
-        sites, version = km.cached(key, lambda: (_sites(km, coords), None))
+        sites, version = km.cached(key, lambda: _sites(km, coords))
         if version is not None and sites._version != version:
-            sites = _sites(km, coords)
-        if version is None or sites._version != version:
-            km._packed[key] = (sites, None if sites.is_inference() else sites._version)
+            sites, version = km._packed[key] = _sites(km, coords)
         return out, sites
 
     def extra_repr(self) -> str:

@@ -400,8 +400,8 @@ class SparseLinear(nn.Module):
         if not torch.compiler.is_compiling():
             call = KeptLinear(fmt, pattern, self._gradients, self.backend, self.precision, tables, frozen)
             held = []
-            kept = (*fmt._tensors.items(), *(("grad_" + n, t) for n, t in pattern.items()),
-                    *(("wgrad_" + n, t) for n, t in tables.items()), *(("frozen_" + n, t) for n, t in frozen.items()))
+            kept = (*fmt._tensors.items(), *((prefix + n, t) for prefix, part in zip(_PLAN_PREFIXES, (pattern, tables, frozen))
+                                             for n, t in part.items()))
             for name, t in kept:
                 held.append((self._parameters if name in self._parameters else self._buffers, name, t))
             self.__dict__["_kept"] = (info, tensors, tuple(held), call)  # (not through __setattr__, which drops it)
