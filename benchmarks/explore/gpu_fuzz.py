@@ -9,7 +9,11 @@ shape (odd sizes, one row, empty rows, not whole blocks) and a B (contiguous, tr
 strided slice), packs a random sparse matrix, and checks `fmt @ B` against the float64
 product of the matrix it holds (relative error <= 2e-3 fp32, which runs in tf32 / 1e-2 fp16, 2e-2 bf16) with the
 output poisoned first where one is passed. A few cases run a `SparseLinear` step instead
-(forward and gradients of x, weights and bias against float64 autograd of the dense layer).
+(forward and gradients of x, weights and bias against float64 autograd of the dense layer),
+and some a random statement of a product's shape written by hand (`statement_case`: gathered,
+affine and scattered rows and reduction indices, a block statement, a scale factor, an added
+term, a transposed output; `=` into a NaN-poisoned output or `+=` into a random one) against
+the reference lowering in float64, some with the gradients of both factors.
 Tuning is on for every fourth case, off (the default tile) otherwise, to cover both.
 A failing case prints everything needed to rerun it.
 """
@@ -25,6 +29,7 @@ import traceback
 
 import torch
 
+from insum import insum
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO, auto
 from insum.nn import SparseLinear
 from insum.nn.sparse_autograd import format_meta, rebuild_format
@@ -40,7 +45,7 @@ def say(line: str) -> None:
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
+    got, want = got.detach().double(), want.detach().double()
     if not torch.isfinite(got).all():
         return float("inf")
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
@@ -169,6 +174,110 @@ def layer_case(rng: random.Random, device) -> dict:
     return case
 
 
+#: Sizes of a statement case's variables: 1, odd, a tile, past a tile.
+STATEMENT_SIZES = [1, 16, 33, 64, 100, 130, 257]
+
+
+def _indices(rng: random.Random, high: int, shape: tuple, index_dtype, device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(rng.randrange(1 << 30))
+    return torch.randint(0, max(high, 1), shape, device=device, generator=gen).to(index_dtype)
+
+
+def _values(rng: random.Random, shape: tuple, dtype, device) -> torch.Tensor:
+    """Random values, held transposed (non-contiguous) one time in four when 2-D or more."""
+    gen = torch.Generator(device=device).manual_seed(rng.randrange(1 << 30))
+    if len(shape) >= 2 and rng.random() < 0.25:
+        flipped = shape[:-2] + (shape[-1], shape[-2])
+        return torch.randn(flipped, device=device, generator=gen).to(dtype).transpose(-1, -2)
+    return torch.randn(shape, device=device, generator=gen).to(dtype)
+
+
+def draw_statement(rng: random.Random, dtype, index_dtype, device) -> tuple[str, dict, bool]:
+    """(statement, tensors with the output "O", whether the output is a plain (m, n) one):
+    O[rows, n] op [c *] X[xrows, xk] * [S *] Y[yk, n] [+ D], each index drawn from plain,
+    gathered, row-dependent, affine and scattered forms, or a BlockGroupCOO statement."""
+    M, N, K = (rng.choice(STATEMENT_SIZES) for _ in range(3))
+    t: dict[str, torch.Tensor] = {}
+    if rng.random() < 0.2:  # blocks: O[AM[p]*b + i, n] += AV[p, q, i, j] * B[AK[p, q]*b + j, n]
+        b, P, Q, R = rng.choice([16, 32]), rng.choice([1, 3, 9]), rng.choice([1, 2, 5]), rng.choice([1, 2, 4])
+        t["AM"] = _indices(rng, R, (P,), index_dtype, device)
+        t["AK"] = _indices(rng, R, (P, Q), index_dtype, device)
+        t["AV"] = _values(rng, (P, Q, b, b), dtype, device)
+        t["B"] = _values(rng, (R * b, N), dtype, device)
+        op = rng.choice(["+=", "="])
+        t["O"] = _values(rng, (R * b, N), dtype, device) if op == "+=" else torch.full((R * b, N), float("nan"), device=device, dtype=dtype)
+        return f"O[AM[p]*{b} + i, n] {op} AV[p, q, i, j] * B[AK[p, q]*{b} + j, n]", t, False
+    xrows = rng.choice(["m", "IX[m]", "m + 3"])
+    xk = rng.choice(["k", "IK[k]"])
+    yk = rng.choice(["k", "IY[k]", "JY[m, k]"])
+    rows = rng.choice(["m", "m", "OM[m]", "m + 2"])
+    m_in_inputs = xrows != "m + 3" or yk == "JY[m, k]"  # (m's extent: a dimension it indexes directly)
+    if not m_in_inputs and rows == "m + 2":
+        rows = "m"
+    transposed = rows == "m" and rng.random() < 0.2
+    XM = {"m": M, "IX[m]": M + 5, "m + 3": M + 3}[xrows]
+    XK = {"k": K, "IK[k]": K + 2}[xk]
+    YK = {"k": K, "IY[k]": K + 7, "JY[m, k]": K + 7}[yk]
+    OM = {"m": M, "OM[m]": max(M // 2, 1), "m + 2": M + 2}[rows]
+    if xrows == "IX[m]":
+        t["IX"] = _indices(rng, XM, (M,), index_dtype, device)
+    if xk == "IK[k]":
+        t["IK"] = _indices(rng, XK, (K,), index_dtype, device)
+    if yk == "IY[k]":
+        t["IY"] = _indices(rng, YK, (K,), index_dtype, device)
+    if yk == "JY[m, k]":
+        t["JY"] = _indices(rng, YK, (M, K), index_dtype, device)
+    if rows == "OM[m]":
+        t["OM"] = _indices(rng, OM, (M,), index_dtype, device)
+    t["X"] = _values(rng, (XM, XK), dtype, device)
+    t["Y"] = _values(rng, (YK, N), dtype, device)
+    factors = f"X[{xrows}, {xk}] * Y[{yk}, n]"
+    if rng.random() < 0.2:
+        t["S"] = _values(rng, (K,), dtype, device)
+        factors = f"X[{xrows}, {xk}] * S[k] * Y[{yk}, n]"
+    if rng.random() < 0.2:
+        factors = f"0.5 * {factors}"
+    out = f"O[n, {rows}]" if transposed else f"O[{rows}, n]"
+    op = rng.choice(["+=", "="])
+    added = ""
+    if rows == "m" and rng.random() < 0.3:
+        t["D"] = _values(rng, (N,), dtype, device)
+        added = " + D[n]"
+    shape = (N, OM) if transposed else (OM, N)
+    t["O"] = _values(rng, shape, dtype, device) if op == "+=" else torch.full(shape, float("nan"), device=device, dtype=dtype)
+    return f"{out} {op} {factors}{added}", t, m_in_inputs and rows == "m" and not transposed and op == "="
+
+
+def statement_case(rng: random.Random, device) -> dict:
+    dtype = rng.choice([torch.float32] if SMOKE else [torch.float32, torch.float16, torch.bfloat16])
+    index_dtype = rng.choice([torch.int32, torch.int64])
+    stmt, t, plain = draw_statement(rng, dtype, index_dtype, device)
+    case = dict(kind="statement", stmt=stmt, dtype=str(dtype), index_dtype=str(index_dtype),
+                shapes={n: tuple(v.shape) for n, v in t.items()})
+    want = insum(stmt, backend="torch", **{n: v.double() if v.is_floating_point() else v for n, v in t.items()})
+    given = {n: v.clone() for n, v in t.items()}
+    got = insum(stmt, **given)
+    case["err"] = relative_error(got, want) if want.norm() > 0 else float(got.abs().max() if got.numel() else 0)
+    case["in_place"] = got is given["O"]
+    ok = case["in_place"] and case["err"] <= TOL[dtype]
+    if plain and rng.random() < 0.5:  # gradients of both factors, the output allocated
+        names = [n for n in ("X", "Y") if n in t]
+        leaves = {n: t[n].detach().clone().requires_grad_() for n in names}
+        leaves64 = {n: t[n].detach().double().requires_grad_() for n in names}
+        rest = {n: v for n, v in t.items() if n not in names and n != "O"}
+        y = insum(stmt, **rest, **leaves)
+        y64 = insum(stmt, backend="torch", **{n: v.double() if v.is_floating_point() else v for n, v in rest.items()},
+                    **leaves64)
+        gy = torch.randn_like(y64)
+        y.backward(gy.to(y.dtype))
+        y64.backward(gy)
+        case["grads"] = {n: relative_error(leaves[n].grad, leaves64[n].grad) for n in names
+                         if leaves64[n].grad.norm() > 0}
+        ok = ok and all(e <= TOL[dtype] * 3 for e in case["grads"].values())
+    case["ok"] = ok
+    return case
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=240.0)
@@ -188,7 +297,7 @@ def main() -> None:
         case_rng = random.Random(seed)
         os.environ["INSUM_AUTOTUNE"] = "1" if i % 4 == 0 else "0"
         try:
-            case = (layer_case if i % 5 == 4 else product_case)(case_rng, device)
+            case = (layer_case if i % 5 == 4 else statement_case if i % 5 in (1, 3) else product_case)(case_rng, device)
         except Exception as e:  # a crash is a finding too: reported with its seed
             case = dict(kind="crash", error=f"{type(e).__name__}: {str(e)[:300]}", trace=traceback.format_exc()[-1500:],
                         ok=False)
