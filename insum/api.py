@@ -11,7 +11,9 @@ import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.autograd import forward_ad
 
+from .autograd import tangents, tensor_names
 from .bind import bind, mark_written
 from .errors import UnsupportedStatement
 from .execute import (
@@ -99,6 +101,10 @@ def insum(
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
                     sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths)
+    if forward_ad._current_level >= 0 and _any_tangent(tensors):  # forward-mode AD (inside `dual_level`)
+        facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices, "lengths": lengths}
+        return _forward_mode(expr, tensors, backend=backend, precision=precision, autotune=autotune,
+                             check_indices=check_indices, **facts)
     key = (backend, precision, autotune, check_indices, declared_key(sorted_indices), declared_key(unique_indices))
     repeat = prepared(expr, key, tensors, lengths)  # a call like an earlier one: straight to its launch
     if repeat is not None:
@@ -169,6 +175,34 @@ def insum_many(
     ):
         prepare_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
     return outs
+
+
+def _any_tangent(tensors: dict) -> bool:
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors.values())
+
+
+def _forward_mode(expr: str, tensors: dict, **options) -> torch.Tensor:
+    """insum() on tensors that carry forward-mode tangents: the statement on their primals,
+    and the output's tangent as the sum of its tangent statements (`insum.autograd.tangents`),
+    each run by insum() itself. A given output is updated in place, its tangent too."""
+    stmt = parse(expr)
+    unpacked = {name: forward_ad.unpack_dual(t) for name, t in tensors.items()}
+    primals = {name: u.primal for name, u in unpacked.items()}
+    given = {name: u.tangent for name, u in unpacked.items() if u.tangent is not None}
+    out_name = stmt.output.name
+    out = tensors.get(out_name)
+    if out is not None:  # computed apart, then copied in with its tangent
+        primals[out_name] = primals[out_name].clone()
+    primal = insum(expr, **options, **primals)
+    plan = tangents(stmt)
+    incoming = given.get(out_name) if stmt.accumulate else None
+    tangent = incoming.clone() if incoming is not None else torch.zeros_like(primal)
+    for name, term in plan.terms:
+        if name in given:
+            env = {**primals, plan.names[name]: given[name], plan.output: tangent}
+            insum(str(term), **options, **{n: env[n] for n in (plan.output, *tensor_names(term))})
+    result = forward_ad.make_dual(primal, tangent)
+    return result if out is None else out.copy_(result)
 
 
 def _any_requires_grad(tensors: dict) -> bool:

@@ -21,7 +21,12 @@ extent: the variables of dO's direct indices are the output's, and those of dFj'
     dAV[p, q] += dC[AM[p], n] * B[AK[p, q], n]
     dB[AK[p, q], n] += AV[p, q] * dC[AM[p], n]
     dC: the output gradient itself (+=)
+
+Forward mode (`tangents`) is the same linearity read the other way: the output's tangent is
+the sum, over the factors, of the statement with that one factor replaced by its tangent
+(the same indices), plus the added term's tangent and, for `+=`, the incoming output's.
 """
+
 
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from .errors import InsumError
 from .ir import Access, Statement
 from .parser import parse
 
-__all__ = ["Derivation", "derive", "tensor_names"]
+__all__ = ["Derivation", "Tangents", "derive", "tangents", "tensor_names"]
 
 
 @dataclass(frozen=True)
@@ -136,3 +141,43 @@ def derive(stmt: Statement | str, wrt: str | None = None) -> Derivation:
         else:
             raise InsumError(f"'{stmt}' does not read a tensor named {wrt}")
     return derivation
+
+
+@dataclass(frozen=True)
+class Tangents:
+    """The forward-mode (tangent) statements of one statement: each accumulates (`+=`)
+    into the output's tangent, named `output`.
+
+    terms: (tensor, statement) for each factor and the added term: the statement reads that
+    tensor's tangent under `names[tensor]` in place of the tensor at that one position.
+    """
+
+    output: str
+    names: Mapping[str, str]
+    terms: tuple[tuple[str, Statement], ...]
+
+
+@memoize
+def tangents(stmt: Statement) -> Tangents:
+    """The statements whose sum is the output's tangent, given the factors' tangents.
+
+    >>> t = tangents(parse("C[m, n] = A[m, k] * A[k, n] + D[n]"))
+    >>> for _, s in t.terms:
+    ...     print(s)
+    tC[m, n] += tA[m, k] * A[k, n]
+    tC[m, n] += A[m, k] * tA[k, n]
+    tC[m, n] += tD[n]
+    """
+    taken = {access.name for access, _ in stmt.walk()}
+    output = _fresh("t" + stmt.output.name, taken)
+    addend = (stmt.addend,) if stmt.addend is not None else ()
+    names = {name: _fresh("t" + name, taken) for name in dict.fromkeys(a.name for a in (*stmt.accesses(), *addend))}
+    out = Access(output, stmt.output.indices)
+    terms = []
+    for j, factor in enumerate(stmt.factors):
+        if isinstance(factor, Access):
+            replaced = tuple(Access(names[f.name], f.indices) if k == j else f for k, f in enumerate(stmt.factors))
+            terms.append((factor.name, Statement(out, "+=", replaced)))
+    for term in addend:
+        terms.append((term.name, Statement(out, "+=", (Access(names[term.name], term.indices),))))
+    return Tangents(output=output, names=names, terms=tuple(terms))
