@@ -323,3 +323,13 @@ def test_generated_names_do_not_clash_with_user_names():
 
 def _source_of(stmt, tensors):
     return kernel_for(bind(parse(stmt), {k: v.to(DEVICE) for k, v in tensors.items()})).source
+
+
+def test_literal_factors_whose_product_overflows_compile():
+    # Their product folds to inf on the host: the source printed `inf`, a name Triton lacks.
+    A = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    stmt = "C[i] += A[i] * 1e300 * 1e300"
+    expected = insum.insum(stmt, backend="torch", A=A)
+    actual = insum.insum(stmt, backend="triton", A=A.to(DEVICE))
+    assert expected.tolist() == actual.cpu().tolist() == [float("inf"), float("-inf")]
+    assert 'float("inf")' in _source_of(stmt, {"A": A})

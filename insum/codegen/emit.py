@@ -16,6 +16,7 @@ loop levels, hoisted loads), and the assembly below must see all of it.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 
@@ -535,8 +536,8 @@ def emit(plan: Plan) -> Source:
     for factor in stmt.factors:
         if isinstance(factor, Literal):
             scale *= factor.value
-    if scale != 1.0:
-        em.put(0, f"acc = acc * {float(scale)!r}")
+    if scale != 1.0:  # (literals whose product overflows: `float("inf")`, a name Triton knows)
+        em.put(0, f"acc = acc * {float(scale)!r}" if math.isfinite(scale) else f'acc = acc * float("{scale}")')
     if not acc_axes:
         em.put(0, "acc = tl.sum(acc, axis=0)  # []")
     if stmt.addend is not None:
