@@ -172,6 +172,11 @@ def linear_gradients(
     bool mask of its slots left untrained (`frozen_slots`), their gradients zero."""
     if fmt.nnz == 0:  # the product read nothing (`_SpmmPlan.empty`): its padding slots are not trained
         return (torch.zeros_like(x2) if x_wanted else None), {name: torch.zeros_like(fmt._tensors[name]) for name in wanted}
+    if frozen and torch.is_grad_enabled():
+        # A double backward (create_graph) differentiates these gradients through the values
+        # too: the frozen slots read as constants there, so that no order trains them.
+        held = {name: torch.where(frozen[name], t.detach(), t) for name, t in fmt._tensors.items() if name in frozen}
+        fmt = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), {**fmt._tensors, **held})
     dtype = promoted(fmt.dtype, dy.dtype)
     dC = fmt.output_view(as_dtype(dy.t(), dtype))
     # x's operand view (a copy for formats that gather its rows): for the values' and the
