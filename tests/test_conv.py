@@ -423,3 +423,27 @@ def test_returned_sites_edited_by_the_caller_come_back_unedited():
     sites += 100
     again = layer(feats, coords)[1]
     assert torch.equal(again, expected) and torch.equal(layer(feats, coords)[0], out)
+
+
+def test_a_layer_pickles_after_its_kernel_maps_are_cached():
+    """Found by fuzzing: once a layer had run, its cache held weak references and
+    torch.save / pickle / deepcopy of the layer (or a model holding it) failed. A cache
+    pickles empty; the default cache pickles as the loading process's own."""
+    import copy
+    import io
+    import pickle
+
+    from insum.nn.kernel_map import default_cache
+
+    coords = torch.tensor([[0, 0, 0], [0, 0, 1], [2, 3, 1]])
+    feats = torch.randn(3, 3)
+    for cache in (None, KernelMapCache()):
+        conv = SparseConv3d(3, 4, kernel_size=3, backend="torch", **({} if cache is None else {"cache": cache}))
+        y, _ = conv(feats, coords)
+        buffer = io.BytesIO()
+        torch.save(conv, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        for twin in (loaded, pickle.loads(pickle.dumps(conv)), copy.deepcopy(conv)):
+            torch.testing.assert_close(twin(feats, coords)[0], y)
+            assert (twin.cache is default_cache) == (cache is None)

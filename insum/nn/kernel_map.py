@@ -1337,5 +1337,10 @@ class KernelMapCache:
     def clear(self) -> None:
         self._maps.clear()
 
+    def __reduce__(self):
+        """Pickled (torch.save, deepcopy) empty: its entries are keyed by tensors of this
+        process. `default_cache` pickles by name, as the loading process's own."""
+        return "default_cache" if self is default_cache else (KernelMapCache, ())
+
 
 default_cache = KernelMapCache()

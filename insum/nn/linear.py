@@ -335,7 +335,7 @@ class SparseLinear(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         self._drop_kept()  # (register_parameter / register_buffer callers drop it themselves)
         super().__setattr__(name, value)
-        if name in self.__dict__.get("_tensor_names", ()):
+        if name in self.__dict__.get("_tensor_names", ()) and not self.__dict__.get("_loading"):
             self._make_plan()  # a format tensor replaced: the plan follows it (another pattern, other values)
 
     def __delattr__(self, name: str) -> None:
@@ -486,10 +486,21 @@ class SparseLinear(nn.Module):
                     f"({self.out_features}, {self.in_features})"
                 )
                 return
+            absent = [name for name in state["tensors"] if prefix + name not in state_dict]
+            if absent:  # a format is loaded whole or not at all (its tensors describe one pattern)
+                error_msgs.append(
+                    f"missing tensors {', '.join(prefix + n for n in absent)} of the saved weight of {prefix or 'the layer'}: "
+                    "its format cannot be loaded in part; the layer keeps its weight"
+                )
+                return
             self._adopt(state, state_dict, prefix)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        self._loading = True  # (assign=True sets the tensors one by one: the plan is made once, after)
+        try:
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            )
+        finally:
+            del self._loading
         if not error_msgs:
             self._make_plan()  # the loaded indices: a new transposed pattern
         self._drop_kept()
@@ -524,6 +535,12 @@ class SparseLinear(nn.Module):
             else:
                 self.register_buffer(name, tensor)
         self._tensor_names = tuple(n for n in state["tensors"] if prefix + n in state_dict)
+        # The values first, as a constructed layer registers them (an optimizer's saved state
+        # follows the order of `parameters()`).
+        order = sorted(self._parameters, key=lambda n: n not in self._tensor_names)
+        reordered = {n: self._parameters[n] for n in order}
+        self._parameters.clear()
+        self._parameters.update(reordered)
         self._format_cls = cls
         old_meta = getattr(self, "_format_meta", {})
         self._format_meta = {
