@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.autograd import forward_ad
 
-from .autograd import tangents, tensor_names
 from .bind import bind, mark_written
 from .errors import UnsupportedStatement
 from .execute import (
@@ -35,7 +34,7 @@ from .execute import (
     staged_bounds,
     staging_for,
 )
-from .library import call
+from .library import LENGTHS, call, has_tangent, output_tangent
 from .parser import parse
 from .widening import plain_rows, widened_bound, widening_for
 
@@ -101,7 +100,8 @@ def insum(
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
                     sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths)
-    if forward_ad._current_level >= 0 and _any_tangent(tensors):  # forward-mode AD (inside `dual_level`)
+    if has_tangent(tensors.values()) and not (torch.is_grad_enabled() and _any_requires_grad(tensors)):
+        # forward-mode AD alone (with gradients too, the operators' path below carries tangents)
         facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices, "lengths": lengths}
         return _forward_mode(expr, tensors, backend=backend, precision=precision, autotune=autotune,
                              check_indices=check_indices, **facts)
@@ -177,30 +177,25 @@ def insum_many(
     return outs
 
 
-def _any_tangent(tensors: dict) -> bool:
-    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors.values())
-
-
-def _forward_mode(expr: str, tensors: dict, **options) -> torch.Tensor:
+def _forward_mode(
+    expr: str, tensors: dict, *, sorted_indices, unique_indices, lengths, **options
+) -> torch.Tensor:
     """insum() on tensors that carry forward-mode tangents: the statement on their primals,
-    and the output's tangent as the sum of its tangent statements (`insum.autograd.tangents`),
-    each run by insum() itself. A given output is updated in place, its tangent too."""
-    stmt = parse(expr)
+    and the output's tangent (`insum.library.output_tangent`). A given output is updated in
+    place, its tangent too."""
     unpacked = {name: forward_ad.unpack_dual(t) for name, t in tensors.items()}
     primals = {name: u.primal for name, u in unpacked.items()}
-    given = {name: u.tangent for name, u in unpacked.items() if u.tangent is not None}
-    out_name = stmt.output.name
+    tangents = {name: u.tangent for name, u in unpacked.items() if u.tangent is not None}
+    out_name = parse(expr).output.name
     out = tensors.get(out_name)
     if out is not None:  # computed apart, then copied in with its tangent
         primals[out_name] = primals[out_name].clone()
-    primal = insum(expr, **options, **primals)
-    plan = tangents(stmt)
-    incoming = given.get(out_name) if stmt.accumulate else None
-    tangent = incoming.clone() if incoming is not None else torch.zeros_like(primal)
-    for name, term in plan.terms:
-        if name in given:
-            env = {**primals, plan.names[name]: given[name], plan.output: tangent}
-            insum(str(term), **options, **{n: env[n] for n in (plan.output, *tensor_names(term))})
+    facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices}
+    primal = insum(expr, **options, **facts, lengths=lengths, **primals)
+    reads = {name: t for name, t in primals.items() if name != out_name}
+    reads.update({LENGTHS + key: t for key, t in (lengths or {}).items()})
+    facts = {key: sorted(names) for key, names in facts.items()}
+    tangent = output_tangent(expr, reads, tangents, primal, **options, **facts)
     result = forward_ad.make_dual(primal, tangent)
     return result if out is None else out.copy_(result)
 

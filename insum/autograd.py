@@ -148,13 +148,14 @@ class Tangents:
     """The forward-mode (tangent) statements of one statement: each accumulates (`+=`)
     into the output's tangent, named `output`.
 
-    terms: (tensor, statement) for each factor and the added term: the statement reads that
-    tensor's tangent under `names[tensor]` in place of the tensor at that one position.
+    terms: (tensor, its access there, statement) for each factor and the added term: the
+    statement reads that tensor's tangent under `names[tensor]` in place of the tensor at
+    that one position.
     """
 
     output: str
     names: Mapping[str, str]
-    terms: tuple[tuple[str, Statement], ...]
+    terms: tuple[tuple[str, Access, Statement], ...]
 
 
 @memoize
@@ -162,7 +163,7 @@ def tangents(stmt: Statement) -> Tangents:
     """The statements whose sum is the output's tangent, given the factors' tangents.
 
     >>> t = tangents(parse("C[m, n] = A[m, k] * A[k, n] + D[n]"))
-    >>> for _, s in t.terms:
+    >>> for _, _, s in t.terms:
     ...     print(s)
     tC[m, n] += tA[m, k] * A[k, n]
     tC[m, n] += A[m, k] * tA[k, n]
@@ -177,7 +178,7 @@ def tangents(stmt: Statement) -> Tangents:
     for j, factor in enumerate(stmt.factors):
         if isinstance(factor, Access):
             replaced = tuple(Access(names[f.name], f.indices) if k == j else f for k, f in enumerate(stmt.factors))
-            terms.append((factor.name, Statement(out, "+=", replaced)))
+            terms.append((factor.name, factor, Statement(out, "+=", replaced)))
     for term in addend:
-        terms.append((term.name, Statement(out, "+=", (Access(names[term.name], term.indices),))))
+        terms.append((term.name, term, Statement(out, "+=", (Access(names[term.name], term.indices),))))
     return Tangents(output=output, names=names, terms=tuple(terms))

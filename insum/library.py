@@ -36,11 +36,14 @@ host and cannot be.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.autograd import forward_ad
 
-from .autograd import Derivation, derive
+from .autograd import Derivation, derive, tensor_names
+from .autograd import tangents as tangents_of
 from .bind import PLAIN_TENSORS, bind
 from .dtypes import HALF_DTYPES, as_dtype, compute_dtype
 from .execute import LENGTH_KEY, prepared, run_and_prepare
@@ -95,6 +98,69 @@ def _run(
         return repeat(given, lengths)
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     return run_and_prepare(expr, key, bind(parse(expr), given), given, lengths, sorted_names, unique_names, **options)
+
+
+# --------------------------------------------------------------------------- forward mode
+
+
+def has_tangent(tensors) -> bool:
+    """Whether forward-mode AD is on (inside `forward_ad.dual_level`) and a tensor carries a
+    tangent; outside a dual level this reads one module attribute."""
+    if forward_ad._current_level < 0:
+        return False
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def output_tangent(
+    expr: str,
+    primals: Mapping[str, torch.Tensor],
+    tangents: Mapping[str, torch.Tensor],
+    like: torch.Tensor,
+    backend: str,
+    precision: str,
+    autotune: bool | None = None,
+    check_indices: bool | None = None,
+    sorted_indices: Sequence[str] | None = None,
+    unique_indices: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """The forward-mode tangent of `expr`'s output: the sum of its tangent statements
+    (`insum.autograd.tangents`) on the primal tensors (declared lengths among them under
+    `LENGTHS`) and the given tangents, plus the incoming output's tangent for `+=` (under
+    the output's name). `like`: the output's primal (shape, dtype, device)."""
+    stmt = parse(expr)
+    plan = tangents_of(stmt)
+    given, lengths = _split(list(primals), list(primals.values()))
+    incoming = tangents.get(stmt.output.name) if stmt.accumulate else None
+    tangent = incoming.to(like.dtype, copy=True) if incoming is not None else torch.zeros_like(like)
+    for name, access, term in plan.terms:
+        if tangents.get(name) is None:
+            continue
+        read = _zeroed_past_lengths(access, tangents[name], lengths)  # (padding's tangent: not read)
+        env = {**given, plan.names[name]: read, plan.output: tangent}
+        reads = tensor_names(term)
+        variables = set(term.variables())
+        # only the lengths, facts of this term's own variables and tensors (an added term's has none)
+        term_lengths = {k: v for k, v in lengths.items() if LENGTH_KEY.match(k).group(1) in variables}
+        facts = [[n for n in names or () if n in reads] for names in (sorted_indices, unique_indices)]
+        _run(str(term), {n: env[n] for n in (plan.output, *reads)}, term_lengths, backend, precision, autotune,
+             check_indices, *facts)
+    return tangent
+
+
+def _dual_functional(expr, init, names, tensors, shape, dtype, *options) -> torch.Tensor:
+    """`_functional` on tensors that carry tangents: the primal on their primals, and its
+    tangent (`output_tangent`), as one dual tensor."""
+    unpacked = [forward_ad.unpack_dual(t) for t in tensors]
+    primals = [u.primal for u in unpacked]
+    tangents = {n: u.tangent for n, u in zip(names, unpacked) if u.tangent is not None}
+    init_primal = None
+    if init is not None:
+        init_primal, init_tangent = forward_ad.unpack_dual(init)
+        if init_tangent is not None:
+            tangents[_output_of(expr)[0]] = init_tangent
+    primal = _functional(expr, init_primal, names, primals, shape, dtype, *options)
+    tangent = output_tangent(expr, dict(zip(names, primals)), tangents, primal, *options)
+    return forward_ad.make_dual(primal, tangent)
 
 
 # --------------------------------------------------------------------------- in place
@@ -211,8 +277,7 @@ def _gradients(ctx, grad: torch.Tensor, wanted: Sequence[bool]) -> tuple[torch.T
     tensors = dict(zip(ctx.names, saved))
     lengths = {name[len(LENGTHS):]: t for name, t in tensors.items() if name.startswith(LENGTHS)}
     grads = [
-        _past_lengths_zeroed(derivation.stmt, name, _gradient(derivation, name, tensor, tensors, grad, ctx.options),
-                             lengths)
+        _gradient(derivation, name, tensor, tensors, grad, ctx.options, lengths)
         if want and name in derivation.gradients else None
         for name, tensor, want in zip(ctx.names, saved, wanted)
     ]
@@ -222,16 +287,16 @@ def _gradients(ctx, grad: torch.Tensor, wanted: Sequence[bool]) -> tuple[torch.T
     return grad_init, grads
 
 
-def _past_lengths_zeroed(stmt: Statement, name: str, grad: torch.Tensor, lengths: Mapping[str, torch.Tensor]):
-    """`grad` with the entries a declared length skips set to zero: the gradient statements
-    run without the lengths (the padding past them holds zeros, so their sums are the
-    same), but a factor indexed by the length's own variables, AV[p, q] under q < AL[p], has
-    a gradient at every q, and one past AL[p] would make the padding that the forward skips
-    nonzero after an update."""
-    accesses = [f for f in stmt.factors if isinstance(f, Access) and f.name == name]
-    if not lengths or len(accesses) != 1:
-        return grad
-    dims = {index.terms[0].atom.name: d for d, index in enumerate(accesses[0].indices)
+def _zeroed_past_lengths(access: Access, values: torch.Tensor, lengths: Mapping[str, torch.Tensor]):
+    """`values` (of the tensor `access` reads) with the entries that this access skips under
+    the declared lengths set to zero. The gradient statements run without the lengths (the
+    padding past them holds zeros, so their sums are the same), but a factor indexed by the
+    length's own variables, AV[p, q] under q < AL[p], has a gradient at every q, and one past
+    AL[p] would make the padding that the forward skips nonzero after an update; a tangent
+    there would be read by the torch backend and not by the kernel."""
+    if not lengths:
+        return values
+    dims = {index.terms[0].atom.name: d for d, index in enumerate(access.indices)
             if not index.const and len(index.terms) == 1 and index.terms[0].coef == 1
             and isinstance(index.terms[0].atom, Var)}
     for key, length in lengths.items():
@@ -240,13 +305,13 @@ def _past_lengths_zeroed(stmt: Statement, name: str, grad: torch.Tensor, lengths
         if var not in dims or any(v not in dims for v in over):
             continue
         at = [dims[v] for v in over] + [dims[var]]
-        past = torch.arange(grad.shape[dims[var]], device=grad.device) >= length.unsqueeze(-1)
-        past = past.permute(sorted(range(len(at)), key=at.__getitem__))  # into the gradient's dimension order
-        shape = [1] * grad.dim()
+        past = torch.arange(values.shape[dims[var]], device=values.device) >= length.unsqueeze(-1)
+        past = past.permute(sorted(range(len(at)), key=at.__getitem__))  # into the tensor's dimension order
+        shape = [1] * values.dim()
         for size, d in zip(past.shape, sorted(at)):
             shape[d] = size
-        grad = grad.masked_fill(past.reshape(shape), 0)
-    return grad
+        values = values.masked_fill(past.reshape(shape), 0)
+    return values
 
 
 def _backward(ctx, grad: torch.Tensor):
@@ -263,9 +328,33 @@ def _gradient(
     tensors: Mapping[str, torch.Tensor],
     grad: torch.Tensor,
     options: tuple[str, str, bool | None, bool | None],
+    lengths: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The gradient of one factor: its derived statements, accumulated into one buffer."""
+    """The gradient of one factor: its derived statements, accumulated into one buffer; with
+    declared lengths, each appearance's part zeroed where that appearance skips
+    (`_zeroed_past_lengths`) before it is added."""
     statements = derivation.gradients[name]
+    if not lengths:
+        return _gradient_sum(derivation, statements, tensor, tensors, grad, options)
+    stmt = derivation.stmt
+    accesses = [f for f in stmt.factors if isinstance(f, Access) and f.name == name]
+    accesses += [stmt.addend] if stmt.addend is not None and stmt.addend.name == name else []
+    parts = [
+        _zeroed_past_lengths(access, _gradient_sum(derivation, (part,), tensor, tensors, grad, options), lengths)
+        for access, part in zip(accesses, statements)
+    ]
+    return functools.reduce(torch.add, parts)
+
+
+def _gradient_sum(
+    derivation: Derivation,
+    statements: Sequence[Statement],
+    tensor: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+    grad: torch.Tensor,
+    options: tuple[str, str, bool | None, bool | None],
+) -> torch.Tensor:
+    """The sum of gradient `statements` of `tensor`, accumulated into one buffer."""
     # Half-precision gradients accumulate in float32 and round once, as torch's embedding
     # backward does: a gradient's scatter (gathers become scatters) may gather hundreds
     # of contributions per element, and several statements add into one buffer.
@@ -305,8 +394,12 @@ def run_functional(*args) -> torch.Tensor:
     eager backward: the operator's dispatch and autograd layers cost more than the launch)."""
     _, init, _, tensors, *_ = args
     plain = all(type(t) in PLAIN_TENSORS for t in tensors) and (init is None or type(init) in PLAIN_TENSORS)
-    if not plain or torch.is_grad_enabled() or torch.compiler.is_compiling():  # (fake tensors: traced)
+    if not plain or torch.compiler.is_compiling():  # (fake tensors: traced)
         return torch.ops.insum.insum(*args)
+    if torch.is_grad_enabled():
+        return _eager_functional(*args)
+    if has_tangent((*tensors, init)):  # a backward under forward-mode AD (Hessian-vector products)
+        return _dual_functional(*args)
     return _functional(*args)
 
 
@@ -318,15 +411,30 @@ class _EagerInsum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, expr, init, names, shape, dtype, options, *values):
-        ctx.expr, ctx.names, ctx.options = expr, tuple(names), options[:4]
+        ctx.expr, ctx.names, ctx.options, ctx.all_options = expr, tuple(names), options[:4], options
         ctx.init_dtype = None if init is None else init.dtype
         ctx.save_for_backward(*values)
-        return _functional(expr, init, names, values, shape, dtype, *options)
+        ctx.save_for_forward(*values)
+        out = _functional(expr, init, names, values, shape, dtype, *options)
+        ctx.out_meta = (out.shape, out.dtype, out.device)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         grad_init, grads = _gradients(ctx, grad, ctx.needs_input_grad[6:])
         return (None, grad_init, None, None, None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx, _expr, init_tangent, _names, _shape, _dtype, _options, *value_tangents):
+        """Forward mode (the output's tangent), also under a reverse-mode graph: a Hessian-
+        vector product runs the backward on tensors that carry tangents (`run_functional`)."""
+        tangents = {n: t for n, t in zip(ctx.names, value_tangents) if t is not None}
+        if init_tangent is not None:
+            tangents[_output_of(ctx.expr)[0]] = init_tangent
+        primals = dict(zip(ctx.names, ctx.saved_tensors))
+        shape, dtype, device = ctx.out_meta
+        return output_tangent(ctx.expr, primals, tangents, torch.empty(shape, dtype=dtype, device=device),
+                              *ctx.all_options)
 
 
 # --------------------------------------------------------------------------- insum()'s path

@@ -279,6 +279,73 @@ def test_forward_mode_updates_a_plain_output_in_place_with_its_tangent():
         torch.testing.assert_close(tangent, tA @ B)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_hessian_vector_product_forward_over_reverse(backend):
+    """Found by fuzzing: a Hessian-vector product (forward mode over a backward) ran the
+    backward on primals and gave zero. The operators carry tangents through (`jvp`, and the
+    gradient statements on tensors with tangents)."""
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("CPU tensors: the generated kernel needs TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(0)
+    A, x, v = (torch.randn(*s, dtype=torch.float64, generator=gen) for s in ((5, 5), (5,), (5,)))
+
+    def hvp(f):
+        with fwAD.dual_level():
+            xd = fwAD.make_dual(x.clone().requires_grad_(True), v)
+            (g,) = torch.autograd.grad(f(xd), xd)
+            return fwAD.unpack_dual(g).tangent
+
+    want = hvp(lambda xd: xd @ A @ xd)
+    got = hvp(lambda xd: insum("S[] = X[i] * A[i, j] * X[j]", X=xd, A=A, backend=backend))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(want, (A + A.t()) @ v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_mode_with_lengths_and_an_added_term(backend):
+    """Found by fuzzing: the added term's tangent statement was given the product's lengths,
+    whose variable it lacks, and raised. A tangent past a length is padding's: not read, on
+    either backend (as a gradient there is zero)."""
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("CPU tensors: the generated kernel needs TRITON_INTERPRET=1")
+    AL, AK = torch.tensor([1, 2]), torch.tensor([[0, 0], [1, 0]])
+    AV = torch.tensor([[1.0, 0.0], [2.0, 3.0]], dtype=torch.float64)
+    B, D = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    tAV, tD = torch.randn(2, 2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    with fwAD.dual_level():
+        C = insum("C[p, n] = AV[p, q] * B[AK[p, q], n] + D[p]", AV=fwAD.make_dual(AV, tAV), AK=AK, B=B,
+                  D=fwAD.make_dual(D, tD), lengths={"q[p]": AL}, backend=backend)
+        primal, tangent = fwAD.unpack_dual(C)
+    kept = torch.arange(2) < AL[:, None]  # AV[0, 1] lies past row 0's length
+    dense = torch.zeros(2, 2, dtype=torch.float64).index_put_((torch.arange(2)[:, None].expand(2, 2), AK), AV * kept,
+                                                               accumulate=True)
+    tdense = torch.zeros(2, 2, dtype=torch.float64).index_put_((torch.arange(2)[:, None].expand(2, 2), AK),
+                                                                tAV * kept, accumulate=True)
+    torch.testing.assert_close(primal, dense @ B + D[:, None])
+    torch.testing.assert_close(tangent, tdense @ B + tD[:, None])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_factor_read_twice_gets_no_gradient_past_its_lengths(backend):
+    """Found by fuzzing: a tensor read by two factors kept its gradient past the declared
+    lengths (the zeroing gave up on more than one appearance), so a step grew its padding.
+    Each appearance's part is zeroed where that appearance skips."""
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("CPU tensors: the generated kernel needs TRITON_INTERPRET=1")
+    AL = torch.tensor([1, 3])
+    AV = torch.tensor([[2.0, 0.0, 0.0], [1.0, 2.0, 3.0]], dtype=torch.float64, requires_grad=True)
+    lengths = {"q[p]": AL, "r[p]": AL}
+    insum("O[p] = AV[p, q] * AV[p, r]", AV=AV, lengths=lengths, backend=backend).sum().backward()
+    torch.testing.assert_close(AV.grad, torch.tensor([[4.0, 0.0, 0.0], [12.0, 12.0, 12.0]], dtype=torch.float64))
+    AV.grad = None  # one appearance under a length, one not: only the first's part is zeroed
+    W = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+    insum("O[p] = AV[p, q] * W[p, q] * AV[p, r]", AV=AV, W=W, lengths={"q[p]": AL}, backend=backend).sum().backward()
+    kept = (torch.arange(3) < AL[:, None]).double()
+    Av = AV.detach()
+    want = (W * kept) * Av.sum(1, keepdim=True) + (Av * W * kept).sum(1, keepdim=True)
+    torch.testing.assert_close(AV.grad, want)
+
+
 def test_half_precision_gradient_scatter_accumulates_in_float32():
     """Every entry gathers row 0 of B, so dB[0] sums 4096 contributions: in fp16 they
     would lose ~5%; accumulated in float32 and rounded once they stay under 1e-3."""
