@@ -266,7 +266,9 @@ class Kernel:
         return f"insum.Kernel('{self.spec.stmt}', plan={self.plan.kind}, digest={self.digest})"
 
     def __call__(self, **tensors: torch.Tensor) -> torch.Tensor:
-        """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents."""
+        """Run the kernel's statement on new tensors of the same dtypes and ranks, any extents.
+        The launch is not recorded by autograd: `insum()` is the differentiable call."""
+        _refuse_differentiation(tensors)
         bound = bind(self.spec.stmt, tensors)
         _check_device(bound)
         spec = spec_for(
@@ -989,9 +991,26 @@ def _load(path: Path, source: str, digest: str):
     return getattr(module, KERNEL_NAME)
 
 
+def _refuse_differentiation(tensors: Mapping[str, torch.Tensor]) -> None:
+    """A compiled kernel's call records no gradient and carries no tangent: refused where one
+    is asked for rather than dropped."""
+    tensors = [t for t in tensors.values() if isinstance(t, torch.Tensor)]
+    wanted = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not wanted and torch.autograd.forward_ad._current_level >= 0:
+        wanted = any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    if wanted:
+        raise InsumError(
+            "a compiled kernel's call is not differentiable and a tensor requires grad (or carries a "
+            "forward-mode tangent); use insum() for gradients, or call it under torch.no_grad() "
+            "with plain tensors"
+        )
+
+
 def _check_device(bound: Bound) -> None:
     """The generated kernel runs on CUDA, or on the CPU under the interpreter; and triton
     must have been imported in the mode TRITON_INTERPRET asks for now."""
+    if bound.device.type == "meta":
+        raise InsumTypeError("the tensors are on the meta device and hold no values: a kernel needs real tensors")
     interpreting = _interpreting()
     if not interpreting and bound.device.type != "cuda":
         raise UnsupportedStatement(

@@ -272,6 +272,27 @@ def test_compile_api_and_explain():
         kernel(**{k: (v.double() if v.is_floating_point() else v) for k, v in tensors.items()})
 
 
+def test_compiled_kernel_refuses_what_it_cannot_do():
+    """Found by fuzzing: a compiled kernel called on a tensor that requires grad returned a
+    result with no gradient (a loss over it silently lost the product's term); on meta
+    tensors it failed inside torch. Both raise insum's errors now."""
+    import torch.autograd.forward_ad as fwAD
+
+    c = case("dense_matmul")
+    tensors = build(c, seed=7, device=DEVICE)
+    kernel = insum.compile(c.stmt, **tensors)
+    needs = {**clone(tensors), "A": tensors["A"].clone().requires_grad_(True)}
+    with pytest.raises(insum.InsumError, match="not differentiable"):
+        kernel(**needs)
+    with torch.no_grad():
+        torch.testing.assert_close(kernel(**needs), insum.insum(c.stmt, backend="torch", **clone(tensors)),
+                                   **tolerance(torch.float32))
+    with fwAD.dual_level(), pytest.raises(insum.InsumError, match="tangent"):
+        kernel(**{**clone(tensors), "A": fwAD.make_dual(tensors["A"], torch.ones_like(tensors["A"]))})
+    with pytest.raises(insum.InsumTypeError, match="meta"):
+        kernel(**{k: v.to("meta") for k, v in tensors.items()})
+
+
 def test_tuning_results_persist_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("INSUM_CACHE_DIR", str(tmp_path))
     spec = _kernel("dense_matmul").spec
