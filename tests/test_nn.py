@@ -431,6 +431,24 @@ def test_loaded_layer_keeps_its_parameter_order_for_the_optimizer_state():
     torch.testing.assert_close(resumed.bias, layer.bias)
 
 
+@pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
+def test_compiled_functional_layer_without_gradients(fmt, params):
+    """Found by fuzzing: compiling `sparse_linear` on an ELL or N:M weight (two tensors) with
+    no tensor requiring grad failed in dynamo (an autograd Function given exactly five such
+    arguments had them shifted by one). Without gradients the product runs alone."""
+    from insum.nn.functional import sparse_linear
+
+    layer = layer_for(fmt, params)
+    x = torch.randn(3, 12, dtype=torch.float64)
+    torch._dynamo.reset()
+    run = torch.compile(sparse_linear, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        want = x @ layer.to_dense().t()
+        for bias in (None, layer.bias):
+            got = run(x, layer.weight, bias)
+            torch.testing.assert_close(got, want if bias is None else want + bias)
+
+
 @pytest.mark.parametrize("group_size", [None, "row"], ids=["groups", "BlockELL"])
 def test_compiled_training_step_matches_eager(group_size):
     def model(seed):

@@ -322,7 +322,13 @@ def linear_info(
 
 def apply_linear(info: tuple, x2: torch.Tensor, tensors: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 (batch, in) @ W^T + bias for `info` (`linear_info`) and the tensors it names (the
-    format's, then the transposed pattern's), through the one autograd path."""
+    format's, then the transposed pattern's), through the one autograd path, or the product
+    alone where no gradient is recorded (traced, a Function given exactly five arguments none
+    of which requires grad had them shifted by one: a dynamo bug an ELL layer met)."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, bias, *tensors))):
+        fmt_cls, shape, meta, names, *_, backend, precision = info
+        return linear_product(rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors))), x2, bias, backend,
+                              precision)
     return _SparseLinearFunction.apply(info, x2, bias, *tensors)
 
 
