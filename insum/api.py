@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.autograd import forward_ad
 
-from .bind import bind, mark_written
+from .bind import bind, mark_written, refuse_function_transforms
 from .errors import UnsupportedStatement
 from .execute import (
     BACKENDS,
@@ -96,6 +96,7 @@ def insum(
     tensor([[1., 1., 1.],
             [1., 0., 2.]])
     """
+    refuse_function_transforms("insum()")
     if torch.compiler.is_compiling():  # torch.compile traces the registered operators
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
@@ -159,8 +160,11 @@ def insum_many(
     >>> insum_many([("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I1, A=A1, B=B1)),
     ...             ("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I2, A=A2, B=B2))])  # doctest: +SKIP
     """
+    refuse_function_transforms("insum_many()")
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
-    if not torch.compiler.is_compiling():
+    # (forward-mode tangents: each call through insum(), which carries them)
+    single = torch.compiler.is_compiling() or has_tangent(t for call in calls for t in call[1].values())
+    if not single:
         batch = prepared_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
         if batch is not None:
             outs = batch(calls)
@@ -170,9 +174,7 @@ def insum_many(
     # repeats, and dynamo does not trace a context variable)
     with contextlib.nullcontext() if torch.compiler.is_compiling() else plain_rows():
         outs = [insum(call[0], **(call[2] if len(call) > 2 else {}), **options, **call[1]) for call in calls]
-    if not torch.compiler.is_compiling() and not (
-        torch.is_grad_enabled() and any(_any_requires_grad(call[1]) for call in calls)
-    ):
+    if not single and not (torch.is_grad_enabled() and any(_any_requires_grad(call[1]) for call in calls)):
         prepare_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
     return outs
 

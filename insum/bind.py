@@ -222,6 +222,18 @@ def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:
     return tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
 
 
+def refuse_function_transforms(what: str) -> None:
+    """torch.func's transforms (vmap, grad, jvp, jacrev, ...) hand over wrapped tensors without
+    storage, which no kernel reads and no insum operator has rules for: refused by name (they
+    failed inside the launch path)."""
+    if torch._C._are_functorch_transforms_active():
+        raise InsumError(
+            f"{what} does not run under torch.func transforms (vmap, grad, jvp, jacrev, jacfwd, hessian); "
+            "differentiate with torch.autograd (backward, torch.autograd.grad, torch.autograd.forward_ad) and "
+            "batch with a loop or a batch variable in the statement"
+        )
+
+
 def mark_written(*outs: torch.Tensor) -> None:
     """Tell autograd that a launch wrote `outs` in place (the kernel writes memory behind
     torch's back): a tensor autograd saved before is then reported as modified at backward,

@@ -346,6 +346,27 @@ def test_factor_read_twice_gets_no_gradient_past_its_lengths(backend):
     torch.testing.assert_close(AV.grad, want)
 
 
+def test_function_transforms_are_refused_by_name():
+    """Found by fuzzing: torch.func's transforms failed inside the launch path with torch's
+    internal errors (storage of a wrapped tensor; a Function's setup_context). insum names
+    the limitation instead."""
+    from insum.formats import ELL
+
+    A, B = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    fmt = ELL.from_dense(A)
+
+    def f(a):
+        return insum("C[m, n] = A[m, k] * B[k, n]", A=a, B=B, backend="torch")
+
+    for transform in (lambda: torch.vmap(f)(torch.randn(2, 4, 3, dtype=torch.float64)),
+                      lambda: torch.func.jvp(f, (A,), (A,)),
+                      lambda: torch.func.grad(lambda a: f(a).sum())(A),
+                      lambda: torch.func.jacrev(f)(A),
+                      lambda: torch.vmap(lambda b: fmt @ b)(torch.randn(2, 3, 5, dtype=torch.float64))):
+        with pytest.raises(InsumError, match="torch.func transforms"):
+            transform()
+
+
 def test_half_precision_gradient_scatter_accumulates_in_float32():
     """Every entry gathers row 0 of B, so dB[0] sums 4096 contributions: in fp16 they
     would lose ~5%; accumulated in float32 and rounded once they stay under 1e-3."""

@@ -259,6 +259,9 @@ def test_error_classes():
     A = _with_empty_rows()
     with pytest.raises(InsumShapeError):
         COO.from_dense(A) @ torch.randn(3, 3, dtype=torch.float64)
+    K = A.shape[1]  # a batched B whose first dimension is K: the message named a K-to-K "mismatch"
+    with pytest.raises(InsumShapeError, match=r"takes a \(K, N\) matrix or a \(K,\) vector; B has shape"):
+        COO.from_dense(A) @ torch.randn(K, K, 2, dtype=torch.float64)
     with pytest.raises(InsumTypeError):
         COO.from_dense(A.int())
     assert issubclass(InsumError, ValueError)

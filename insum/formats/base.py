@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..api import insum, insum_many
-from ..bind import PLAIN_TENSORS
+from ..bind import PLAIN_TENSORS, refuse_function_transforms
 from ..cache import BoundedCache
 from ..dtypes import as_dtype
 from ..errors import InsumError, InsumShapeError, InsumTypeError
@@ -368,6 +368,7 @@ class SparseFormat:
         product is one statement over C's rows (ELL, Block-ELL, NM: `bias_expression`), else
         added after it.
         """
+        refuse_function_transforms(f"{type(self).__name__} @ B")
         key = None
         if (
             type(B) in PLAIN_TENSORS and B.layout == torch.strided and not torch.compiler.is_compiling()
@@ -386,10 +387,14 @@ class SparseFormat:
         original = B
         if vector:
             B = B.unsqueeze(1)
-        if B.dim() != 2 or B.shape[0] != self.shape[1]:
+        if B.dim() != 2:
+            raise InsumShapeError(
+                f"{type(self).__name__} @ B takes a (K, N) matrix or a (K,) vector; B has shape {tuple(original.shape)}"
+            )
+        if B.shape[0] != self.shape[1]:
             raise InsumShapeError(
                 f"cannot multiply {type(self).__name__} of shape {self.shape} with B of shape "
-                f"{tuple(B.shape)}: A has {self.shape[1]} columns, B dimension 0 has {B.shape[0] if B.dim() else 0}"
+                f"{tuple(B.shape)}: A has {self.shape[1]} columns, B dimension 0 has {B.shape[0]}"
             )
         check_values(B.dtype, f"the dense operand B of {type(self).__name__} @ B has")
         if B.device != self.device:
