@@ -237,10 +237,17 @@ def refuse_function_transforms(what: str) -> None:
 def mark_written(*outs: torch.Tensor) -> None:
     """Tell autograd that a launch wrote `outs` in place (the kernel writes memory behind
     torch's back): a tensor autograd saved before is then reported as modified at backward,
-    as after torch's own in-place ops, instead of being read with its new values."""
+    as after torch's own in-place ops, instead of being read with its new values. An
+    inference tensor written outside inference mode raises, as torch's in-place ops do (after
+    the write: the check is on every launch path's way out)."""
     for out in outs:
         if not out.is_inference():  # (no version counter)
             torch.autograd.graph.increment_version(out)
+        elif not torch.is_inference_mode_enabled():
+            raise InsumError(
+                "the output is an inference tensor (made under torch.inference_mode()) updated in place outside "
+                "inference mode, which torch does not allow; pass a clone, or call under torch.inference_mode()"
+            )
 
 
 def bind(stmt: Statement, tensors: Mapping[str, object]) -> Bound:

@@ -173,3 +173,22 @@ def test_public_names():
         if name != "compile":  # compile() loads the runtime; its own tests cover it
             assert getattr(insum_module, name) is not None
     assert issubclass(insum_module.InsumShapeError, insum_module.InsumError)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inference_tensor_output_outside_inference_mode_raises(backend):
+    """Found by fuzzing: the generated kernel wrote into an inference tensor outside
+    inference mode, which torch (and the torch backend) refuse; it raises on every path."""
+    import os
+
+    if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("CPU tensors: the generated kernel needs TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    A, B = torch.randn(4, 3, device=device), torch.randn(3, 4, device=device)
+    with torch.inference_mode():
+        C = torch.zeros(4, 4, device=device)
+        for _ in range(2):  # the first call, then the repeat's path; both fine inside the mode
+            insum("C[m, n] += A[m, k] * B[k, n]", C=C, A=A, B=B, backend=backend)
+    for _ in range(2):
+        with pytest.raises((InsumError, RuntimeError), match="[Ii]nference"):
+            insum("C[m, n] += A[m, k] * B[k, n]", C=C, A=A, B=B, backend=backend)
