@@ -26,6 +26,8 @@ import json
 import math
 import os
 import sys
+import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +69,36 @@ _BY_SIGNATURE: BoundedCache[tuple, Kernel] = BoundedCache()
 def cache_dir() -> Path:
     """Where kernel sources and tuning results live: $INSUM_CACHE_DIR or ~/.cache/insum."""
     root = os.environ.get("INSUM_CACHE_DIR") or Path.home() / ".cache" / "insum"
-    return Path(root)
+    return Path(root).expanduser()
+
+
+@functools.cache
+def _private_cache() -> Path:
+    """Where this process writes what the cache folder does not take (read-only, a file, no
+    space): a temporary folder of its own, named in a warning once."""
+    path = Path(tempfile.mkdtemp(prefix="insum-"))
+    warnings.warn(
+        f"insum: the cache folder {cache_dir()} cannot be written; this process keeps its kernels in {path} "
+        "(set INSUM_CACHE_DIR to a writable folder)",
+        stacklevel=3,
+    )
+    return path
+
+
+def _write(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically (another process may write the same file); where the
+    folder cannot be written, into `_private_cache()` instead. Returns where it lies."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return path
+    except OSError:
+        fallback = _private_cache() / path.parent.name / path.name
+        fallback.parent.mkdir(parents=True, exist_ok=True)
+        fallback.write_text(text)
+        return fallback
 
 
 def _interpreting() -> bool:
@@ -395,23 +426,30 @@ class Kernel:
         dtypes = ",".join(f"{tensor}:{dtype}" for tensor, dtype in self.spec.dtypes)
         return f"{name}|triton {triton.__version__}|{dtypes}|{','.join(map(str, bucket))}"
 
-    def _disk_config(self, bucket, device) -> dict | None:
+    def _disk_table(self) -> dict:
+        """The tuning table on disk: {} where it is missing, unreadable or not a table."""
         try:
             table = json.loads(self._disk_path().read_text())
         except (OSError, ValueError):
-            return None
-        return table.get(self._device_key(bucket, device))
+            return {}
+        return table if isinstance(table, dict) else {}
+
+    def _disk_config(self, bucket, device) -> dict | None:
+        config = self._disk_table().get(self._device_key(bucket, device))
+        return config if isinstance(config, dict) else None
 
     def _save_disk_config(self, bucket, device, config) -> None:
+        """Add a tuned configuration to the table on disk (where the cache folder takes no
+        file, the tuning is kept in memory only)."""
+        table = self._disk_table()
+        table[self._device_key(bucket, device)] = config
         path = self._disk_path()
         try:
-            table = json.loads(path.read_text())
-        except (OSError, ValueError):
-            table = {}
-        table[self._device_key(bucket, device)] = config
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass
 
 
 #: Launches a tuning candidate's graph holds at most (its replays then time them together).
@@ -973,11 +1011,8 @@ def _l2_share(device: torch.device) -> int | None:
 def _load(path: Path, source: str, digest: str):
     """Import the kernel from its content-hashed file (Triton reads source via inspect)."""
     module_name = f"insum_generated_{digest}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)
+    if not path.is_file() or path.read_text() != source:
+        path = _write(path, source)
     module = sys.modules.get(module_name)
     if module is None:
         spec = importlib.util.spec_from_file_location(module_name, path)

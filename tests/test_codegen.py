@@ -20,6 +20,7 @@ from kernel_env import (  # before insum: the interpreter on CPU-only machines
 from statements import CASES, build, case, clone, strided, tolerance
 
 import insum
+from insum import runtime
 from insum.bind import bind
 from insum.codegen import emit, schedule
 from insum.parser import parse
@@ -354,3 +355,29 @@ def test_literal_factors_whose_product_overflows_compile():
     actual = insum.insum(stmt, backend="triton", A=A.to(DEVICE))
     assert expected.tolist() == actual.cpu().tolist() == [float("inf"), float("-inf")]
     assert 'float("inf")' in _source_of(stmt, {"A": A})
+
+
+def test_a_cache_folder_that_takes_no_file(tmp_path, monkeypatch):
+    """Found by fuzzing: an INSUM_CACHE_DIR that cannot be written (read-only, a file) made
+    every first call of a statement fail with a bare OSError; a tuning table holding JSON
+    that is not a table failed its lookup; `~` was not expanded. The kernels now go to a
+    folder of the process's own (with a warning), the odd table reads as empty."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("INSUM_CACHE_DIR", str(blocker))
+    c = case("sddmm_scaled")  # (a statement of its own: no kernel of this process to reuse)
+    tensors = build(c, seed=3, device=DEVICE)
+    with pytest.warns(UserWarning, match="cannot be written"):
+        runtime._private_cache.cache_clear()
+        got = insum.insum(c.stmt, backend="triton", **clone(tensors))
+    torch.testing.assert_close(got, insum.insum(c.stmt, backend="torch", **clone(tensors)), **tolerance(torch.float32))
+    monkeypatch.setenv("INSUM_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = Kernel(_kernel("dense_matmul").spec)
+    for odd in ("[]", "null", '{"x": 1}'):
+        kernel._disk_path().write_text(odd)
+        assert kernel._disk_config((32, 16, 64), torch.device(DEVICE)) is None
+    config = {"BLOCK_M": 32, "BLOCK_K": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    kernel._save_disk_config((32, 16, 64), torch.device(DEVICE), config)
+    assert kernel._disk_config((32, 16, 64), torch.device(DEVICE)) == config
+    monkeypatch.setenv("INSUM_CACHE_DIR", "~/insum-cache")
+    assert runtime.cache_dir() == Path.home() / "insum-cache"
