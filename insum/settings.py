@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import os
 
+from .errors import InsumError
+
 __all__ = ["flag", "snapshot", "SWITCHES"]
 
 # CPython's encoded mapping behind os.environ (bytes keys and values on POSIX).
 _ENCODED = getattr(os.environ, "_data", None) if os.name == "posix" else None
-_OFF = (b"", b"0")
+#: A switch's spellings, as Triton reads its own (TRITON_INTERPRET among them); others raise.
+_ON = frozenset((b"1", b"true", b"yes", b"on", b"y"))
+_OFF = frozenset((b"", b"0", b"false", b"no", b"off", b"n"))
 
 
 #: Every switch a call reads: a call prepared under one setting of them repeats only under it.
@@ -40,10 +44,24 @@ def snapshot() -> tuple:
 
 
 def flag(name: str, default: bool) -> bool:
-    """Whether the environment switches `name` on: unset gives `default`, "" and "0" are off."""
+    """Whether the environment switches `name` on: unset gives `default`; 1, true, yes, on
+    (any case) are on, 0, false, no, off and "" off; anything else raises (INSUM_AUTOTUNE=false
+    read as on before)."""
     if _ENCODED is not None:
         raw = _ENCODED.get(name.encode())
-        return default if raw is None else raw not in _OFF
-    text = os.environ.get(name)
-    return default if text is None else text not in ("", "0")
+    else:
+        text = os.environ.get(name)
+        raw = None if text is None else text.encode()
+    if raw is None:
+        return default
+    if raw in _OFF:  # (the usual spellings first: one set lookup)
+        return False
+    if raw in _ON:
+        return True
+    word = raw.strip().lower()
+    if word in _OFF or word in _ON:
+        return word in _ON
+    raise InsumError(
+        f"{name}={raw.decode(errors='replace')!r}: a switch is 1, true, yes or on, or 0, false, no, off or empty"
+    )
 

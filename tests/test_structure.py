@@ -270,7 +270,7 @@ def test_kernel_launcher_relaunches_the_prepared_launch():
 # ------------------------------------------------------------------ examples in docstrings
 
 
-@pytest.mark.parametrize("module", ["dtypes", "arith", "ir", "settings"])
+@pytest.mark.parametrize("module", ["dtypes", "arith", "ir", "settings", "autograd"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(f"insum.{module}"))
     assert result.failed == 0 and result.attempted > 0
@@ -282,6 +282,8 @@ def test_docstring_examples(module):
 @pytest.mark.parametrize("text, default, expected", [
     (None, True, True), (None, False, False), ("", True, False), ("0", True, False),
     ("1", False, True), ("yes", False, True),
+    # found by fuzzing: "false" and "off" read as on (anything but "" and "0" did)
+    ("false", True, False), ("OFF", True, False), ("no", True, False), ("On", False, True), ("true", False, True),
 ])
 def test_flags_follow_the_environment_at_each_read(monkeypatch, text, default, expected):
     """settings.flag reads what os.environ holds now (set or deleted through it)."""
@@ -294,3 +296,12 @@ def test_flags_follow_the_environment_at_each_read(monkeypatch, text, default, e
     else:
         monkeypatch.setenv("INSUM_TEST_SWITCH", text)
     assert flag("INSUM_TEST_SWITCH", default) is expected
+
+
+def test_a_switch_of_another_spelling_raises(monkeypatch):
+    from insum.errors import InsumError
+    from insum.settings import flag
+
+    monkeypatch.setenv("INSUM_TEST_SWITCH", "maybe")
+    with pytest.raises(InsumError, match="INSUM_TEST_SWITCH='maybe'"):
+        flag("INSUM_TEST_SWITCH", True)
