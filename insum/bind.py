@@ -214,10 +214,10 @@ def kept_per_version(cache: PerTensor, tensor: torch.Tensor, key, compute: Calla
 def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:
     """What a binding depends on: names, dtypes, shapes, strides, devices.
 
-    None (not cached) for anything but plain tensors: fake and functional tensors seen while
-    tracing, non-tensors (which `_bind` rejects).
+    None (not cached) for anything but plain strided tensors: fake and functional tensors seen
+    while tracing, non-tensors and sparse layouts (which `_bind` rejects).
     """
-    if any(type(t) not in PLAIN_TENSORS for t in tensors.values()):
+    if any(type(t) not in PLAIN_TENSORS or t.layout != torch.strided for t in tensors.values()):
         return None
     return tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
 
@@ -300,6 +300,11 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
             raise InsumTypeError(f"{name} must be a torch.Tensor, not {type(value).__name__}")
+        if value.layout != torch.strided:
+            raise InsumTypeError(
+                f"{name} has layout {value.layout}; insum reads dense (strided) tensors: a sparse matrix "
+                "becomes index and value tensors through insum.formats (e.g. GroupCOO.from_torch)"
+            )
 
     output = tensors.get(out_name)
     checked = analysis.checked

@@ -274,3 +274,12 @@ def test_per_tensor_cache_holds_values_per_object_and_drops_them_with_it():
     assert kept_per_version(cache, counts, (), lambda: calls.append(1)) is first and len(calls) == 1
     counts[0] = 0  # an in-place change: computed again
     assert kept_per_version(cache, counts, (), lambda: calls.append(1) or "new") == "new" and len(calls) == 2
+
+
+def test_sparse_layout_tensors_are_refused_by_name():
+    """Found by fuzzing: a torch sparse tensor given as a factor failed inside torch (an
+    aten op or a storage access without a sparse kernel)."""
+    A = torch.randn(3, 4).to_sparse()
+    for layout in (A, A.to_sparse_csr()):
+        with pytest.raises(InsumTypeError, match="layout torch.sparse.*insum.formats"):
+            bind(parse("C[m, n] += A[m, k] * B[k, n]"), {"A": layout, "B": torch.randn(4, 5)})
