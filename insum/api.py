@@ -14,7 +14,7 @@ import torch
 from torch.autograd import forward_ad
 
 from .bind import bind, mark_written, refuse_function_transforms
-from .errors import UnsupportedStatement
+from .errors import InsumError, InsumTypeError, UnsupportedStatement
 from .execute import (
     BACKENDS,
     OPTIONS,
@@ -161,6 +161,7 @@ def insum_many(
     ...             ("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I2, A=A2, B=B2))])  # doctest: +SKIP
     """
     refuse_function_transforms("insum_many()")
+    _check_many(calls, disjoint, covering)
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     # (forward-mode tangents: each call through insum(), which carries them)
     single = torch.compiler.is_compiling() or has_tangent(t for call in calls for t in call[1].values())
@@ -177,6 +178,31 @@ def insum_many(
     if not single and not (torch.is_grad_enabled() and any(_any_requires_grad(call[1]) for call in calls)):
         prepare_batch(calls, (backend, precision, autotune, check_indices, disjoint, covering))
     return outs
+
+
+_FACTS = frozenset({"sorted_indices", "unique_indices"})
+
+
+def _check_many(calls, disjoint: object, covering: object) -> None:
+    """insum_many's arguments, checked before any call runs (a bad `covering` raised after
+    every statement had written its output; a bare string call, an AttributeError)."""
+    if not isinstance(disjoint, bool):
+        raise InsumTypeError(f"insum_many's disjoint is a bool, not {type(disjoint).__name__}")
+    if covering is not None and (isinstance(covering, bool) or not isinstance(covering, int) or covering < 1):
+        raise InsumError(f"insum_many's covering is an integer >= 1 (a block of entries), got {covering!r}")
+    if covering is not None and not disjoint:
+        raise InsumError("insum_many's covering is a claim about disjoint statements: pass disjoint=True with it")
+    for entry in calls:
+        if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3) or not isinstance(entry[0], str):
+            raise InsumTypeError(f"an insum_many call is (expr, tensors) or (expr, tensors, facts), not {entry!r:.80}")
+        if not isinstance(entry[1], Mapping) or (len(entry) == 3 and not isinstance(entry[2], Mapping)):
+            raise InsumTypeError(f"an insum_many call's tensors and facts are dicts, in the call of {entry[0]!r}")
+        unknown = set(entry[2]) - _FACTS if len(entry) == 3 else ()
+        if unknown:
+            raise InsumError(
+                f"an insum_many call's facts are sorted_indices and unique_indices, not {', '.join(sorted(unknown))} "
+                f"(in the call of {entry[0]!r})"
+            )
 
 
 def _forward_mode(

@@ -662,8 +662,8 @@ def _batch_key(calls, options: tuple) -> tuple[tuple, list] | None:
                 position = seen[id(t)] = len(distinct)
                 distinct.append(t)
             positions.append(position)
-        # (facts in the caller's order: another order is another key, never a wrong one)
-        structure.append((call[0], tuple(tensors), tuple(positions), tuple(call[2].items()) if len(call) > 2 else ()))
+        # (facts as insum() keys its own: a set or list of names finds the same batch)
+        structure.append((call[0], tuple(tensors), tuple(positions), facts_key(call[2]) if len(call) > 2 else ()))
     signature = tuple([(t.dtype, t.shape, t.stride(), t.device, t.requires_grad) for t in distinct])
     return (tuple(structure), options, signature), distinct
 

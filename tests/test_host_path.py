@@ -259,6 +259,50 @@ def test_a_statement_reading_another_ones_output_runs_in_order():
             torch.testing.assert_close(C2, expected)
 
 
+def test_batch_of_calls_with_facts_as_a_set_repeats_as_one_launch(monkeypatch):
+    """Found by fuzzing: facts given as a set (not the frozenset the formats pass) made the
+    batch's key unhashable, and every repeat ran the calls one by one."""
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.tensor([0, 1, 1, 3])
+    stmt = "C[I[p],n] += A[p]*B[p,n]"
+    A1, A2, B = torch.randn(4, generator=gen), torch.randn(4, generator=gen), torch.randn(4, 3, generator=gen)
+    C = torch.zeros(4, 3)
+    calls = [(stmt, dict(C=C, I=rows, A=A1, B=B), {"sorted_indices": {"I"}}),
+             (stmt, dict(C=C, I=rows, A=A2, B=B), {"sorted_indices": ["I"]})]
+    insum.insum_many(calls, backend="triton")  # one by one, prepares the batch
+    launches = []
+    real = runtime.BatchLaunch.run
+    monkeypatch.setattr(runtime.BatchLaunch, "run", lambda self, calls: launches.append(1) or real(self, calls))
+    insum.insum_many(calls, backend="triton")
+    assert launches == [1]
+    torch.testing.assert_close(C, 2 * torch.zeros(4, 3).index_add_(0, rows, (A1 + A2).unsqueeze(1) * B))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(covering="x", disjoint=True), "covering is an integer"),
+    (dict(covering=0, disjoint=True), "covering is an integer"),
+    (dict(covering=16), "pass disjoint=True"),
+    (dict(disjoint="yes"), "disjoint is a bool"),
+])
+def test_insum_many_checks_its_options_before_running(bad, message):
+    """Found by fuzzing: a bad `covering` raised after every statement had written its output."""
+    C = torch.zeros(4, 3)
+    call = ("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=torch.tensor([0, 1]), A=torch.ones(2), B=torch.ones(2, 3)))
+    with pytest.raises(insum.InsumError, match=message):
+        insum.insum_many([call], **bad)
+    assert not C.any()
+
+
+@pytest.mark.parametrize("calls, message", [
+    (["C[I[p],n] += A[p]*B[p,n]"], "is \\(expr, tensors\\)"),
+    ([("C[I[p],n] += A[p]*B[p,n]", [torch.ones(2)])], "are dicts"),
+    ([("C[I[p],n] += A[p]*B[p,n]", {}, {"backend": "torch"})], "not backend"),
+])
+def test_insum_many_checks_its_calls(calls, message):
+    with pytest.raises(insum.InsumError, match=message):
+        insum.insum_many(calls)
+
+
 def test_batch_source_has_one_part_function_per_statement():
     from insum.bind import bind
     from insum.codegen import emit_batch

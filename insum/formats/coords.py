@@ -255,10 +255,13 @@ def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
 
 
 def normalise_device(device: torch.device | str) -> torch.device:
-    """`cuda` -> `cuda:<current>`, so that devices compare equal to a tensor's."""
+    """`cuda` -> `cuda:<current>`, `cpu:0` -> `cpu`: as a tensor moved there reports its
+    device, so that the two compare equal."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
     return device
 
 
