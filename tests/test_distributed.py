@@ -311,6 +311,21 @@ def _sparse_weight(out_features, in_features, seed):
 
 
 @check
+def linear_deepcopy_keeps_its_group(rank):
+    """Found by fuzzing: deepcopy of a layer built on an explicit group (an EMA copy) failed
+    to copy the process group; the copy shares it."""
+    import copy
+
+    group = dist.new_group([0, 1])
+    W, b = _sparse_weight(7, 6, seed=23)
+    layer = DistributedSparseLinear.from_dense(W, b, group=group)
+    twin = copy.deepcopy(layer)
+    assert twin.group is group and twin.local is not layer.local
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(24))
+    torch.testing.assert_close(twin(x), layer(x))
+
+
+@check
 def linear_replicated_input_gathered_output(rank):
     W, b = _sparse_weight(7, 6, seed=19)  # 7 features: 4 on rank 0, 3 on rank 1
     layer = DistributedSparseLinear.from_dense(W, b)

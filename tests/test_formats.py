@@ -675,3 +675,13 @@ def test_nm_operand_gives_the_gathered_rows_contiguous():
     B = x.t().contiguous()
     assert fmt.operand(B) is B
     torch.testing.assert_close(fmt.spmm(x.t(), backend="torch"), fmt.to_dense() @ x.t())
+
+
+def test_a_format_moved_to_cpu_0_multiplies():
+    """Found by fuzzing: `.to("cpu:0")` recorded cpu:0 while its tensors report cpu, and no
+    product then accepted a CPU operand."""
+    A = _with_empty_rows()
+    fmt = ELL.from_dense(A).to("cpu:0")
+    B = torch.randn(A.shape[1], 3, dtype=torch.float64)
+    assert fmt.device == torch.device("cpu")
+    torch.testing.assert_close(fmt.spmm(B, backend="torch"), A @ B)

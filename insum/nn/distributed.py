@@ -20,6 +20,7 @@ with the same arguments on every rank; `from_dense`/`from_linear` slice a full w
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -172,6 +173,17 @@ class DistributedSparseLinear(nn.Module):
         self.ranges = feature_ranges(self.out_features, self.world_size, granule)
         self.out_rows = self.ranges[self.rank]
         self.input_is_sharded, self.gather_output = bool(input_is_sharded), bool(gather_output)
+
+    def __deepcopy__(self, memo: dict) -> DistributedSparseLinear:
+        """A copy (an EMA of the weights, say) on the same process group: the group is a
+        handle of this process, shared, not copied (it pickles not at all)."""
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        copy_ = type(self).__new__(type(self))
+        memo[id(self)] = copy_
+        for key, value in self.__dict__.items():
+            copy_.__dict__[key] = copy.deepcopy(value, memo)
+        return copy_
 
     @classmethod
     def from_dense(
