@@ -685,3 +685,10 @@ def test_a_format_moved_to_cpu_0_multiplies():
     B = torch.randn(A.shape[1], 3, dtype=torch.float64)
     assert fmt.device == torch.device("cpu")
     torch.testing.assert_close(fmt.spmm(B, backend="torch"), A @ B)
+
+
+@pytest.mark.parametrize("avg", [float("nan"), float("inf"), -1.0])
+def test_power_law_matrix_refuses_a_mean_that_is_not_a_finite_count(avg):
+    """Found by fuzzing: a NaN mean passed the `< 0` check and built an empty matrix."""
+    with pytest.raises(InsumError, match="finite"):
+        power_law_matrix(10, 10, avg)

@@ -7,6 +7,8 @@ size, vectorised and reproducible from a seed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import InsumError
@@ -37,9 +39,9 @@ def power_law_matrix(
     >>> A.layout, A.shape
     (torch.sparse_csr, torch.Size([1000, 500]))
     """
-    if rows < 0 or cols < 0 or avg_nnz_per_row < 0 or alpha < 0:
+    if not (rows >= 0 and cols >= 0 and 0 <= avg_nnz_per_row < math.inf and 0 <= alpha < math.inf):  # (nan too)
         raise InsumError(
-            f"power_law_matrix needs rows, cols, avg_nnz_per_row, alpha >= 0; got "
+            f"power_law_matrix needs rows, cols, avg_nnz_per_row, alpha >= 0 and finite; got "
             f"{rows}, {cols}, {avg_nnz_per_row}, {alpha}"
         )
     device = torch.device(device) if device is not None else torch.device("cpu")
