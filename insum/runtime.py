@@ -301,6 +301,8 @@ class Kernel:
         The launch is not recorded by autograd: `insum()` is the differentiable call."""
         _refuse_differentiation(tensors)
         bound = bind(self.spec.stmt, tensors)
+        if bound.device.type == "meta":  # (explain() reads shapes alone from meta tensors; a call runs)
+            raise InsumTypeError("the tensors are on the meta device and hold no values: a kernel needs real tensors")
         _check_device(bound)
         spec = spec_for(
             bound, self.spec.precision, sorted_indices=self.spec.sorted_indices, unique_indices=self.spec.unique_indices
@@ -1044,8 +1046,6 @@ def _refuse_differentiation(tensors: Mapping[str, torch.Tensor]) -> None:
 def _check_device(bound: Bound) -> None:
     """The generated kernel runs on CUDA, or on the CPU under the interpreter; and triton
     must have been imported in the mode TRITON_INTERPRET asks for now."""
-    if bound.device.type == "meta":
-        raise InsumTypeError("the tensors are on the meta device and hold no values: a kernel needs real tensors")
     interpreting = _interpreting()
     if not interpreting and bound.device.type != "cuda":
         raise UnsupportedStatement(

@@ -279,17 +279,17 @@ def test_compiled_kernel_refuses_what_it_cannot_do():
     tensors it failed inside torch. Both raise insum's errors now."""
     import torch.autograd.forward_ad as fwAD
 
-    c = case("dense_matmul")
+    c = case("group_coo_spmm")  # (no tl.dot: float32 exactly, as the lowering)
     tensors = build(c, seed=7, device=DEVICE)
     kernel = insum.compile(c.stmt, **tensors)
-    needs = {**clone(tensors), "A": tensors["A"].clone().requires_grad_(True)}
+    needs = {**clone(tensors), "AV": tensors["AV"].clone().requires_grad_(True)}
     with pytest.raises(insum.InsumError, match="not differentiable"):
         kernel(**needs)
     with torch.no_grad():
         torch.testing.assert_close(kernel(**needs), insum.insum(c.stmt, backend="torch", **clone(tensors)),
                                    **tolerance(torch.float32))
     with fwAD.dual_level(), pytest.raises(insum.InsumError, match="tangent"):
-        kernel(**{**clone(tensors), "A": fwAD.make_dual(tensors["A"], torch.ones_like(tensors["A"]))})
+        kernel(**{**clone(tensors), "AV": fwAD.make_dual(tensors["AV"], torch.ones_like(tensors["AV"]))})
     with pytest.raises(insum.InsumTypeError, match="meta"):
         kernel(**{k: v.to("meta") for k, v in tensors.items()})
 
@@ -365,12 +365,13 @@ def test_a_cache_folder_that_takes_no_file(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("INSUM_CACHE_DIR", str(blocker))
-    c = case("sddmm_scaled")  # (a statement of its own: no kernel of this process to reuse)
-    tensors = build(c, seed=3, device=DEVICE)
+    stmt = "C[i] += 0.8125 * A[i] * B[I[i]]"  # (a statement of this test's own: no kernel to reuse)
+    tensors = {"A": torch.randn(7, device=DEVICE), "B": torch.randn(5, device=DEVICE),
+               "I": torch.tensor([4, 0, 1, 1, 3, 2, 0], device=DEVICE)}
     with pytest.warns(UserWarning, match="cannot be written"):
         runtime._private_cache.cache_clear()
-        got = insum.insum(c.stmt, backend="triton", **clone(tensors))
-    torch.testing.assert_close(got, insum.insum(c.stmt, backend="torch", **clone(tensors)), **tolerance(torch.float32))
+        got = insum.insum(stmt, backend="triton", **tensors)
+    torch.testing.assert_close(got, 0.8125 * tensors["A"] * tensors["B"][tensors["I"]])
     monkeypatch.setenv("INSUM_CACHE_DIR", str(tmp_path / "cache"))
     kernel = Kernel(_kernel("dense_matmul").spec)
     for odd in ("[]", "null", '{"x": 1}'):
