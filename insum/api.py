@@ -222,7 +222,6 @@ def _forward_mode(
     primal = insum(expr, **options, **facts, lengths=lengths, **primals)
     reads = {name: t for name, t in primals.items() if name != out_name}
     reads.update({LENGTHS + key: t for key, t in (lengths or {}).items()})
-    facts = {key: sorted(names) for key, names in facts.items()}
     tangent = output_tangent(expr, reads, tangents, primal, **options, **facts)
     result = forward_ad.make_dual(primal, tangent)
     return result if out is None else out.copy_(result)

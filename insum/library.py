@@ -46,7 +46,7 @@ from .autograd import Derivation, derive, tensor_names
 from .autograd import tangents as tangents_of
 from .bind import PLAIN_TENSORS, bind
 from .dtypes import HALF_DTYPES, as_dtype, compute_dtype
-from .execute import LENGTH_KEY, prepared, run_and_prepare
+from .execute import LENGTH_KEY, declared_key, prepared, run_and_prepare
 from .ir import Access, Statement, Var
 from .parser import parse
 
@@ -132,18 +132,22 @@ def output_tangent(
     given, lengths = _split(list(primals), list(primals.values()))
     incoming = tangents.get(stmt.output.name) if stmt.accumulate else None
     tangent = incoming.to(like.dtype, copy=True) if incoming is not None else torch.zeros_like(like)
+    declared = [declared_key(names or ()) for names in (sorted_indices, unique_indices)]
     for name, access, term in plan.terms:
         if tangents.get(name) is None:
             continue
         read = _zeroed_past_lengths(access, tangents[name], lengths)  # (padding's tangent: not read)
-        env = {**given, plan.names[name]: read, plan.output: tangent}
+        env = {**given, plan.names[name]: read}
         reads = tensor_names(term)
         variables = set(term.variables())
         # only the lengths, facts of this term's own variables and tensors (an added term's has none)
-        term_lengths = {k: v for k, v in lengths.items() if LENGTH_KEY.match(k).group(1) in variables}
-        facts = [[n for n in names or () if n in reads] for names in (sorted_indices, unique_indices)]
-        _run(str(term), {n: env[n] for n in (plan.output, *reads)}, term_lengths, backend, precision, autotune,
-             check_indices, *facts)
+        names = [*reads, *(LENGTHS + k for k in lengths if LENGTH_KEY.match(k).group(1) in variables)]
+        values = [env[n] for n in reads] + [lengths[n[len(LENGTHS):]] for n in names[len(reads):]]
+        facts = [sorted(n for n in names_ if n in reads) if isinstance(names_, frozenset) else names_
+                 for names_ in declared]
+        # (differentiable where grad is on: reverse mode over this tangent)
+        tangent = run_functional(str(term), tangent, names, values, None, None, backend, precision, autotune,
+                                 check_indices, *facts)
     return tangent
 
 
@@ -276,6 +280,12 @@ def _gradients(ctx, grad: torch.Tensor, wanted: Sequence[bool]) -> tuple[torch.T
     saved = ctx.saved_tensors
     tensors = dict(zip(ctx.names, saved))
     lengths = {name[len(LENGTHS):]: t for name, t in tensors.items() if name.startswith(LENGTHS)}
+    if lengths and has_tangent(saved):
+        # Under forward mode (a Hessian-vector product) a factor's tangent past a length is
+        # padding's, which the forward does not read: neither do the gradient statements.
+        for factor in derivation.stmt.accesses():
+            if sum(f.name == factor.name for f in derivation.stmt.accesses()) == 1:
+                tensors[factor.name] = _zeroed_past_lengths(factor, tensors[factor.name], lengths)
     grads = [
         _gradient(derivation, name, tensor, tensors, grad, ctx.options, lengths)
         if want and name in derivation.gradients else None

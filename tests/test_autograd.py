@@ -367,6 +367,81 @@ def test_function_transforms_are_refused_by_name():
             transform()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_mode_through_formats_after_their_plans_are_pinned(backend):
+    """Found by fuzzing: `fmt @ B` dropped B's tangent once its plan was pinned (the pinned
+    launch reads the primal's memory). A format's product on tangents is A @ tB + tA @ B
+    (+ the bias's), each an ordinary product."""
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("CPU tensors: the generated kernel needs TRITON_INTERPRET=1")
+    from insum.formats import COO, ELL, BlockGroupCOO
+
+    gen = torch.Generator().manual_seed(3)
+    A = torch.randn(8, 6, dtype=torch.float64, generator=gen)
+    A[A.abs() < 0.7] = 0
+    B, tB = (torch.randn(6, 3, dtype=torch.float64, generator=gen) for _ in range(2))
+    bias, tbias = (torch.randn(8, dtype=torch.float64, generator=gen) for _ in range(2))
+    for fmt in (COO.from_dense(A), ELL.from_dense(A), BlockGroupCOO.from_dense(A, block=(2, 2), group_size="row")):
+        held = fmt.to_dense()
+        for _ in range(2):  # plain products: the plan is pinned by the repeat
+            fmt.spmm(B, bias=bias, backend=backend)
+        with fwAD.dual_level():
+            C = fmt.spmm(fwAD.make_dual(B, tB), bias=fwAD.make_dual(bias, tbias), backend=backend)
+            primal, tangent = fwAD.unpack_dual(C)
+        torch.testing.assert_close(primal, held @ B + bias[:, None])
+        torch.testing.assert_close(tangent, held @ tB + tbias[:, None])
+        values = {n: t for n, t in fmt.tensors.items() if t.is_floating_point()}
+        # (no tangent in padding slots: past a declared length the kernel does not read them)
+        tvalues = {n: torch.randn(t.shape, dtype=t.dtype, generator=gen) * (t != 0) for n, t in values.items()}
+        with fwAD.dual_level():
+            dual = fmt._over({n: fwAD.make_dual(t, tvalues[n]) for n, t in values.items()})
+            tangent = fwAD.unpack_dual(dual.spmm(B, backend=backend)).tangent
+        torch.testing.assert_close(tangent, fmt._over(tvalues).to_dense() @ B)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_reverse_over_forward(backend):
+    """Found by fuzzing: the gradient of a tangent lost its dependence on the primals on the
+    triton backend (the tangent statements ran outside autograd)."""
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("CPU tensors: the generated kernel needs TRITON_INTERPRET=1")
+    x0 = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    v = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    x = x0.clone().requires_grad_(True)
+    with fwAD.dual_level():
+        z = insum("z[] = x[k] * x[k]", x=fwAD.make_dual(x, v), backend=backend)
+        (g,) = torch.autograd.grad(fwAD.unpack_dual(z * z).tangent, x)
+    torch.testing.assert_close(g, 8 * (x0 @ v) * x0 + 4 * (x0 @ x0) * v)
+
+
+def test_forward_mode_reads_facts_as_insum_does():
+    """Found by fuzzing: a fact given as one name (a str) was split into letters for the
+    tangent statements (`unique_indices="IJ"` claimed I unique: lost contributions), and None
+    raised."""
+    rows, IJ = torch.tensor([0, 1, 0, 1, 0, 1]), torch.arange(6)
+    V, tV, B = torch.ones(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64), torch.ones(6, 2, dtype=torch.float64)
+    for facts in ({"unique_indices": "IJ"}, {"sorted_indices": None}):
+        with fwAD.dual_level():
+            C = insum("C[I[p], n] += V[p] * B[IJ[p], n]", C=torch.zeros(2, 2, dtype=torch.float64), I=rows, IJ=IJ,
+                      V=fwAD.make_dual(V, tV), B=B, backend="triton" if INTERPRET else "torch", **facts)
+            primal, tangent = fwAD.unpack_dual(C)
+        torch.testing.assert_close(tangent, torch.full((2, 2), 3.0, dtype=torch.float64))
+        torch.testing.assert_close(primal, torch.full((2, 2), 3.0, dtype=torch.float64))
+
+
+def test_hessian_vector_product_ignores_tangents_past_lengths():
+    """Found by fuzzing: a tangent in a padding slot (past its length) leaked into the
+    gradient statements' tangents; the forward does not read it, nor do they now."""
+    AV, AK, AL = torch.tensor([[2.0, 0.0]], dtype=torch.float64), torch.tensor([[1, 0]]), torch.tensor([1])
+    B = torch.tensor([[1.0], [3.0]], dtype=torch.float64, requires_grad=True)
+    with fwAD.dual_level():
+        AVd = fwAD.make_dual(AV, torch.tensor([[0.0, 1.0]], dtype=torch.float64))
+        C = insum("C[p, n] = AV[p, q] * B[AK[p, q], n]", AV=AVd, AK=AK, B=B, lengths={"q[p]": AL}, backend="torch")
+        (gB,) = torch.autograd.grad(C.sum(), B)
+        assert not fwAD.unpack_dual(C).tangent.any()
+        assert not fwAD.unpack_dual(gB).tangent.any()
+
+
 def test_half_precision_gradient_scatter_accumulates_in_float32():
     """Every entry gathers row 0 of B, so dB[0] sums 4096 contributions: in fp16 they
     would lose ~5%; accumulated in float32 and rounded once they stay under 1e-3."""

@@ -781,3 +781,29 @@ def test_from_e3nn_keeps_a_float64_modules_weights():
     assert layer.weight.dtype == torch.float64
     x1, x2 = torch.randn(5, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     torch.testing.assert_close(layer(x1, x2), ref(x1, x2), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("output", ["gather", "indexed", "views"])
+def test_forward_mode_tangents_of_all_three_inputs(output):
+    """Found by fuzzing: the layer's layout copies and pinned launches dropped x1's tangent
+    (silently partial with x2 dual too). The product is linear in x1, x2 and the weights:
+    its tangent is three products of primals, checked against finite differences."""
+    import torch.autograd.forward_ad as fwAD
+
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    backend = "triton" if (interpreting or torch.cuda.is_available()) else "torch"
+    gen = torch.Generator().manual_seed(0)
+    tp = FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o", backend=backend, output=output).double()
+    a, b = torch.randn(5, 8, dtype=torch.float64, generator=gen), torch.randn(5, 4, dtype=torch.float64, generator=gen)
+    va, vb, vw = torch.randn_like(a), torch.randn_like(b), torch.randn_like(tp.weight)
+    w = tp.weight.detach().clone()
+    with torch.no_grad():
+        tp(a, b)
+        tp(a, b)  # (the pinned repeat)
+        h = 1e-6
+        want = (tp(a + h * va, b + h * vb, w + h * vw) - tp(a - h * va, b - h * vb, w - h * vw)) / (2 * h)
+        with fwAD.dual_level():
+            y = tp(fwAD.make_dual(a, va), fwAD.make_dual(b, vb), fwAD.make_dual(w, vw))
+            primal, tangent = fwAD.unpack_dual(y)
+    torch.testing.assert_close(primal, tp(a, b, w))
+    torch.testing.assert_close(tangent, want, rtol=1e-6, atol=1e-6)

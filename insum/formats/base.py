@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
+from torch.autograd import forward_ad
 
 from ..api import insum, insum_many
 from ..bind import PLAIN_TENSORS, refuse_function_transforms
@@ -40,6 +41,7 @@ from ..cache import BoundedCache
 from ..dtypes import as_dtype
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import PIN_TRIES, Pinned, pin
+from ..library import has_tangent
 from .coords import (
     VALUE_DTYPES,
     Coords,
@@ -369,6 +371,8 @@ class SparseFormat:
         added after it.
         """
         refuse_function_transforms(f"{type(self).__name__} @ B")
+        if has_tangent((B, bias, *self._tensors.values())):
+            return self._forward_mode(B, bias, backend, precision)
         key = None
         if (
             type(B) in PLAIN_TENSORS and B.layout == torch.strided and not torch.compiler.is_compiling()
@@ -408,6 +412,33 @@ class SparseFormat:
         if key is not None:  # kept once it has run (its options are then valid)
             self.__dict__.setdefault("_spmm_plans", BoundedCache(_PLANS_PER_FORMAT))[key] = plan
         return C
+
+    def _forward_mode(self, B: torch.Tensor, bias, backend: str, precision: str) -> torch.Tensor:
+        """`spmm` on tensors that carry forward-mode tangents (B, the bias, the values): the
+        product is bilinear, so its tangent is A @ tB + tA @ B (+ the bias's), each an ordinary
+        product of primals (the pinned plans never see a tangent)."""
+        B, tB = forward_ad.unpack_dual(B)
+        bias, tbias = forward_ad.unpack_dual(bias) if bias is not None else (None, None)
+        unpacked = {name: forward_ad.unpack_dual(t) for name, t in self._tensors.items()}
+        tangents = {name: u.tangent for name, u in unpacked.items() if u.tangent is not None}
+        A = self._over({name: unpacked[name].primal for name in tangents}) if tangents else self
+        options = {"backend": backend, "precision": precision}
+        C = A.spmm(B, bias=bias, **options)
+        tangent = torch.zeros_like(C)
+        if tB is not None:
+            tangent = tangent + A.spmm(tB, **options)
+        if tangents:
+            zeros = {n: torch.zeros_like(t) for n, t in A._tensors.items() if A._is_value(n) and n not in tangents}
+            tangent = tangent + A._over({**tangents, **zeros}).spmm(B, **options)
+        if tbias is not None:
+            tangent = tangent + (tbias if C.dim() == 1 else tbias[:, None])
+        return forward_ad.make_dual(C, tangent.to(C.dtype))
+
+    def _over(self, replaced: Mapping[str, torch.Tensor]) -> SparseFormat:
+        """The same format over other tensors of the same shapes (none of its plans)."""
+        twin = copy.copy(self)
+        object.__setattr__(twin, "_tensors", {**self._tensors, **replaced})
+        return twin
 
     def _check_bias(self, bias: torch.Tensor) -> None:
         if not isinstance(bias, torch.Tensor) or bias.layout != torch.strided:

@@ -56,12 +56,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 
 from ..api import insum
 from ..bind import PLAIN_TENSORS
 from ..dtypes import as_dtype
 from ..errors import InsumShapeError
 from ..execute import PIN_TRIES, Pinned, pin
+from ..library import has_tangent
 from .cg_tables import (
     FLAT_GRADIENT_STATEMENTS,
     FLAT_STATEMENTS,
@@ -296,12 +298,28 @@ class TensorProduct(nn.Module):
         device = next((t.device for t in (*tp.parameters(), *tp.buffers())), None)
         return layer.to(device) if device is not None else layer
 
+    def _forward_mode(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """The product on inputs that carry forward-mode tangents: it is linear in each of x1, x2
+        and the weights, so its tangent is the sum of three products of primals, each with one
+        input's tangent in its place (the layout copies and pinned launches never see one)."""
+        w = weight if weight is not None else self._parameters.get("weight")
+        (p1, t1), (p2, t2) = forward_ad.unpack_dual(x1), forward_ad.unpack_dual(x2)
+        pw, tw = forward_ad.unpack_dual(w) if w is not None else (None, None)
+        out = self(p1, p2, pw)
+        tangent = torch.zeros_like(out)
+        for a, b, c in ((t1, p2, pw), (p1, t2, pw), (p1, p2, tw)):
+            if a is not None and b is not None and c is not None:
+                tangent = tangent + self(a, b, c)
+        return forward_ad.make_dual(out, tangent)
+
     def extra_repr(self) -> str:
         return (f"{self.irreps_in1} x {self.irreps_in2} -> {self.irreps_out}, {len(self.instructions)} paths "
                 f"({self.mode}), weight_numel={self.weight_numel}")
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x1[..., irreps_in1.dim], x2[..., irreps_in2.dim] -> [..., irreps_out.dim] (leading dims broadcast)."""
+        if has_tangent((x1, x2, weight if weight is not None else self._parameters.get("weight"))):
+            return self._forward_mode(x1, x2, weight)
         if not torch.compiler.is_compiling() and self._fast is not None:
             # a repeat of the last forward: its checks, then one pinned launch
             out = self._fast(x1, x2, weight, self._parameters.get("weight"))
