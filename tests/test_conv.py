@@ -447,3 +447,28 @@ def test_a_layer_pickles_after_its_kernel_maps_are_cached():
         for twin in (loaded, pickle.loads(pickle.dumps(conv)), copy.deepcopy(conv)):
             torch.testing.assert_close(twin(feats, coords)[0], y)
             assert (twin.cache is default_cache) == (cache is None)
+
+
+def test_forward_mode_tangent_of_features_weight_and_bias():
+    """Forward-mode AD: the convolution is bilinear in features and weight (its autograd
+    Function has no jvp: torch raised); checked against finite differences."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(0)
+    conv = SparseConv3d(3, 4, kernel_size=3, bias=True, backend="torch").double()
+    coords = torch.tensor([[0, 0, 0], [0, 0, 1], [1, 0, 1], [2, 2, 2]])
+    f, vf = (torch.randn(4, 3, dtype=torch.float64, generator=gen) for _ in range(2))
+    vw, vb = torch.randn_like(conv.weight), torch.randn_like(conv.bias)
+    w, b = conv.weight.detach().clone(), conv.bias.detach().clone()
+    km = conv.kernel_map(coords)
+    h = 1e-6
+    want = (sparse_conv3d(f + h * vf, w + h * vw, km, b + h * vb) - sparse_conv3d(f - h * vf, w - h * vw, km, b - h * vb)) / (2 * h)
+    with fwAD.dual_level():
+        y = sparse_conv3d(fwAD.make_dual(f, vf), fwAD.make_dual(w, vw), km, fwAD.make_dual(b, vb))
+        primal, tangent = fwAD.unpack_dual(y)
+        module_tangent = fwAD.unpack_dual(conv(fwAD.make_dual(f, vf), coords)[0]).tangent
+    torch.testing.assert_close(primal, sparse_conv3d(f, w, km, b))
+    torch.testing.assert_close(tangent, want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(module_tangent, (conv(f + h * vf, coords)[0] - conv(f - h * vf, coords)[0]) / (2 * h),
+                                   rtol=1e-6, atol=1e-6)

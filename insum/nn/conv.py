@@ -53,11 +53,13 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 
 from ..api import insum
 from ..dtypes import as_dtype, compute_dtype
 from ..errors import InsumError, InsumShapeError
 from ..formats.coords import check_positive_int
+from ..library import has_tangent
 from .kernel_map import KernelMap, KernelMapCache, default_cache
 
 __all__ = [
@@ -253,7 +255,22 @@ def sparse_conv3d(
 
     form: "tiles" (output-stationary), "pairs" (grouped pairs, atomics) or "auto"
     (`choose_form`); tile: rows per tile for "tiles", pairs per group for "pairs";
-    absent: "zero_row" or "mask", how absent neighbours read zero (module docstring)."""
+    absent: "zero_row" or "mask", how absent neighbours read zero (module docstring).
+    Under forward-mode AD the tangent is that of a bilinear map: the convolution of the
+    feature tangent by the weight, of the features by the weight's tangent, and the bias's."""
+    options = dict(form=form, tile=tile, backend=backend, precision=precision, absent=absent)
+    if has_tangent((feats, weight, bias)):
+        (feats, t_feats), (weight, t_weight) = forward_ad.unpack_dual(feats), forward_ad.unpack_dual(weight)
+        bias, t_bias = forward_ad.unpack_dual(bias) if bias is not None else (None, None)
+        out = sparse_conv3d(feats, weight, kernel_map, bias, **options)
+        tangent = torch.zeros_like(out)
+        if t_feats is not None:
+            tangent = tangent + sparse_conv3d(t_feats, weight, kernel_map, **options)
+        if t_weight is not None:
+            tangent = tangent + sparse_conv3d(feats, t_weight, kernel_map, **options)
+        if t_bias is not None:
+            tangent = tangent + t_bias.to(out.dtype)
+        return forward_ad.make_dual(out, tangent)
     form = choose_form(kernel_map, form)
     if absent not in ABSENT:
         raise InsumError(f"unknown absent-neighbour handling {absent!r}; choose one of {', '.join(ABSENT)}")
