@@ -297,6 +297,13 @@ def _gradients(ctx, grad: torch.Tensor, wanted: Sequence[bool]) -> tuple[torch.T
     return grad_init, grads
 
 
+def zeroed_past_lengths(expr: str, name: str, values: torch.Tensor, lengths: Mapping[str, torch.Tensor] | None):
+    """`values` of the tensor `name` that `expr` reads, zero where its one access skips under
+    the declared `lengths` (a format's padding: a tangent or gradient there is not read)."""
+    accesses = [a for a in parse(expr).accesses() if a.name == name]
+    return _zeroed_past_lengths(accesses[0], values, lengths) if lengths and len(accesses) == 1 else values
+
+
 def _zeroed_past_lengths(access: Access, values: torch.Tensor, lengths: Mapping[str, torch.Tensor]):
     """`values` (of the tensor `access` reads) with the entries that this access skips under
     the declared lengths set to zero. The gradient statements run without the lengths (the

@@ -442,6 +442,27 @@ def test_hessian_vector_product_ignores_tangents_past_lengths():
         assert not fwAD.unpack_dual(gB).tangent.any()
 
 
+def test_format_forward_mode_reads_no_tangent_past_its_lengths():
+    """Found by fuzzing: Block-ELL's values' tangent in its padding blocks (past each block
+    row's count) entered the tangent on the torch backend; it is not read, as the kernel
+    stops at the lengths."""
+    from insum.formats import BlockGroupCOO
+
+    A = torch.zeros(4, 6, dtype=torch.float64)
+    A[0:2, 0:2], A[2:4, 0:2], A[2:4, 4:6] = 1.0, 2.0, 3.0  # block rows of 1 and 2 blocks: row 0 pads
+    fmt = BlockGroupCOO.from_dense(A, block=(2, 2), group_size="row")
+    lengths = fmt.declared_lengths()
+    assert lengths is not None
+    (counts,) = lengths.values()
+    padding = (torch.arange(fmt.AV.shape[1]) >= counts[:, None])[:, :, None, None].expand_as(fmt.AV)
+    assert padding.any()
+    B = torch.randn(6, 3, dtype=torch.float64)
+    with fwAD.dual_level():
+        dual = fmt._over({"AV": fwAD.make_dual(fmt.AV, padding.double())})
+        tangent = fwAD.unpack_dual(dual.spmm(B, backend="torch")).tangent
+    assert not tangent.any()
+
+
 def test_half_precision_gradient_scatter_accumulates_in_float32():
     """Every entry gathers row 0 of B, so dB[0] sums 4096 contributions: in fp16 they
     would lose ~5%; accumulated in float32 and rounded once they stay under 1e-3."""

@@ -617,3 +617,29 @@ def test_block_ell_training_step_captured_in_a_cuda_graph():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got, want in zip(step(), eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
+def test_forward_mode_tangent_of_x_values_and_bias(fmt, params):
+    """Forward-mode AD through a layer (its autograd Functions had no jvp: torch raised, and
+    under no_grad the pinned product dropped x's tangent): tx W^T + x tW^T + tb."""
+    import torch.autograd.forward_ad as fwAD
+
+    layer = layer_for(fmt, params, bias=True)
+    gen = torch.Generator().manual_seed(4)
+    x, vx = (torch.randn(3, 12, dtype=torch.float64, generator=gen) for _ in range(2))
+    values = {n: p for n, p in layer.named_parameters() if n != "bias"}
+    tvalues = {n: torch.randn(p.shape, dtype=p.dtype, generator=gen) * (p != 0) for n, p in values.items()}
+    tbias = torch.randn(layer.bias.shape, dtype=torch.float64, generator=gen)
+    W = layer.to_dense().detach()
+    tW = layer.weight._over(tvalues).to_dense()
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            layer(x), layer(x)  # (the pinned repeat)
+            with fwAD.dual_level():
+                y = layer(fwAD.make_dual(x, vx))
+                torch.testing.assert_close(fwAD.unpack_dual(y).tangent, vx @ W.t())
+                duals = {n: fwAD.make_dual(p.detach(), tvalues[n]) for n, p in values.items()}
+                duals["bias"] = fwAD.make_dual(layer.bias.detach(), tbias)
+                y = torch.func.functional_call(layer, duals, (fwAD.make_dual(x, vx),))
+                torch.testing.assert_close(fwAD.unpack_dual(y).tangent, vx @ W.t() + x @ tW.t() + tbias)

@@ -41,7 +41,7 @@ from ..cache import BoundedCache
 from ..dtypes import as_dtype
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import PIN_TRIES, Pinned, pin
-from ..library import has_tangent
+from ..library import has_tangent, zeroed_past_lengths
 from .coords import (
     VALUE_DTYPES,
     Coords,
@@ -428,11 +428,19 @@ class SparseFormat:
         if tB is not None:
             tangent = tangent + A.spmm(tB, **options)
         if tangents:
-            zeros = {n: torch.zeros_like(t) for n, t in A._tensors.items() if A._is_value(n) and n not in tangents}
-            tangent = tangent + A._over({**tangents, **zeros}).spmm(B, **options)
+            tangent = tangent + A._tangent_values(tangents).spmm(B, **options)
         if tbias is not None:
             tangent = tangent + (tbias if C.dim() == 1 else tbias[:, None])
         return forward_ad.make_dual(C, tangent.to(C.dtype))
+
+    def _tangent_values(self, tangents: Mapping[str, torch.Tensor]) -> SparseFormat:
+        """The same pattern over value tangents (zeros for a value tensor without one), zero
+        past the declared lengths: the padding's tangent is not read (the kernel stops at the
+        lengths, the torch lowering multiplies every slot)."""
+        lengths = self.declared_lengths()
+        values = {n: zeroed_past_lengths(self.expression, n, tangents[n], lengths) if n in tangents
+                  else torch.zeros_like(t) for n, t in self._tensors.items() if self._is_value(n)}
+        return self._over(values)
 
     def _over(self, replaced: Mapping[str, torch.Tensor]) -> SparseFormat:
         """The same format over other tensors of the same shapes (none of its plans)."""

@@ -97,7 +97,15 @@ class _SparseLinearFunction(torch.autograd.Function):
         ctx.info = info
         ctx.biased = bias is not None
         ctx.save_for_backward(x2, *tensors)
+        ctx.save_for_forward(x2, *tensors)
         return linear_product(fmt, x2, bias, backend, precision)
+
+    @staticmethod
+    def jvp(ctx, _info, t_x2, t_bias, *t_tensors):
+        fmt_cls, shape, meta, names, *_, backend, precision = ctx.info
+        x2, *tensors = ctx.saved_tensors
+        fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
+        return linear_tangent(fmt, x2, t_x2, t_bias, dict(zip(names, t_tensors)), backend, precision, ctx.biased)
 
     @staticmethod
     def backward(ctx, dy):
@@ -149,7 +157,16 @@ class _KeptLinearFunction(torch.autograd.Function):
         ctx.kept = kept
         ctx.biased = bias is not None
         ctx.save_for_backward(x2, *values)  # (the values: an in-place change before the backward raises)
+        ctx.save_for_forward(x2)
         return linear_product(kept.fmt, x2, bias, kept.backend, kept.precision)
+
+    @staticmethod
+    def jvp(ctx, _kept, t_x2, t_bias, *t_values):
+        """Forward mode: y is bilinear in x and W, so its tangent is tx W^T + x tW^T + tb."""
+        kept = ctx.kept
+        (x2,) = ctx.saved_tensors
+        tangents = dict(zip(kept.value_names, t_values))
+        return linear_tangent(kept.fmt, x2, t_x2, t_bias, tangents, kept.backend, kept.precision, ctx.biased)
 
     @staticmethod
     def backward(ctx, dy):
@@ -161,6 +178,28 @@ class _KeptLinearFunction(torch.autograd.Function):
                                      kept.precision, x2, dy, needs[1], wanted, kept.frozen)
         dbias = dy.sum(0) if ctx.biased and needs[2] else None
         return (None, dx, dbias, *(grads.get(name) for name in kept.value_names))
+
+
+def linear_tangent(
+    fmt: SparseFormat, x2: torch.Tensor, t_x2, t_bias, t_values: dict, backend: str, precision: str, biased: bool
+) -> torch.Tensor:
+    """The forward-mode tangent of y = x2 W^T + b (W held in `fmt`): tx W^T + x tW^T + tb, each
+    an ordinary product (t_values: value tensor name -> its tangent, or None), summed in place
+    into the first: laid out as the output (`linear_product`'s view, with a bias where the
+    output had one), as torch asks of the tangent of a Function's view output."""
+    given = {name: t for name, t in t_values.items() if t is not None}
+    zero_bias = torch.zeros(fmt.shape[0], dtype=fmt.dtype, device=fmt.device) if biased else None
+    terms = [] if t_x2 is None else [linear_product(fmt, t_x2, zero_bias, backend, precision)]
+    if given:
+        terms.append(linear_product(fmt._tangent_values(given), x2, None if terms else zero_bias, backend, precision))
+    if not terms:  # the bias's alone, in the output's layout
+        terms.append(linear_product(fmt, torch.zeros_like(x2), zero_bias, backend, precision))
+    tangent = terms[0]
+    for term in terms[1:]:
+        tangent.add_(term)
+    if t_bias is not None:
+        tangent.add_(t_bias)
+    return tangent
 
 
 def linear_gradients(
