@@ -6,6 +6,7 @@ nonzero, fully dense, skewed rows, sizes that are not multiples of any block) wi
 several parameter choices and both index dtypes.
 """
 
+import copy
 import subprocess
 import sys
 import time
@@ -692,3 +693,27 @@ def test_power_law_matrix_refuses_a_mean_that_is_not_a_finite_count(avg):
     """Found by fuzzing: a NaN mean passed the `< 0` check and built an empty matrix."""
     with pytest.raises(InsumError, match="finite"):
         power_law_matrix(10, 10, avg)
+
+
+def test_block_ell_gradient_tables_follow_an_edited_index():
+    """Found by fuzzing: Block-ELL kept the stored blocks' column list (a copy of AK) and its
+    grouped gradient tables across an in-place edit of AK, so the values' gradient used the
+    old columns. They are kept per version of the index tensors now."""
+    from insum.nn import sparse_linear
+
+    gen = torch.Generator().manual_seed(5)
+    A = torch.zeros(8, 16, dtype=torch.float64)
+    for r, c in ((0, 0), (0, 2), (1, 1), (2, 3), (3, 0), (3, 4)):
+        A[2 * r: 2 * r + 2, 2 * c: 2 * c + 2] = torch.randn(2, 2, dtype=torch.float64, generator=gen)
+    fmt = BlockGroupCOO.from_dense(A, block=(2, 2), group_size="row")
+    fmt.AV.requires_grad_(True)
+    x = torch.randn(3, 16, dtype=torch.float64, generator=gen)
+    sparse_linear(x, fmt, backend="torch").sum().backward()
+    with torch.no_grad():
+        fmt.AK.copy_((fmt.AK + 2) % 8)  # every block two block columns on
+    fmt.AV.grad = None
+    sparse_linear(x, fmt, backend="torch").sum().backward()
+    fresh = copy.deepcopy(fmt)
+    fresh.AV.grad = None
+    sparse_linear(x, fresh, backend="torch").sum().backward()
+    torch.testing.assert_close(fmt.AV.grad, fresh.AV.grad)

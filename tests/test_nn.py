@@ -643,3 +643,33 @@ def test_forward_mode_tangent_of_x_values_and_bias(fmt, params):
                 duals["bias"] = fwAD.make_dual(layer.bias.detach(), tbias)
                 y = torch.func.functional_call(layer, duals, (fwAD.make_dual(x, vx),))
                 torch.testing.assert_close(fwAD.unpack_dual(y).tangent, vx @ W.t() + x @ tW.t() + tbias)
+
+
+@pytest.mark.parametrize("fmt, params", FORMATS, ids=IDS)
+def test_pattern_edited_in_place_is_followed_or_refused(fmt, params):
+    """Found by fuzzing: an index buffer edited in place (`layer.AK.copy_(...)`, no
+    assignment) left the layer's transposed pattern, gradient tables and frozen slots as they
+    were: x's gradient and a step followed the old pattern. The plan follows the buffers'
+    versions now, and an edit between forward and backward raises as torch's ops do."""
+    layer = layer_for(fmt, params)
+    name = "AK" if "AK" in layer._tensor_names else next(n for n in layer._tensor_names if n != "AV")
+    index = getattr(layer, name)
+    x = torch.randn(4, 12, dtype=torch.float64)
+    layer(x).sum().backward()
+    with torch.no_grad():  # another pattern of the same shape (still in range)
+        index.copy_(torch.flip(index, dims=(0,)) if index.dim() else index)
+    for p in layer.parameters():
+        p.grad = None
+    xx = x.clone().requires_grad_(True)
+    y = layer(xx)
+    y.square().sum().backward()
+    W = layer.to_dense().detach().clone().requires_grad_(True)
+    xr = x.clone().requires_grad_(True)
+    (xr @ W.t() + layer.bias.detach()).square().sum().backward()
+    torch.testing.assert_close(y, xr.detach() @ W.detach().t() + layer.bias.detach())
+    torch.testing.assert_close(xx.grad, xr.grad)
+    y = layer(x.clone().requires_grad_(True))
+    with torch.no_grad():
+        index.copy_(torch.flip(index, dims=(0,)) if index.dim() else index)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -792,9 +792,11 @@ def test_forward_mode_tangents_of_all_three_inputs(output):
 
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     backend = "triton" if (interpreting or torch.cuda.is_available()) else "torch"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     tp = FullyConnectedTensorProduct("2x0e+2x1o", "0e+1o", "2x0e+2x1o", backend=backend, output=output).double()
-    a, b = torch.randn(5, 8, dtype=torch.float64, generator=gen), torch.randn(5, 4, dtype=torch.float64, generator=gen)
+    tp = tp.to(device)
+    a, b = (torch.randn(5, n, dtype=torch.float64, generator=gen).to(device) for n in (8, 4))
     va, vb, vw = torch.randn_like(a), torch.randn_like(b), torch.randn_like(tp.weight)
     w = tp.weight.detach().clone()
     with torch.no_grad():

@@ -253,15 +253,18 @@ class SparseFormat:
     def __setattr__(self, name: str, value: Any) -> None:
         """A packed tensor cannot be replaced (`fmt.AV = ...`): the products' plans are pinned
         to the packed tensors (their signatures checked once, `insum.execute.Pinned`). Values
-        may change in place (`fmt.AV.copy_(...)`, a layer's weights). Any other assignment
+        may change in place (`fmt.AV.copy_(...)`, a layer's weights). Index tensors carry the
+        packing's invariants (a sorted row index, the covering layout, declared lengths), which
+        the products rely on unchecked: another pattern is a new format. Any other assignment
         (`expression`, `params`, `to()`'s tensors) drops the plans and what was derived from
         the tensors (`_derived`)."""
         tensors = self.__dict__.get("_tensors")
         if tensors is not None and name in tensors:
-            raise InsumError(
-                f"{type(self).__name__}.{name} is a packed tensor and cannot be replaced: update its "
-                f"values in place ({name}.copy_(...)) or pack a new {type(self).__name__}"
-            )
+            how = (f"update its values in place ({name}.copy_(...)) or pack a new {type(self).__name__}"
+                   if tensors[name].is_floating_point() else
+                   f"it is an index tensor, whose packing's invariants (sorted rows, covering blocks) the "
+                   f"products rely on: pack a new {type(self).__name__} for another pattern")
+            raise InsumError(f"{type(self).__name__}.{name} is a packed tensor and cannot be replaced: {how}")
         # (the SpMM plans, the gradients' pinned calls of `formats.repeat`, and what a format
         # works out from its tensors once)
         for built in self._BUILT:

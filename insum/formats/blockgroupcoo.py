@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..api import insum
 from ..arith import cdiv, next_power_of_2
+from ..bind import tensor_version
 from ..dtypes import as_dtype, promoted
 from ..errors import InsumError
 from .base import SparseFormat, pad_rows
@@ -390,7 +391,9 @@ class BlockGroupCOO(SparseFormat):
         code. None in traced code where the count is unknown."""
         tracing = torch.compiler.is_compiling()
         derived = {} if tracing else self.__dict__.setdefault("_derived", {})
-        blocks = derived.get("stored_blocks")
+        versions = self._index_versions()
+        kept = derived.get("stored_blocks")
+        blocks = kept[1] if kept is not None and kept[0] == versions else None
         if blocks is None:
             count = self.params.get("blocks")
             if count is None and tracing:
@@ -399,10 +402,17 @@ class BlockGroupCOO(SparseFormat):
             stored = (torch.arange(AK.shape[1], device=AK.device) < counts[:, None]).reshape(-1)
             slots = (stored.nonzero() if count is None else torch.nonzero_static(stored, size=count)).squeeze(1)
             rows = torch.div(slots, AK.shape[1], rounding_mode="floor")
-            blocks = derived["stored_blocks"] = {
-                "F": slots.to(AK.dtype), "SP": rows.to(AK.dtype), "SK": AK.reshape(-1)[slots],
-            }
+            blocks = {"F": slots.to(AK.dtype), "SP": rows.to(AK.dtype), "SK": AK.reshape(-1)[slots]}
+            if versions is not None:
+                derived["stored_blocks"] = (versions, blocks)
         return blocks
+
+    def _index_versions(self) -> tuple[int, ...] | None:
+        """The version counters of the index tensors (AK, AL): what is derived from them is
+        kept per version, so an in-place edit (`fmt.AK.copy_(...)`) derives it again. None
+        where there are none to trust (traced, inference tensors)."""
+        versions = tuple(tensor_version(t) for t in self._tensors.values() if not t.is_floating_point())
+        return None if None in versions else versions
 
     def _stored_groups(self) -> dict[str, torch.Tensor] | None:
         """GF, GP, GK of `GROUPED_GRADIENT`: each block row's stored blocks in groups of J
@@ -415,7 +425,9 @@ class BlockGroupCOO(SparseFormat):
         if J == 1 or torch.compiler.is_compiling():
             return None
         derived = self.__dict__.setdefault("_derived", {})
-        groups = derived.get("stored_groups")
+        versions = self._index_versions()
+        kept = derived.get("stored_groups")
+        groups = kept[1] if kept is not None and kept[0] == versions else None
         if groups is None:
             AK, counts = self.AK, self._row_counts().long()
             per_row = torch.div(counts + J - 1, J, rounding_mode="floor")
@@ -428,7 +440,9 @@ class BlockGroupCOO(SparseFormat):
             scratch = G * g + torch.cumsum((~valid).reshape(-1), 0).reshape(T, J) - 1
             GF = torch.where(valid, rows[:, None] * g + q, scratch)
             GK = torch.where(valid, AK[rows[:, None], q.clamp(max=g - 1)], 0)
-            groups = derived["stored_groups"] = {"GF": GF.to(AK.dtype), "GP": rows.to(AK.dtype), "GK": GK.to(AK.dtype)}
+            groups = {"GF": GF.to(AK.dtype), "GP": rows.to(AK.dtype), "GK": GK.to(AK.dtype)}
+            if versions is not None:
+                derived["stored_groups"] = (versions, groups)
         return groups
 
     def value_gradient_tables(self) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..arith import cdiv
+from ..bind import tensor_version
 from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..errors import InsumError, InsumShapeError
 from ..formats.auto import packer, pruning_block
@@ -315,7 +316,16 @@ class SparseLinear(nn.Module):
                 self.register_buffer(prefix + name, tensor, persistent=False)
         self._pattern_names, self._table_names, self._frozen_names = (tuple(part) for part in plan)
         self._plan_source = self._index_tensors()
+        self._plan_versions = tuple(tensor_version(t) for t in self._plan_source)
         self._drop_kept()
+
+    def _plan_is_current(self) -> bool:
+        """Whether the index tensors the plan was made from are unedited since (their version
+        counters; an inference tensor keeps none and is trusted)."""
+        versions = self.__dict__.get("_plan_versions")
+        if versions is None:
+            return True
+        return all(v is None or t._version == v for t, v in zip(self._plan_source, versions))
 
     def _plan_buffers(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         return tuple(zip(_PLAN_PREFIXES, (getattr(self, "_pattern_names", ()), getattr(self, "_table_names", ()),
@@ -377,14 +387,15 @@ class SparseLinear(nn.Module):
         if kept is not None:
             info, tensors, held, call = kept
             # A tensor swapped in the module's dicts (torch.func.functional_call): built anew.
-            if all(where.get(name) is t for where, name, t in held):
+            if all(where.get(name) is t for where, name, t in held) and self._plan_is_current():
                 return info, tensors, call
         fmt = self._current_format()
         planned = self.__dict__.get("_plan_source")  # (None: a layer pickled before it was kept)
         source = self._index_tensors()
-        if torch.compiler.is_compiling() or planned is None or (
-            len(source) == len(planned) and all(a is b for a, b in zip(source, planned))
-        ):
+        same = planned is not None and len(source) == len(planned) and all(a is b for a, b in zip(source, planned))
+        if same and not torch.compiler.is_compiling() and not self._plan_is_current():
+            self._make_plan()  # the pattern edited in place (`layer.AK.copy_(...)`): its plan again
+        if torch.compiler.is_compiling() or planned is None or same:
             pattern, tables, frozen = ({name: getattr(self, prefix + name) for name in names}
                                        for prefix, names in self._plan_buffers())
         else:

@@ -130,7 +130,8 @@ class KeptLinear:
     tables, the frozen slots' masks (`frozen_slots`), and the names of the format's
     floating-point tensors, the only ones of its tensors that can have a gradient."""
 
-    __slots__ = ("fmt", "pattern", "tables", "frozen", "gradients", "backend", "precision", "value_names", "values")
+    __slots__ = ("fmt", "pattern", "tables", "frozen", "gradients", "backend", "precision", "value_names", "values",
+                 "index_tensors")
 
     def __init__(self, fmt: SparseFormat, pattern, gradients: Gradients, backend: str, precision: str, tables=None,
                  frozen=None):
@@ -143,6 +144,7 @@ class KeptLinear:
         self.precision = precision
         self.value_names = tuple(name for name, t in fmt._tensors.items() if t.is_floating_point())
         self.values = tuple(fmt._tensors[name] for name in self.value_names)
+        self.index_tensors = tuple(t for t in fmt._tensors.values() if not t.is_floating_point())
 
 
 class _KeptLinearFunction(torch.autograd.Function):
@@ -156,7 +158,8 @@ class _KeptLinearFunction(torch.autograd.Function):
     def forward(ctx, kept, x2, bias, *values):
         ctx.kept = kept
         ctx.biased = bias is not None
-        ctx.save_for_backward(x2, *values)  # (the values: an in-place change before the backward raises)
+        # (the values and the pattern's indices: an in-place change before the backward raises)
+        ctx.save_for_backward(x2, *values, *kept.index_tensors)
         ctx.save_for_forward(x2)
         return linear_product(kept.fmt, x2, bias, kept.backend, kept.precision)
 
