@@ -391,7 +391,7 @@ class BlockGroupCOO(SparseFormat):
         code. None in traced code where the count is unknown."""
         tracing = torch.compiler.is_compiling()
         derived = {} if tracing else self.__dict__.setdefault("_derived", {})
-        versions = self._index_versions()
+        versions = None if tracing else self._index_versions()
         kept = derived.get("stored_blocks")
         blocks = kept[1] if kept is not None and kept[0] == versions else None
         if blocks is None:

@@ -97,15 +97,8 @@ class _SparseLinearFunction(torch.autograd.Function):
         ctx.info = info
         ctx.biased = bias is not None
         ctx.save_for_backward(x2, *tensors)
-        ctx.save_for_forward(x2, *tensors)
+        # (no jvp: dynamo refuses a Function that has one; eager layers run `_KeptLinearFunction`)
         return linear_product(fmt, x2, bias, backend, precision)
-
-    @staticmethod
-    def jvp(ctx, _info, t_x2, t_bias, *t_tensors):
-        fmt_cls, shape, meta, names, *_, backend, precision = ctx.info
-        x2, *tensors = ctx.saved_tensors
-        fmt = rebuild_format(fmt_cls, shape, meta, dict(zip(names, tensors)))
-        return linear_tangent(fmt, x2, t_x2, t_bias, dict(zip(names, t_tensors)), backend, precision, ctx.biased)
 
     @staticmethod
     def backward(ctx, dy):
