@@ -103,9 +103,15 @@ def _run(
 # --------------------------------------------------------------------------- forward mode
 
 
+def forward_mode_on() -> bool:
+    """Whether a forward-mode AD level is open (`forward_ad.dual_level`): one module attribute,
+    read before anything else is looked at."""
+    return forward_ad._current_level >= 0
+
+
 def has_tangent(tensors) -> bool:
-    """Whether forward-mode AD is on (inside `forward_ad.dual_level`) and a tensor carries a
-    tangent; outside a dual level this reads one module attribute."""
+    """Whether forward-mode AD is on and a tensor carries a tangent (call it behind
+    `forward_mode_on()` where building `tensors` costs anything)."""
     if forward_ad._current_level < 0:
         return False
     return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
