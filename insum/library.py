@@ -109,6 +109,17 @@ def forward_mode_on() -> bool:
     return forward_ad._current_level >= 0
 
 
+def tangents_alone(tensors) -> bool:
+    """Whether `tensors` carry forward-mode tangents and no gradient is being recorded for
+    them: a layer may then compute its tangent from products of primals. With a gradient
+    recorded too (forward over reverse), that would cut the tangents out of the backward's
+    graph (a Hessian-vector product's cross terms): the layer's own autograd path runs."""
+    tensors = [t for t in tensors if t is not None]
+    if not has_tangent(tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def has_tangent(tensors) -> bool:
     """Whether forward-mode AD is on and a tensor carries a tangent (call it behind
     `forward_mode_on()` where building `tensors` costs anything)."""

@@ -463,6 +463,29 @@ def test_format_forward_mode_reads_no_tangent_past_its_lengths():
     assert not tangent.any()
 
 
+def test_hessian_vector_product_through_a_format_keeps_its_cross_terms():
+    """Found by fuzzing: with gradients recorded, a format's tangent taken from products of
+    primals cut the tangents out of the backward's graph (the gradient of the values lost
+    B's tangent). There the statements run through insum()'s operators, which carry them."""
+    from insum.formats import COO
+
+    gen = torch.Generator().manual_seed(8)
+    fmt = COO.from_dense(torch.randn(3, 4, dtype=torch.float64, generator=gen))
+    B, tB = torch.randn(4, 2, dtype=torch.float64, generator=gen), torch.randn(4, 2, dtype=torch.float64, generator=gen)
+
+    def grads(eps):
+        av, b = fmt.AV.clone().requires_grad_(True), (B + eps * tB).requires_grad_(True)
+        return torch.autograd.grad((fmt._over({"AV": av}).spmm(b, backend="torch") ** 2).sum(), (av, b))
+
+    want = [(a - b) / 2e-5 for a, b in zip(grads(1e-5), grads(-1e-5))]
+    av, b = fmt.AV.clone().requires_grad_(True), B.clone().requires_grad_(True)
+    with fwAD.dual_level():
+        y = fmt._over({"AV": av}).spmm(fwAD.make_dual(b, tB), backend="torch")
+        got = [fwAD.unpack_dual(g).tangent for g in torch.autograd.grad((y ** 2).sum(), (av, b))]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
 def test_half_precision_gradient_scatter_accumulates_in_float32():
     """Every entry gathers row 0 of B, so dB[0] sums 4096 contributions: in fp16 they
     would lose ~5%; accumulated in float32 and rounded once they stay under 1e-3."""

@@ -41,7 +41,7 @@ from ..cache import BoundedCache
 from ..dtypes import as_dtype
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import PIN_TRIES, Pinned, pin
-from ..library import forward_mode_on, has_tangent, zeroed_past_lengths
+from ..library import forward_mode_on, tangents_alone, zeroed_past_lengths
 from .coords import (
     VALUE_DTYPES,
     Coords,
@@ -374,7 +374,7 @@ class SparseFormat:
         added after it.
         """
         refuse_function_transforms(f"{type(self).__name__} @ B")
-        if forward_mode_on() and has_tangent((B, bias, *self._tensors.values())):
+        if forward_mode_on() and tangents_alone((B, bias, *self._tensors.values())):
             return self._forward_mode(B, bias, backend, precision)
         key = None
         if (

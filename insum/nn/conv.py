@@ -59,7 +59,7 @@ from ..api import insum
 from ..dtypes import as_dtype, compute_dtype
 from ..errors import InsumError, InsumShapeError
 from ..formats.coords import check_positive_int
-from ..library import forward_mode_on, has_tangent
+from ..library import forward_mode_on, tangents_alone
 from .kernel_map import KernelMap, KernelMapCache, default_cache
 
 __all__ = [
@@ -259,7 +259,7 @@ def sparse_conv3d(
     Under forward-mode AD the tangent is that of a bilinear map: the convolution of the
     feature tangent by the weight, of the features by the weight's tangent, and the bias's."""
     options = dict(form=form, tile=tile, backend=backend, precision=precision, absent=absent)
-    if forward_mode_on() and has_tangent((feats, weight, bias)):
+    if forward_mode_on() and tangents_alone((feats, weight, bias)):
         (feats, t_feats), (weight, t_weight) = forward_ad.unpack_dual(feats), forward_ad.unpack_dual(weight)
         bias, t_bias = forward_ad.unpack_dual(bias) if bias is not None else (None, None)
         out = sparse_conv3d(feats, weight, kernel_map, bias, **options)

@@ -63,7 +63,7 @@ from ..bind import PLAIN_TENSORS
 from ..dtypes import as_dtype
 from ..errors import InsumShapeError
 from ..execute import PIN_TRIES, Pinned, pin
-from ..library import forward_mode_on, has_tangent
+from ..library import forward_mode_on, tangents_alone
 from .cg_tables import (
     FLAT_GRADIENT_STATEMENTS,
     FLAT_STATEMENTS,
@@ -318,7 +318,7 @@ class TensorProduct(nn.Module):
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x1[..., irreps_in1.dim], x2[..., irreps_in2.dim] -> [..., irreps_out.dim] (leading dims broadcast)."""
-        if forward_mode_on() and has_tangent((x1, x2, weight if weight is not None else self._parameters.get("weight"))):
+        if forward_mode_on() and tangents_alone((x1, x2, weight if weight is not None else self._parameters.get("weight"))):
             return self._forward_mode(x1, x2, weight)
         if not torch.compiler.is_compiling() and self._fast is not None:
             # a repeat of the last forward: its checks, then one pinned launch
