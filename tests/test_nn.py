@@ -673,3 +673,27 @@ def test_pattern_edited_in_place_is_followed_or_refused(fmt, params):
         index.copy_(torch.flip(index, dims=(0,)) if index.dim() else index)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_hessian_vector_product_with_create_graph_keeps_frozen_slots_tangent():
+    """Found by fuzzing: in a double backward the frozen slots read as constants through
+    `detach`, which dropped a forward-mode tangent placed on them (a Hessian-vector product
+    off by 0.8); the constant keeps its tangent now."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    layer = SparseLinear(4, 4, format="ELL", sparsity=0.5, backend="torch", dtype=torch.float64, bias=False)
+    assert layer._frozen_names
+    AV = layer.AV.detach().clone()
+    tAV = torch.randn_like(AV)  # padding slots included
+    x = torch.randn(2, 4, dtype=torch.float64)
+
+    def gx(values):
+        xl = x.clone().requires_grad_(True)
+        y = torch.func.functional_call(layer, {"AV": values}, (xl,))
+        return torch.autograd.grad(torch.sin(y).sum(), xl, create_graph=True)[0]
+
+    want = (gx(AV + 1e-5 * tAV) - gx(AV - 1e-5 * tAV)) / 2e-5
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(gx(fwAD.make_dual(AV.clone().requires_grad_(True), tAV))).tangent
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)

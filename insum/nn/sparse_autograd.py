@@ -23,11 +23,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 from ..api import insum
 from ..autograd import derive
 from ..dtypes import as_dtype, compute_dtype, promoted
 from ..formats.base import FORMATS, SparseFormat
+from ..library import forward_mode_on
 
 __all__ = [
     "Gradients",
@@ -210,7 +212,7 @@ def linear_gradients(
     if frozen and torch.is_grad_enabled():
         # A double backward (create_graph) differentiates these gradients through the values
         # too: the frozen slots read as constants there, so that no order trains them.
-        held = {name: torch.where(frozen[name], t.detach(), t) for name, t in fmt._tensors.items() if name in frozen}
+        held = {name: torch.where(frozen[name], _constant(t), t) for name, t in fmt._tensors.items() if name in frozen}
         fmt = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), {**fmt._tensors, **held})
     dtype = promoted(fmt.dtype, dy.dtype)
     dC = fmt.output_view(as_dtype(dy.t(), dtype))
@@ -229,6 +231,17 @@ def linear_gradients(
         if name in grads:
             grads[name] = grads[name].masked_fill(mask, 0)
     return dx, grads
+
+
+def _constant(t: torch.Tensor) -> torch.Tensor:
+    """`t` without its gradient, keeping a forward-mode tangent (detach drops both: a
+    Hessian-vector product then lost the tangent placed on frozen slots)."""
+    constant = t.detach()
+    if forward_mode_on():
+        tangent = forward_ad.unpack_dual(t).tangent
+        if tangent is not None:
+            constant = forward_ad.make_dual(constant, tangent)
+    return constant
 
 
 def frozen_slots(fmt: SparseFormat, gradients: Gradients, tables=None) -> dict[str, torch.Tensor]:
