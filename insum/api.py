@@ -11,7 +11,6 @@ import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.autograd import forward_ad
 
 from .bind import bind, mark_written, refuse_function_transforms
 from .errors import InsumError, InsumTypeError, UnsupportedStatement
@@ -34,7 +33,7 @@ from .execute import (
     staged_bounds,
     staging_for,
 )
-from .library import LENGTHS, call, has_tangent, output_tangent
+from .library import call, has_tangent
 from .parser import parse
 from .widening import plain_rows, widened_bound, widening_for
 
@@ -101,13 +100,10 @@ def insum(
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
                     sorted_indices=sorted_indices, unique_indices=unique_indices, lengths=lengths)
-    if has_tangent(tensors.values()) and not (torch.is_grad_enabled() and _any_requires_grad(tensors)):
-        # forward-mode AD alone (with gradients too, the operators' path below carries tangents)
-        facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices, "lengths": lengths}
-        return _forward_mode(expr, tensors, backend=backend, precision=precision, autotune=autotune,
-                             check_indices=check_indices, **facts)
     key = (backend, precision, autotune, check_indices, declared_key(sorted_indices), declared_key(unique_indices))
-    repeat = prepared(expr, key, tensors, lengths)  # a call like an earlier one: straight to its launch
+    # (forward-mode tangents never take a prepared launch, which reads the primals' memory)
+    dual = has_tangent(tensors.values())
+    repeat = None if dual else prepared(expr, key, tensors, lengths)  # a call like an earlier one: its launch
     if repeat is not None:
         out = repeat(tensors, lengths)
         mark_written(out)
@@ -116,7 +112,8 @@ def insum(
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     stmt = parse(expr)
     check_names(stmt)
-    if torch.is_grad_enabled() and _any_requires_grad(tensors):  # the derived backward
+    # the derived backward, and forward-mode tangents (the autograd Function's jvp)
+    if dual or torch.is_grad_enabled() and _any_requires_grad(tensors):
         return call(expr, tensors, stmt=stmt, sorted_indices=sorted_indices, unique_indices=unique_indices,
                     lengths=lengths, **options)
     out = run_and_prepare(expr, key, bind(stmt, tensors), tensors, lengths, sorted_indices, unique_indices, **options)
@@ -203,28 +200,6 @@ def _check_many(calls, disjoint: object, covering: object) -> None:
                 f"an insum_many call's facts are sorted_indices and unique_indices, not {', '.join(sorted(unknown))} "
                 f"(in the call of {entry[0]!r})"
             )
-
-
-def _forward_mode(
-    expr: str, tensors: dict, *, sorted_indices, unique_indices, lengths, **options
-) -> torch.Tensor:
-    """insum() on tensors that carry forward-mode tangents: the statement on their primals,
-    and the output's tangent (`insum.library.output_tangent`). A given output is updated in
-    place, its tangent too."""
-    unpacked = {name: forward_ad.unpack_dual(t) for name, t in tensors.items()}
-    primals = {name: u.primal for name, u in unpacked.items()}
-    tangents = {name: u.tangent for name, u in unpacked.items() if u.tangent is not None}
-    out_name = parse(expr).output.name
-    out = tensors.get(out_name)
-    if out is not None:  # computed apart, then copied in with its tangent
-        primals[out_name] = primals[out_name].clone()
-    facts = {"sorted_indices": sorted_indices, "unique_indices": unique_indices}
-    primal = insum(expr, **options, **facts, lengths=lengths, **primals)
-    reads = {name: t for name, t in primals.items() if name != out_name}
-    reads.update({LENGTHS + key: t for key, t in (lengths or {}).items()})
-    tangent = output_tangent(expr, reads, tangents, primal, **options, **facts)
-    result = forward_ad.make_dual(primal, tangent)
-    return result if out is None else out.copy_(result)
 
 
 def _any_requires_grad(tensors: dict) -> bool:

@@ -128,11 +128,11 @@ def has_tangent(tensors) -> bool:
     return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
-def output_tangent(
+def _output_tangent(
     expr: str,
     primals: Mapping[str, torch.Tensor],
     tangents: Mapping[str, torch.Tensor],
-    like: torch.Tensor,
+    like: tuple[torch.Size, torch.dtype, torch.device],
     backend: str,
     precision: str,
     autotune: bool | None = None,
@@ -143,12 +143,13 @@ def output_tangent(
     """The forward-mode tangent of `expr`'s output: the sum of its tangent statements
     (`insum.autograd.tangents`) on the primal tensors (declared lengths among them under
     `LENGTHS`) and the given tangents, plus the incoming output's tangent for `+=` (under
-    the output's name). `like`: the output's primal (shape, dtype, device)."""
+    the output's name). `like`: the output's (shape, dtype, device)."""
     stmt = parse(expr)
     plan = tangents_of(stmt)
     given, lengths = _split(list(primals), list(primals.values()))
     incoming = tangents.get(stmt.output.name) if stmt.accumulate else None
-    tangent = incoming.to(like.dtype, copy=True) if incoming is not None else torch.zeros_like(like)
+    shape, dtype, device = like
+    tangent = incoming.to(dtype, copy=True) if incoming is not None else torch.zeros(shape, dtype=dtype, device=device)
     declared = [declared_key(names or ()) for names in (sorted_indices, unique_indices)]
     for name, access, term in plan.terms:
         if tangents.get(name) is None:
@@ -166,22 +167,6 @@ def output_tangent(
         tangent = run_functional(str(term), tangent, names, values, None, None, backend, precision, autotune,
                                  check_indices, *facts)
     return tangent
-
-
-def _dual_functional(expr, init, names, tensors, shape, dtype, *options) -> torch.Tensor:
-    """`_functional` on tensors that carry tangents: the primal on their primals, and its
-    tangent (`output_tangent`), as one dual tensor."""
-    unpacked = [forward_ad.unpack_dual(t) for t in tensors]
-    primals = [u.primal for u in unpacked]
-    tangents = {n: u.tangent for n, u in zip(names, unpacked) if u.tangent is not None}
-    init_primal = None
-    if init is not None:
-        init_primal, init_tangent = forward_ad.unpack_dual(init)
-        if init_tangent is not None:
-            tangents[_output_of(expr)[0]] = init_tangent
-    primal = _functional(expr, init_primal, names, primals, shape, dtype, *options)
-    tangent = output_tangent(expr, dict(zip(names, primals)), tangents, primal, *options)
-    return forward_ad.make_dual(primal, tangent)
 
 
 # --------------------------------------------------------------------------- in place
@@ -430,10 +415,8 @@ def run_functional(*args) -> torch.Tensor:
     plain = all(type(t) in PLAIN_TENSORS for t in tensors) and (init is None or type(init) in PLAIN_TENSORS)
     if not plain or torch.compiler.is_compiling():  # (fake tensors: traced)
         return torch.ops.insum.insum(*args)
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or has_tangent((*tensors, init)):  # (tangents: a backward under forward mode)
         return _eager_functional(*args)
-    if has_tangent((*tensors, init)):  # a backward under forward-mode AD (Hessian-vector products)
-        return _dual_functional(*args)
     return _functional(*args)
 
 
@@ -466,9 +449,7 @@ class _EagerInsum(torch.autograd.Function):
         if init_tangent is not None:
             tangents[_output_of(ctx.expr)[0]] = init_tangent
         primals = dict(zip(ctx.names, ctx.saved_tensors))
-        shape, dtype, device = ctx.out_meta
-        return output_tangent(ctx.expr, primals, tangents, torch.empty(shape, dtype=dtype, device=device),
-                              *ctx.all_options)
+        return _output_tangent(ctx.expr, primals, tangents, ctx.out_meta, *ctx.all_options)
 
 
 # --------------------------------------------------------------------------- insum()'s path
@@ -527,7 +508,7 @@ def call(
     if out is None:
         return functional(expr, None, names, values, None, None, *options)
     needs_grad = torch.is_grad_enabled() and (out.requires_grad or any(v.requires_grad for v in values))
-    if not needs_grad:
+    if not needs_grad and not has_tangent((out, *values)):  # (tangents: the Function's jvp carries them)
         torch.ops.insum.insum_(expr, out, names, values, *options)
         return out
     if accumulate:
@@ -542,8 +523,9 @@ def _eager_functional(expr, init, names, values, shape, dtype, *options) -> torc
     return _EagerInsum.apply(expr, init, names, shape, dtype, options, *values)
 
 
-def _names(facts: frozenset[str] | str) -> list[str] | None:
-    """A fact's names as the operators' `str[]?` argument, in a fixed order (None: none)."""
+def _names(facts: frozenset[str] | str | None) -> list[str] | None:
+    """A fact's names as the operators' `str[]?` argument, in a fixed order (None: none, as
+    the direct call reads None too)."""
     if isinstance(facts, str):
         return [facts]
-    return sorted(facts) or None
+    return sorted(facts or ()) or None
