@@ -427,14 +427,30 @@ class SparseFormat:
         A = self._over({name: unpacked[name].primal for name in tangents}) if tangents else self
         options = {"backend": backend, "precision": precision}
         C = A.spmm(B, bias=bias, **options)
-        tangent = torch.zeros_like(C)
-        if tB is not None:
-            tangent = tangent + A.spmm(tB, **options)
-        if tangents:
-            tangent = tangent + A._tangent_values(tangents).spmm(B, **options)
-        if tbias is not None:
-            tangent = tangent + (tbias if C.dim() == 1 else tbias[:, None])
+        tangent = A.product_tangent(B, tB, tangents, tbias, biased=bias is not None, **options)
         return forward_ad.make_dual(C, tangent.to(C.dtype))
+
+    def product_tangent(
+        self, B: torch.Tensor, tB: torch.Tensor | None, value_tangents: Mapping[str, torch.Tensor],
+        tbias: torch.Tensor | None, *, biased: bool, backend: str = "auto", precision: str = "tf32",
+    ) -> torch.Tensor:
+        """The forward-mode tangent of `self.spmm(B, bias=...)` for tangents of B, the values
+        and the bias: A @ tB + tA @ B + tbias, each an ordinary product, summed in place into
+        the first: laid out as that product (with a bias where `biased`, as the primal's),
+        which torch asks of the tangent of an autograd Function's view output (`SparseLinear`)."""
+        options = {"backend": backend, "precision": precision}
+        zero = torch.zeros(self.shape[0], dtype=self.dtype, device=self.device) if biased else None
+        terms = [] if tB is None else [self.spmm(tB, bias=zero, **options)]
+        if value_tangents:
+            terms.append(self._tangent_values(value_tangents).spmm(B, bias=None if terms else zero, **options))
+        if not terms:  # the bias's alone, in the product's layout
+            terms.append(self.spmm(torch.zeros_like(B), bias=zero, **options))
+        tangent = terms[0]
+        for term in terms[1:]:
+            tangent.add_(term)
+        if tbias is not None:
+            tangent.add_(tbias if tangent.dim() == 1 else tbias[:, None])
+        return tangent
 
     def _tangent_values(self, tangents: Mapping[str, torch.Tensor]) -> SparseFormat:
         """The same pattern over value tangents (zeros for a value tensor without one), zero

@@ -181,23 +181,12 @@ class _KeptLinearFunction(torch.autograd.Function):
 def linear_tangent(
     fmt: SparseFormat, x2: torch.Tensor, t_x2, t_bias, t_values: dict, backend: str, precision: str, biased: bool
 ) -> torch.Tensor:
-    """The forward-mode tangent of y = x2 W^T + b (W held in `fmt`): tx W^T + x tW^T + tb, each
-    an ordinary product (t_values: value tensor name -> its tangent, or None), summed in place
-    into the first: laid out as the output (`linear_product`'s view, with a bias where the
-    output had one), as torch asks of the tangent of a Function's view output."""
+    """The forward-mode tangent of y = x2 W^T + b (W held in `fmt`): tx W^T + x tW^T + tb
+    (t_values: value tensor name -> its tangent, or None), laid out as `linear_product`'s view
+    (`SparseFormat.product_tangent` on x2's transpose)."""
     given = {name: t for name, t in t_values.items() if t is not None}
-    zero_bias = torch.zeros(fmt.shape[0], dtype=fmt.dtype, device=fmt.device) if biased else None
-    terms = [] if t_x2 is None else [linear_product(fmt, t_x2, zero_bias, backend, precision)]
-    if given:
-        terms.append(linear_product(fmt._tangent_values(given), x2, None if terms else zero_bias, backend, precision))
-    if not terms:  # the bias's alone, in the output's layout
-        terms.append(linear_product(fmt, torch.zeros_like(x2), zero_bias, backend, precision))
-    tangent = terms[0]
-    for term in terms[1:]:
-        tangent.add_(term)
-    if t_bias is not None:
-        tangent.add_(t_bias)
-    return tangent
+    tB = None if t_x2 is None else t_x2.t()
+    return fmt.product_tangent(x2.t(), tB, given, t_bias, biased=biased, backend=backend, precision=precision).t()
 
 
 def linear_gradients(
