@@ -315,9 +315,13 @@ class SparseLinear(nn.Module):
             for name, tensor in part.items():
                 self.register_buffer(prefix + name, tensor, persistent=False)
         self._pattern_names, self._table_names, self._frozen_names = (tuple(part) for part in plan)
+        self._note_plan_source()
+        self._drop_kept()
+
+    def _note_plan_source(self) -> None:
+        """Record the index tensors the plan is made from, and their versions."""
         self._plan_source = self._index_tensors()
         self._plan_versions = tuple(tensor_version(t) for t in self._plan_source)
-        self._drop_kept()
 
     def _plan_is_current(self) -> bool:
         """Whether the index tensors the plan was made from are unedited since (their version
@@ -370,7 +374,7 @@ class SparseLinear(nn.Module):
                 if aligned is not tensor.data:
                     tensor.data = aligned
             if "_plan_source" in self.__dict__:  # (the plan's buffers moved alike)
-                self._plan_source = self._index_tensors()
+                self._note_plan_source()
             self._drop_kept()
 
     def __getstate__(self) -> dict[str, Any]:
