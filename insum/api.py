@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .bind import bind, mark_written, refuse_function_transforms
+from .bind import bind, has_tangent, mark_written, refuse_function_transforms
 from .errors import InsumError, InsumTypeError, UnsupportedStatement
 from .execute import (
     BACKENDS,
@@ -33,7 +33,7 @@ from .execute import (
     staged_bounds,
     staging_for,
 )
-from .library import call, has_tangent
+from .library import call
 from .parser import parse
 from .widening import plain_rows, widened_bound, widening_for
 

@@ -6,6 +6,10 @@ Variable roles:
   scattered  appears in the output only under an indirect or affine index (`p` above):
              contributions of different values may land on one output element
   reduced    absent from the output (`q`): summed over
+
+Beside the binding, what every entry point asks of the tensors it is given: whether they
+carry forward-mode tangents (`has_tangent`), a refusal of torch.func's wrapped tensors, and
+the version bump after a kernel writes an output (`mark_written`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 import torch
+from torch.autograd import forward_ad
 
 from .cache import BoundedCache, memoize
 from .dtypes import INDEX_DTYPES, VALUE_DTYPES
@@ -220,6 +225,31 @@ def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:
     if any(type(t) not in PLAIN_TENSORS or t.layout != torch.strided for t in tensors.values()):
         return None
     return tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
+
+
+def forward_mode_on() -> bool:
+    """Whether a forward-mode AD level is open (`forward_ad.dual_level`): one module attribute,
+    read before anything else is looked at."""
+    return forward_ad._current_level >= 0
+
+
+def tangents_alone(tensors) -> bool:
+    """Whether `tensors` carry forward-mode tangents and no gradient is being recorded for
+    them: a layer may then compute its tangent from products of primals. With a gradient
+    recorded too (forward over reverse), that would cut the tangents out of the backward's
+    graph (a Hessian-vector product's cross terms): the layer's own autograd path runs."""
+    tensors = [t for t in tensors if t is not None]
+    if not has_tangent(tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def has_tangent(tensors) -> bool:
+    """Whether forward-mode AD is on and a tensor carries a tangent (call it behind
+    `forward_mode_on()` where building `tensors` costs anything)."""
+    if forward_ad._current_level < 0:
+        return False
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def refuse_function_transforms(what: str) -> None:

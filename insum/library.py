@@ -40,11 +40,10 @@ import functools
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.autograd import forward_ad
 
 from .autograd import Derivation, derive, tensor_names
 from .autograd import tangents as tangents_of
-from .bind import PLAIN_TENSORS, bind
+from .bind import PLAIN_TENSORS, bind, has_tangent
 from .dtypes import HALF_DTYPES, as_dtype, compute_dtype
 from .execute import LENGTH_KEY, declared_key, prepared, run_and_prepare
 from .ir import Access, Statement, Var
@@ -101,31 +100,6 @@ def _run(
 
 
 # --------------------------------------------------------------------------- forward mode
-
-
-def forward_mode_on() -> bool:
-    """Whether a forward-mode AD level is open (`forward_ad.dual_level`): one module attribute,
-    read before anything else is looked at."""
-    return forward_ad._current_level >= 0
-
-
-def tangents_alone(tensors) -> bool:
-    """Whether `tensors` carry forward-mode tangents and no gradient is being recorded for
-    them: a layer may then compute its tangent from products of primals. With a gradient
-    recorded too (forward over reverse), that would cut the tangents out of the backward's
-    graph (a Hessian-vector product's cross terms): the layer's own autograd path runs."""
-    tensors = [t for t in tensors if t is not None]
-    if not has_tangent(tensors):
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
-
-def has_tangent(tensors) -> bool:
-    """Whether forward-mode AD is on and a tensor carries a tangent (call it behind
-    `forward_mode_on()` where building `tensors` costs anything)."""
-    if forward_ad._current_level < 0:
-        return False
-    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _output_tangent(

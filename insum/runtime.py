@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .arith import cdiv, next_power_of_2
-from .bind import Bound, bind, mark_written
+from .bind import Bound, bind, has_tangent, mark_written
 from .bounds import check_indices
 from .cache import BoundedCache
 from .codegen import (
@@ -85,14 +85,19 @@ def _private_cache() -> Path:
     return path
 
 
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically: another process may write or read the same file."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _write(path: Path, text: str) -> Path:
-    """Write `text` to `path` atomically (another process may write the same file); where the
-    folder cannot be written, into `_private_cache()` instead. Returns where it lies."""
+    """Write `text` to `path` (`_replace`); where the folder cannot be written, into
+    `_private_cache()` instead. Returns where it lies."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        _replace(path, text)
         return path
     except OSError:
         fallback = _private_cache() / path.parent.name / path.name
@@ -447,9 +452,7 @@ class Kernel:
         table[self._device_key(bucket, device)] = config
         path = self._disk_path()
         try:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            _replace(path, json.dumps(table, indent=1, sort_keys=True))
         except OSError:
             pass
 
@@ -1032,10 +1035,7 @@ def _refuse_differentiation(tensors: Mapping[str, torch.Tensor]) -> None:
     """A compiled kernel's call records no gradient and carries no tangent: refused where one
     is asked for rather than dropped."""
     tensors = [t for t in tensors.values() if isinstance(t, torch.Tensor)]
-    wanted = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if not wanted and torch.autograd.forward_ad._current_level >= 0:
-        wanted = any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-    if wanted:
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or has_tangent(tensors):
         raise InsumError(
             "a compiled kernel's call is not differentiable and a tensor requires grad (or carries a "
             "forward-mode tangent); use insum() for gradients, or call it under torch.no_grad() "

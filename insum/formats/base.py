@@ -36,12 +36,12 @@ import torch
 from torch.autograd import forward_ad
 
 from ..api import insum, insum_many
-from ..bind import PLAIN_TENSORS, refuse_function_transforms
+from ..bind import PLAIN_TENSORS, forward_mode_on, refuse_function_transforms, tangents_alone
 from ..cache import BoundedCache
 from ..dtypes import as_dtype
 from ..errors import InsumError, InsumShapeError, InsumTypeError
 from ..execute import PIN_TRIES, Pinned, pin
-from ..library import forward_mode_on, tangents_alone, zeroed_past_lengths
+from ..library import zeroed_past_lengths
 from .coords import (
     VALUE_DTYPES,
     Coords,

@@ -56,10 +56,10 @@ from torch import nn
 from torch.autograd import forward_ad
 
 from ..api import insum
+from ..bind import forward_mode_on, tangents_alone
 from ..dtypes import as_dtype, compute_dtype
 from ..errors import InsumError, InsumShapeError
 from ..formats.coords import check_positive_int
-from ..library import forward_mode_on, tangents_alone
 from .kernel_map import KernelMap, KernelMapCache, default_cache
 
 __all__ = [

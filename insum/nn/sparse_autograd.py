@@ -27,9 +27,9 @@ from torch.autograd import forward_ad
 
 from ..api import insum
 from ..autograd import derive
+from ..bind import forward_mode_on
 from ..dtypes import as_dtype, compute_dtype, promoted
 from ..formats.base import FORMATS, SparseFormat
-from ..library import forward_mode_on
 
 __all__ = [
     "Gradients",

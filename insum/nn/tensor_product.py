@@ -59,11 +59,10 @@ from torch import nn
 from torch.autograd import forward_ad
 
 from ..api import insum
-from ..bind import PLAIN_TENSORS
+from ..bind import PLAIN_TENSORS, forward_mode_on, tangents_alone
 from ..dtypes import as_dtype
 from ..errors import InsumShapeError
 from ..execute import PIN_TRIES, Pinned, pin
-from ..library import forward_mode_on, tangents_alone
 from .cg_tables import (
     FLAT_GRADIENT_STATEMENTS,
     FLAT_STATEMENTS,
