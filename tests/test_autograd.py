@@ -84,8 +84,18 @@ def _differentiable(c, tensors):
     return names
 
 
+#: gradcheck's reverse-mode check, and its forward-mode one (tangents against finite
+#: differences: before the tangent statements, the eager path dropped every tangent).
+GRADCHECKS = {
+    "reverse": {},
+    "forward": dict(check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False,
+                    check_batched_grad=False),
+}
+
+
+@pytest.mark.parametrize("mode", list(GRADCHECKS))
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
-def test_gradcheck_every_statement(c):
+def test_gradcheck_every_statement(c, mode):
     tensors = build(c, seed=0, dtype=torch.float64)
     names = _differentiable(c, tensors)
 
@@ -96,7 +106,7 @@ def test_gradcheck_every_statement(c):
         return insum(c.stmt, backend="torch", **given)
 
     inputs = tuple(tensors[n].clone().requires_grad_(True) for n in names)
-    assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=True, **GRADCHECKS[mode])
 
 
 def test_gradcheck_with_allocated_output_and_second_order():
@@ -226,24 +236,6 @@ def test_triton_gradients_match_the_lowering(c):
         results[backend] = torch.autograd.grad(y, list(inputs.values()), seed)
     for name, got, want in zip(names, results["triton"], results["torch"]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
-def test_forward_mode_every_statement(c):
-    # Forward-mode AD (`torch.autograd.forward_ad`): the tangent statements against finite
-    # differences. Before, the eager path ran the primals only and dropped every tangent.
-    tensors = build(c, seed=0, dtype=torch.float64)
-    names = _differentiable(c, tensors)
-
-    def f(*values):
-        given = dict(tensors)
-        given.update(zip(names, values))
-        given[c.output] = given[c.output].clone()
-        return insum(c.stmt, backend="torch", **given)
-
-    inputs = tuple(tensors[n].clone().requires_grad_(True) for n in names)
-    assert torch.autograd.gradcheck(f, inputs, check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False,
-                                    check_batched_grad=False, fast_mode=True)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors: the generated kernel needs TRITON_INTERPRET=1")
