@@ -40,6 +40,16 @@ def timed(fn_of_b, Bs) -> tuple[float, float]:
     return median, graphed
 
 
+def balanced_block_sparse(size: int, block: int, s: float, dtype, gen, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `block_sparse`, with round((1 - s) * size / block) kept blocks in every block row."""
+    nb = size // block
+    kept = max(1, round((1 - s) * nb))
+    columns = torch.rand(nb, nb, device=device, generator=gen).argsort(1)[:, :kept]
+    keep = torch.zeros(nb, nb, dtype=torch.bool, device=device).scatter_(1, columns, True)
+    mask = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return torch.randn(size, size, device=device, generator=gen).to(dtype) * mask, keep
+
+
 def compact_dense(size: int, kept: float, dtype, gen) -> tuple[int, float, float]:
     """cuBLAS on size x K' x size with K' = kept * size (a multiple of 64): (K', median, graphed)."""
     k = max(64, int(round(kept * size / 64)) * 64)
@@ -65,6 +75,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the 4096^3 points only")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--balanced", action="store_true",
+                        help="every block row keeps the same number of blocks (isolates the rows' imbalance)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cuda").manual_seed(23)
@@ -82,7 +94,7 @@ def main() -> None:
     for size, block, s in BLOCK_POINTS:
         if args.quick and size > 4096:
             continue
-        A, keep = block_sparse(size, block, s, dtype, gen, "cuda")
+        A, keep = (balanced_block_sparse if args.balanced else block_sparse)(size, block, s, dtype, gen, "cuda")
         kept = float(keep.float().mean())
         Bs = [torch.randn(size, size, device="cuda", generator=gen).to(dtype) for _ in range(2)]
         fmt = BlockGroupCOO.from_dense(A, block=(block, block), group_size="row")
