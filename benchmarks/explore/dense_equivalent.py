@@ -77,7 +77,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--balanced", action="store_true",
                         help="every block row keeps the same number of blocks (isolates the rows' imbalance)")
+    parser.add_argument("--blocks", default=None, help="block points size:block:s,... (default: the missed ones)")
+    parser.add_argument("--no-nm", action="store_true", help="skip the N:M points")
     args = parser.parse_args()
+    points = BLOCK_POINTS if args.blocks is None else [
+        (int(a), int(b), float(c)) for a, b, c in (p.split(":") for p in args.blocks.split(","))]
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cuda").manual_seed(23)
     bandwidth = _copy_bandwidth(2**30) * 1e9
@@ -91,7 +95,7 @@ def main() -> None:
             full[size] = timed(lambda B: A @ B, Bs)
         return full[size]
 
-    for size, block, s in BLOCK_POINTS:
+    for size, block, s in points:
         if args.quick and size > 4096:
             continue
         A, keep = (balanced_block_sparse if args.balanced else block_sparse)(size, block, s, dtype, gen, "cuda")
@@ -105,7 +109,7 @@ def main() -> None:
         report(f"{size}^3 {block}x{block} s={s}", size, kept, 1 / kept, stored, t_insum, full_dense(size),
                t_compact, k, bandwidth, err)
         del A, Bs, fmt
-    for size, n, m in NM_POINTS:
+    for size, n, m in [] if args.no_nm else NM_POINTS:
         if args.quick and size > 4096:
             continue
         A = torch.randn(size, size, device="cuda", generator=gen).to(dtype)
