@@ -221,6 +221,77 @@ def test_functional_call_with_another_pattern_gets_its_gradients(fmt, params, tr
         first(x)
 
 
+@pytest.mark.parametrize("fmt, params", [("ELL", {}), ("BlockGroupCOO", {"block": (2, 2), "group_size": "row"})],
+                         ids=["ELL", "BlockELL"])
+def test_compiled_functional_call_with_another_pattern_gets_its_gradients(fmt, params):
+    """Found by fuzzing: traced, `torch.func.functional_call` with another layer's tensors ran
+    the backward on the layer's own plan (transposed pattern, tables, frozen slots): x's
+    gradient was off by 50 and the values' by 260, silently. A swap is seen when tracing too;
+    the swapped tensors' plan breaks the graph (host syncs) and the gradients are right."""
+    first, second = _two_patterns(fmt, params)
+    state = {k: v.detach().clone() for k, v in second.state_dict().items() if torch.is_tensor(v)}
+    x = torch.randn(2, 4, dtype=torch.float64)
+    dy = torch.randn(2, 3, dtype=torch.float64)
+
+    def gradients(fn):
+        xs = x.clone().requires_grad_()
+        swapped = {k: (v.clone().requires_grad_() if v.is_floating_point() else v) for k, v in state.items()}
+        (fn(xs, swapped) * dy).sum().backward()
+        return xs.grad, swapped["AV"].grad
+
+    want = gradients(lambda xs, st: torch.func.functional_call(second, st, (xs,)))
+    compiled = torch.compile(lambda xs, st: torch.func.functional_call(first, st, (xs,)), backend="aot_eager")
+    for got, expected in zip(gradients(compiled), want):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("how", ["functional_call", "compiled functional_call", "assigned", "edited in place"])
+def test_another_block_count_recounts_the_stored_blocks(how):
+    """Found by fuzzing: a Block-ELL layer given another pattern of the same tensor shapes
+    but another stored block count kept its packing's count (`params["blocks"]`), which lists
+    the stored blocks for the values' gradient (128-column blocks, one block a group): the
+    fourth block's gradient was dropped (off by 9.7). The count now follows the tensors."""
+    gen = torch.Generator().manual_seed(4)
+    A = torch.randn(256, 256, dtype=torch.float64, generator=gen)
+    A[128:, :128] = 0  # three stored blocks (rows of 2 and 1), the other matrix four
+    B = torch.randn(256, 256, dtype=torch.float64, generator=gen)
+    first, second = (SparseLinear.from_dense(W, None, "BlockGroupCOO", backend="torch", block=(128, 128),
+                                             group_size="row") for W in (A, B))
+    assert first.AK.shape == second.AK.shape and first.AV.shape == second.AV.shape
+    x = torch.randn(2, 256, dtype=torch.float64, generator=gen)
+    dy = torch.randn(2, 256, dtype=torch.float64, generator=gen)
+
+    def gradients(layer, state=None, run=None):
+        xs = x.clone().requires_grad_()
+        if state is None:
+            layer.zero_grad()
+            (layer(xs) * dy).sum().backward()
+            return xs.grad, layer.AV.grad
+        state = {k: (v.clone().requires_grad_() if v.is_floating_point() else v) for k, v in state.items()}
+        (run(xs, state) * dy).sum().backward()
+        return xs.grad, state["AV"].grad
+
+    want = gradients(second)
+    state = {k: v.detach().clone() for k, v in second.state_dict().items() if torch.is_tensor(v)}
+    if how == "functional_call":
+        got = gradients(first, state, lambda xs, st: torch.func.functional_call(first, st, (xs,)))
+    elif how == "compiled functional_call":
+        run = torch.compile(lambda xs, st: torch.func.functional_call(first, st, (xs,)), backend="aot_eager")
+        got = gradients(first, state, run)
+    elif how == "assigned":
+        first.AK, first.AL = state["AK"], state["AL"]
+        first.AV = torch.nn.Parameter(state["AV"])
+        got = gradients(first)
+    else:
+        first(x)  # (a kept call, then the edit)
+        with torch.no_grad():
+            for name in ("AK", "AL", "AV"):
+                getattr(first, name).copy_(state[name])
+        got = gradients(first)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 def test_assigned_index_tensors_rebuild_the_plan():
     """Assigning another pattern's tensors (a buffer and a parameter replaced) rebuilds the
     layer's transposed pattern and frozen slots (they had stayed the old pattern's)."""

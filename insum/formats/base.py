@@ -527,6 +527,13 @@ class SparseFormat:
         """The most groups that add into one output row (None: not recorded)."""
         return self.params.get("fan_in")
 
+    def counted_params(self) -> dict[str, Any]:
+        """The params that packing counted off its tensors, counted again off this object's
+        (None where that takes more than the tensors hold: not recorded). A format object
+        built over another pattern's index tensors (a layer's swapped or assigned pattern)
+        takes these in place of its packing's, which describe other tensors. May sync."""
+        return {"fan_in": None} if "fan_in" in self.params else {}
+
     # ----------------------------------------------------------------- the computation
     #
     # A format's SpMM is its statements run on views: B as `operand(B)`, C allocated as

@@ -368,6 +368,15 @@ class BlockGroupCOO(SparseFormat):
             return None
         return self._tensors.get("AL")
 
+    def counted_params(self) -> dict[str, Any]:
+        """The stored block count ("blocks": `_stored_blocks` lists that many) and fan_in, off
+        this object's tensors: a Block-ELL packing's from its row counts (one sync), a
+        grouped packing's not recorded."""
+        counts = self._row_counts()
+        if counts is None:
+            return {"blocks": None, "fan_in": None}
+        return {"blocks": int(counts.sum()), "fan_in": 1}
+
     def declared_lengths(self) -> dict[str, torch.Tensor] | None:
         """Block-ELL rows stop at their own block count (`insum(..., lengths=)`): at s = 0.9
         with random blocks the padding to the longest block row is about 45% of the slots."""

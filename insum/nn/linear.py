@@ -318,6 +318,14 @@ class SparseLinear(nn.Module):
         self._note_plan_source()
         self._drop_kept()
 
+    def _recount(self) -> None:
+        """Count the format's counted params (`SparseFormat.counted_params`, e.g. Block-ELL's
+        stored blocks) off the layer's current tensors, for a pattern assigned or edited in
+        place (outside traced code: it may sync)."""
+        counted = self._current_format().counted_params()
+        if counted:
+            self._format_meta = {**self._format_meta, "params": {**self._format_meta["params"], **counted}}
+
     def _note_plan_source(self) -> None:
         """Record the index tensors the plan is made from, and their versions."""
         self._plan_source = self._index_tensors()
@@ -350,6 +358,8 @@ class SparseLinear(nn.Module):
         self._drop_kept()  # (register_parameter / register_buffer callers drop it themselves)
         super().__setattr__(name, value)
         if name in self.__dict__.get("_tensor_names", ()) and not self.__dict__.get("_loading"):
+            if isinstance(value, torch.Tensor) and not value.is_floating_point():
+                self._recount()  # another pattern: the packing's counts describe the old one
             self._make_plan()  # a format tensor replaced: the plan follows it (another pattern, other values)
 
     def __delattr__(self, name: str) -> None:
@@ -393,23 +403,29 @@ class SparseLinear(nn.Module):
             # A tensor swapped in the module's dicts (torch.func.functional_call): built anew.
             if all(where.get(name) is t for where, name, t in held) and self._plan_is_current():
                 return info, tensors, call
-        fmt = self._current_format()
         planned = self.__dict__.get("_plan_source")  # (None: a layer pickled before it was kept)
         source = self._index_tensors()
         same = planned is not None and len(source) == len(planned) and all(a is b for a, b in zip(source, planned))
         if same and not torch.compiler.is_compiling() and not self._plan_is_current():
+            self._recount()
             self._make_plan()  # the pattern edited in place (`layer.AK.copy_(...)`): its plan again
-        if torch.compiler.is_compiling() or planned is None or same:
+        meta = self._format_meta
+        fmt = self._current_format()
+        if not (planned is None or same):
+            # Index tensors swapped in (torch.func.functional_call): the packing's counts are
+            # another pattern's (traced, counting them breaks the graph, as the plan below does).
+            meta = {**meta, "params": {**meta["params"], **fmt.counted_params()}}
+            fmt = self._current_format(meta)
+        if planned is None or same:
             pattern, tables, frozen = ({name: getattr(self, prefix + name) for name in names}
                                        for prefix, names in self._plan_buffers())
         else:
             # Index tensors swapped in (torch.func.functional_call): a plan of their own, for this
-            # call only (its host syncs each time; under torch.compile a swap is not seen).
+            # call only (its host syncs each time; traced, they break the graph).
             pattern, tables, frozen = _plan_of(fmt, self._gradients)
         if not self.transposed_backward:
             pattern = {}
-        info = linear_info(fmt, self._format_meta, pattern, self._gradients, self.backend, self.precision, tables,
-                           frozen)
+        info = linear_info(fmt, meta, pattern, self._gradients, self.backend, self.precision, tables, frozen)
         tensors = (*fmt._tensors.values(), *pattern.values(), *tables.values(), *frozen.values())
         call = None
         if not torch.compiler.is_compiling():
@@ -422,9 +438,10 @@ class SparseLinear(nn.Module):
             self.__dict__["_kept"] = (info, tensors, tuple(held), call)  # (not through __setattr__, which drops it)
         return info, tensors, call
 
-    def _current_format(self) -> SparseFormat:
+    def _current_format(self, meta: dict[str, Any] | None = None) -> SparseFormat:
         tensors = {name: getattr(self, name) for name in self._tensor_names}
-        return rebuild_format(self._format_cls, (self.out_features, self.in_features), self._format_meta, tensors)
+        return rebuild_format(self._format_cls, (self.out_features, self.in_features), meta or self._format_meta,
+                              tensors)
 
     # ------------------------------------------------------------------ use
 
