@@ -50,6 +50,7 @@ from torch.autograd.function import once_differentiable
 
 from .api import insum
 from .arith import cdiv
+from .bind import tensor_version
 from .dtypes import VALUE_DTYPES, compute_dtype
 from .errors import InsumError, InsumShapeError, InsumTypeError
 from .formats.auto import packer
@@ -398,6 +399,17 @@ def _accumulate(fmt: SparseFormat, C: torch.Tensor, B: torch.Tensor, backend: st
     )  # fmt: skip
 
 
+def _kept(part: RowPart, key: tuple, tensors: list[torch.Tensor], make: Callable[[], Any]) -> Any:
+    """part.workspace[key], made by `make()` on the first call and again once one of `tensors`
+    is replaced or edited in place (their identities and version counters: a format's values
+    and pattern may be edited between steps, as a layer's may)."""
+    stamp = tuple((id(t), tensor_version(t)) for t in tensors)
+    kept = part.workspace.get(key)
+    if kept is None or kept[0] != stamp:
+        kept = part.workspace[key] = (stamp, make())
+    return kept[1]
+
+
 def _transposed(part: RowPart, which: str, dC: torch.Tensor, backend: str, precision: str) -> torch.Tensor:
     """fmt^T @ dC (fmt's columns x N, float32 for half precision) for the pass `which`: on
     the format's transposed pattern (an SpMM shaped like the forward, kept by the part
@@ -413,19 +425,16 @@ def _transposed(part: RowPart, which: str, dC: torch.Tensor, backend: str, preci
     if fmt.nnz == 0 or dC.shape[1] == 0:
         return dC.new_zeros(fmt.shape[1], dC.shape[1], dtype=out_dtype)
     if fmt.single_statement:
-        key = (which, "pattern")
-        if key not in part.workspace:
-            part.workspace[key] = fmt.transposed_pattern()  # host syncs: once
-        pattern = part.workspace[key]
+        indices = [t for t in fmt.tensors.values() if not t.is_floating_point()]
+        pattern = _kept(part, (which, "pattern"), indices, fmt.transposed_pattern)  # (host syncs)
         scalar = type(fmt).input_gradient is SparseFormat.input_gradient
         if pattern is not None and scalar and "TM" in pattern:
-            values = (which, "values", dC.dtype)
-            if values not in part.workspace:
-                part.workspace[values] = with_zero_slot(fmt.AV.reshape(-1)).to(dC.dtype)
+            values = _kept(part, (which, "values", dC.dtype), [fmt.AV],
+                           lambda: with_zero_slot(fmt.AV.reshape(-1)).to(dC.dtype))
             DX = dC.new_zeros(fmt.shape[1], dC.shape[1], dtype=out_dtype)
             insum(
                 SCALAR, backend=backend, precision=precision, check_indices=False,
-                sorted_indices=frozenset({"TM"}), DX=DX, WT=part.workspace[values], DY=dC, **pattern,
+                sorted_indices=frozenset({"TM"}), DX=DX, WT=values, DY=dC, **pattern,
             )  # fmt: skip
             return DX
         if pattern is not None:

@@ -183,6 +183,40 @@ def spmm_fp32_int32(rank):
 
 
 @check
+def spmm_follows_values_and_pattern_edited_between_steps(rank):
+    # Found by fuzzing: the backward kept the values (COO, GroupCOO) and the transposed
+    # pattern its first call made, so after `part.local.AV.mul_(2)` or an in-place edit of an
+    # index tensor the forward was right and B's gradient the old A's, silently.
+    A = skewed(24, 3.0, seed=41)
+    gen = torch.Generator().manual_seed(42)
+    for fmt, params in (("GroupCOO", {"group_size": 2}), ("COO", {"cover": False}), ("ELL", {})):
+        (part,) = partition_rows(A, WORLD, rank=rank, format=fmt, **params)
+        rows = _row_slice(part)
+        for step in range(3):
+            B = torch.randn(24, 3, generator=gen, dtype=torch.float64)
+            G = torch.randn(24, 3, generator=gen, dtype=torch.float64)
+            B_local = B[rows].to(A.dtype).requires_grad_()
+            spmm(part, B_local).backward(G[rows].to(A.dtype))
+            # This rank's rows of A as the parts hold them now, as dense columns of the whole.
+            local = torch.zeros(len(part.rows), 24, dtype=torch.float64)
+            local[:, rows] = part.local.to_dense().double()
+            if part.halo.shape[1]:
+                local[:, part.halo_rows.long()] = part.halo.to_dense().double()
+            # B's gradient needs every rank's A^T dC: gather the local blocks' transposes.
+            pieces = [torch.zeros(24, 24, dtype=torch.float64) for _ in range(WORLD)]
+            full = torch.zeros(24, 24, dtype=torch.float64)
+            full[rows] = local
+            dist.all_gather(pieces, full)
+            dense = sum(pieces)
+            torch.testing.assert_close(B_local.grad.double(), (dense.t() @ G)[rows], rtol=1e-5, atol=1e-5)
+            with torch.no_grad():
+                part.local.AV.mul_(2)  # the values edited in place
+                if step == 1:  # and the pattern: the stored entries' columns reversed per row
+                    AK = part.local.AK
+                    AK.copy_(AK.flip(-1))
+
+
+@check
 def spmm_reused_buffers_no_syncs(rank):
     # Long rows, GroupCOO with g = 4. Two calls on one part: the buffers it keeps are reused, and once the
     # first backward has kept the transposed patterns, a call syncs the host nowhere (on
