@@ -137,6 +137,9 @@ def test_mtx_empty_matrix(tmp_path):
             "%%MatrixMarket matrix coordinate real skew-symmetric\n3 3 1\n2 2 1\n",
             "line 3: entry not strictly below",
         ),
+        # Found by fuzzing: read as 3 x 2, its mirrored entry (1, 3) fell outside the matrix.
+        ("%%MatrixMarket matrix coordinate real symmetric\n3 2 1\n3 1 5\n", "line 2: a symmetric matrix must be square"),
+        ("%%MatrixMarket matrix coordinate real skew-symmetric\n2 3 0\n", "line 2: a skew-symmetric matrix must be square"),
     ],
 )
 def test_mtx_malformed(tmp_path, text, message):

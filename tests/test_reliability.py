@@ -732,6 +732,51 @@ def test_format_pickles_after_its_products(backend):
     torch.testing.assert_close(torch.load(buffer, weights_only=False).spmm(B, backend=backend), A @ B)
 
 
+_LOADED = [(ELL, {}), (COO, {}), (GroupCOO, {"group_size": 2}), (CELL, {}), (NM, {"n": 2, "m": 4, "vector_len": 2}),
+           (BlockGroupCOO, {"block": (2, 4)}), (BlockGroupCOO, {"block": (2, 4), "group_size": "row"})]
+
+
+@pytest.mark.parametrize("bad", [10**6, -1])
+@pytest.mark.parametrize("cls, params", _LOADED, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_loaded_format_with_an_index_out_of_range_is_refused(cls, params, bad):
+    """Found by fuzzing: a format read back from a file was taken as it was, and its products
+    (which run without an index check) read and wrote out of bounds on the generated kernel
+    (heap corruption in the interpreter). Reading one back now checks every index tensor
+    against what it indexes, naming the tensor; a good file still loads."""
+    import io
+
+    gen = torch.Generator().manual_seed(5)
+    A = torch.randn(8, 12, generator=gen) * (torch.rand(8, 12, generator=gen) < 0.5)
+    B = torch.randn(12, 3, generator=gen)
+    buffer = io.BytesIO()
+    torch.save(cls.from_dense(A, **params), buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    torch.testing.assert_close(loaded.spmm(B, backend="torch"), loaded.to_dense() @ B)
+    for name, tensor in cls.from_dense(A, **params).packed_tensors.items():
+        if tensor.is_floating_point() or not tensor.numel():
+            continue
+        fmt = cls.from_dense(A, **params)
+        fmt.packed_tensors[name].view(-1)[0] = bad  # (a corrupted file's)
+        buffer = io.BytesIO()
+        torch.save(fmt, buffer)
+        with pytest.raises(InsumIndexError, match="out of range"):
+            torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+
+
+def test_a_layer_refuses_a_state_dict_with_an_index_out_of_range():
+    """A corrupted state_dict's index raised bare torch errors from the transposed pattern's
+    build, after the layer had taken the tensors; now it is refused first, naming the tensor,
+    and the layer keeps its weight."""
+    from insum.nn import SparseLinear
+
+    W = torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 0.0]])
+    layer = SparseLinear.from_dense(W, None, "GroupCOO", backend="torch")
+    state = layer.state_dict()
+    with pytest.raises(RuntimeError, match=r"AK holds 102, out of range.*keeps its weight"):
+        layer.load_state_dict({**state, "AK": state["AK"] + 100})
+    torch.testing.assert_close(layer(torch.eye(3)), W.t())
+
+
 def test_bounded_cache_pickles():
     import pickle
 

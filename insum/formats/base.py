@@ -36,12 +36,14 @@ import torch
 from torch.autograd import forward_ad
 
 from ..api import insum, insum_many
-from ..bind import PLAIN_TENSORS, forward_mode_on, refuse_function_transforms, tangents_alone
+from ..bind import PLAIN_TENSORS, bind, forward_mode_on, refuse_function_transforms, tangents_alone
+from ..bounds import check_indices
 from ..cache import BoundedCache
 from ..dtypes import as_dtype
 from ..errors import InsumError, InsumShapeError, InsumTypeError
-from ..execute import PIN_TRIES, Pinned, pin
+from ..execute import PIN_TRIES, Pinned, length_facts, pin
 from ..library import zeroed_past_lengths
+from ..parser import parse
 from .coords import (
     VALUE_DTYPES,
     Coords,
@@ -282,6 +284,39 @@ class SparseFormat:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)  # (not through __setattr__, which refuses packed tensors)
+        # A file read back (torch.load, pickle) may hold any index values: the products run
+        # without an index check, so a value out of range would read or write out of bounds.
+        self.check_indices()
+
+    def __copy__(self) -> SparseFormat:
+        """A copy in this process (its tensors are this packing's: not checked again)."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__getstate__())
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> SparseFormat:
+        twin = object.__new__(type(self))
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        return twin
+
+    def check_indices(self) -> None:
+        """Raise `InsumIndexError`, naming the tensor, where an index tensor holds a value
+        outside what it indexes in the format's statements (B's rows, C's rows, a declared
+        length below 0). Packing never makes one; a format read back from a file, or whose
+        index tensors were edited, may hold one. Syncs once per index tensor; tensors without
+        values (meta, traced) are not checked."""
+        indices = [t for t in self._tensors.values() if not t.is_floating_point()]
+        if not indices or any(type(t) not in PLAIN_TENSORS or t.is_meta for t in indices):
+            return
+        B = torch.empty(self.shape[1], 1, dtype=self.dtype, device=self.device)
+        C = torch.empty(self.output_shape(1), dtype=self.dtype, device=self.device)
+        lengths = self.declared_lengths()
+        for expression, tensors in self.statements():
+            bound = bind(parse(expression), {**tensors, "B": self.operand(B), "C": C})
+            if lengths is not None:
+                bound, _ = length_facts(bound, lengths)
+            check_indices(bound, C, device_check=True)
 
     @property
     def nbytes(self) -> int:

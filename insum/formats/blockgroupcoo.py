@@ -21,7 +21,7 @@ from ..api import insum
 from ..arith import cdiv, next_power_of_2
 from ..bind import tensor_version
 from ..dtypes import as_dtype, promoted
-from ..errors import InsumError
+from ..errors import InsumError, InsumIndexError
 from .base import SparseFormat, pad_rows
 from .coords import Coords, check_positive_int, index_dtype_for
 from .grouping import GroupCounts
@@ -367,6 +367,20 @@ class BlockGroupCOO(SparseFormat):
         if self.params.get("group_size") != "row" or "AM" in self._tensors:
             return None
         return self._tensors.get("AL")
+
+    def check_indices(self) -> None:
+        """As `SparseFormat.check_indices`, and no block row counted longer than AK's rows (the
+        kernel would clamp it, but the values' gradient lists each row's stored blocks by
+        its count)."""
+        super().check_indices()
+        counts = self._row_counts()
+        if counts is None or not counts.numel() or tensor_version(counts) is None:
+            return
+        longest = int(counts.max())
+        if longest > self.AK.shape[1]:
+            raise InsumIndexError(
+                f"AL holds {longest}, out of range: more blocks than a block row of AK holds ({self.AK.shape[1]})"
+            )
 
     def counted_params(self) -> dict[str, Any]:
         """The stored block count ("blocks": `_stored_blocks` lists that many) and fan_in, off

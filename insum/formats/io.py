@@ -141,6 +141,8 @@ def load_mtx(
             f"{path}, line {size_at + 1}: expected 'rows cols nonzeros' (three non-negative integers), "
             f"found {lines[size_at]!r}"
         ) from None
+    if symmetry != "general" and n_rows != n_cols:  # (its mirrored entries would fall outside)
+        raise InsumError(f"{path}, line {size_at + 1}: a {symmetry} matrix must be square, not {n_rows} x {n_cols}")
 
     columns = 2 if field == "pattern" else 3
     body = "\n".join(lines[size_at + 1 :])

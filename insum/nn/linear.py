@@ -31,7 +31,7 @@ from torch import nn
 from ..arith import cdiv
 from ..bind import tensor_version
 from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
-from ..errors import InsumError, InsumShapeError
+from ..errors import InsumError, InsumIndexError, InsumShapeError
 from ..formats.auto import packer, pruning_block
 from ..formats.base import SparseFormat, aligned_rows, format_class
 from .sparse_autograd import (
@@ -153,6 +153,16 @@ def initial_bias(out_features: int, in_features: int, device, dtype) -> torch.Te
 #: The prefixes of a layer's plan buffers: the transposed pattern's, the value gradient's
 #: tables', the frozen slots' masks' (`_plan_of`'s order).
 _PLAN_PREFIXES = ("grad_", "wgrad_", "frozen_")
+
+
+def _saved_meta(state: dict[str, Any]) -> dict[str, Any]:
+    """The format metadata (`format_meta`) that a saved weight's extra state records."""
+    return {
+        "nnz": int(state["nnz"]),
+        "index_dtype": _DTYPES[state["index_dtype"]],
+        "params": dict(state["params"]),
+        "expression": state.get("expression", format_class(state["format"]).expression),
+    }
 
 
 def _plan_of(fmt: SparseFormat, gradients) -> tuple[dict, dict, dict]:
@@ -525,6 +535,11 @@ class SparseLinear(nn.Module):
                     "its format cannot be loaded in part; the layer keeps its weight"
                 )
                 return
+        bad = self._index_error(state, state_dict, prefix)
+        if bad is not None:  # (before any tensor is taken: the layer keeps its weight)
+            error_msgs.append(f"the saved weight of {prefix or 'the layer'} {bad}; the layer keeps its weight")
+            return
+        if state is not None:
             self._adopt(state, state_dict, prefix)
         self._loading = True  # (assign=True sets the tensors one by one: the plan is made once, after)
         try:
@@ -536,6 +551,23 @@ class SparseLinear(nn.Module):
         if not error_msgs:
             self._make_plan()  # the loaded indices: a new transposed pattern
         self._drop_kept()
+
+    def _index_error(self, state: dict[str, Any] | None, state_dict, prefix: str) -> str | None:
+        """What is wrong with the index tensors a state_dict would load (a value outside what
+        it indexes: `SparseFormat.check_indices`), or None."""
+        names = state["tensors"] if state is not None else self._tensor_names
+        tensors = {name: state_dict.get(prefix + name, getattr(self, name, None)) for name in names}
+        if any(not isinstance(t, torch.Tensor) for t in tensors.values()):
+            return None  # (reported by the default loader)
+        if state is None:
+            cls, meta = self._format_cls, self._format_meta
+        else:
+            cls, meta = format_class(state["format"]), _saved_meta(state)
+        try:
+            rebuild_format(cls, (self.out_features, self.in_features), meta, tensors).check_indices()
+        except InsumIndexError as e:
+            return f"holds an index out of range: {e}"
+        return None
 
     def _adopt(self, state: dict[str, Any], state_dict, prefix: str) -> None:
         """Take the saved format and tensor shapes; the values are copied in afterwards."""
@@ -575,10 +607,4 @@ class SparseLinear(nn.Module):
         self._parameters.update(reordered)
         self._format_cls = cls
         old_meta = getattr(self, "_format_meta", {})
-        self._format_meta = {
-            **{k: old_meta[k] for k in ("dtype", "device") if k in old_meta},
-            "nnz": int(state["nnz"]),
-            "index_dtype": _DTYPES[state["index_dtype"]],
-            "params": dict(state["params"]),
-            "expression": state.get("expression", cls.expression),
-        }
+        self._format_meta = {**{k: old_meta[k] for k in ("dtype", "device") if k in old_meta}, **_saved_meta(state)}
