@@ -222,6 +222,14 @@ def partition_rows(
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise InsumError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
     pack = packer(format)
+    if format.lower() == "nm":
+        # (a part's blocks renumber A's columns, and its rows start anywhere: an N:M pattern
+        # holds in A's own m-column windows and L-row vectors only)
+        raise InsumError(
+            "partition_rows cannot pack N:M: its local and remote blocks renumber A's columns, which breaks "
+            "the pattern's m-column windows; pack the parts in another format (or use DistributedSparseLinear, "
+            "which splits an N:M weight at whole vectors)"
+        )
     if isinstance(A, torch.Tensor) and A.dim() == 2 and A.shape[0] != A.shape[1]:
         raise InsumShapeError(
             f"distributed spmm partitions B like A's rows, so A must be square; A has shape "

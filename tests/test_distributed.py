@@ -131,6 +131,11 @@ def test_a_named_format_packs_both_blocks_with_its_parameters():
         (lambda: partition_rows(torch.eye(3), 2, format="COO", group_size=2), InsumError, "group_size"),
         (lambda: partition_rows(torch.eye(3), 2, format="GroupCOO", group_size=0), InsumError, "group_size"),
         (lambda: spmm(partition_rows(torch.eye(3), 1)[0], torch.ones(3, 2)), InsumError, "process group"),
+        # Found by fuzzing: N:M failed inside with a message about a renumbered block's window,
+        # and a format of None raised AttributeError.
+        (lambda: partition_rows(torch.eye(8), 2, format="NM", n=2, m=4, vector_len=1), InsumError,
+         "cannot pack N:M"),
+        (lambda: partition_rows(torch.eye(3), 2, format=None), InsumTypeError, "format's name"),
     ],
 )
 def test_input_errors_name_the_problem(call, error, words):

@@ -29,6 +29,7 @@ from insum import (
     UnsupportedStatement,
 )
 from insum.formats import CELL, COO, ELL, NM, BlockGroupCOO, GroupCOO
+from insum.formats import auto as formats_auto
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -401,6 +402,8 @@ BAD_INPUTS = [
      "unknown backend 'cuda'"),
     ("bad_autotune", lambda: insum.insum("C[i] += A[i]", A=torch.ones(2), autotune="yes"), InsumError,
      "autotune must be True, False or None"),
+    ("auto_bad_measure", lambda: formats_auto(torch.eye(3), measure="no"),
+     InsumTypeError, "measure must be True, False or None"),
     ("nm_unknown_keyword", lambda: NM.from_dense(torch.randn(4, 8), bogus=3), InsumError,
      "unknown parameter\\(s\\) 'bogus' for NM.from_dense"),
     ("groupcoo_unknown_keyword", lambda: GroupCOO.from_dense(torch.randn(4, 8), bogus=3), InsumError,

@@ -29,7 +29,7 @@ import torch
 
 from ..arith import cdiv, next_power_of_2
 from ..dtypes import HALF_DTYPES
-from ..errors import InsumError
+from ..errors import InsumError, InsumTypeError
 from .base import SparseFormat
 from .coords import check_positive_int, check_values, coords_of
 from .ell import ELL
@@ -184,6 +184,8 @@ def packer(format: str) -> Callable[..., SparseFormat]:
     >>> packer("ell")(torch.tensor([[1.0, 0.0], [0.0, 2.0]])).AK.tolist()
     [[0], [1]]
     """
+    if not isinstance(format, str):
+        raise InsumTypeError(f"format must be a format's name or \"auto\", got {format!r}")
     if format.lower() == "auto":
         return auto
     cls = format_class(format)
@@ -233,6 +235,8 @@ def auto(
     check_values(dtype)
     stats = row_stats(A)
     ranked = rank(stats, n_cols, dtype)
+    if measure is not None and not isinstance(measure, bool):
+        raise InsumTypeError(f"auto's measure must be True, False or None, got {measure!r}")
     measure = A.device.type == "cuda" if measure is None else measure
     key = (stats.shape, stats.nnz, stats.checksum, str(dtype), n_cols, str(A.device), measure, str(index_dtype))
     cached = _CACHE.get(key)
