@@ -315,6 +315,10 @@ def test_empty_batch_and_no_internal_weights():
         (lambda: FullyConnectedTensorProduct("2x0e+1x1o", "0e", "2x0e+1x1o", output="direct"), "one multiplicity"),
         (lambda: FullyConnectedTensorProduct("2x0e", "0e", "2x0e", output="flat"), "'uvu'"),
         (lambda: FullyConnectedTensorProduct("2x0e+1x1o", "0e", "2x0e+1x1o", output="indexed"), "one multiplicity"),
+        # Found by fuzzing: a negative multiplicity failed inside numpy, an index of 0.5 read as 0.
+        (lambda: Irreps([(-1, (0, 1))]), "multiplicities must be integers >= 0"),
+        (lambda: TensorProduct("2x0e", "0e", "2x0e", [(0.5, 0, 0, "uvw")]), "must be an integer index"),
+        (lambda: wigner_3j(1.0, 1, 1), "integer degrees"),
     ],
 )
 def test_bad_irreps_raise(make, match):
@@ -325,6 +329,67 @@ def test_bad_irreps_raise(make, match):
         return
     with pytest.raises(InsumError, match=match):
         make()
+
+
+@pytest.mark.parametrize("output", ["gather", "views", "flat"])
+@pytest.mark.parametrize("irreps_out, i_out", [("3x0e+2x0e", 1), ("2x0e+3x0e", 0)])
+def test_uvu_output_entry_no_path_feeds_wider_than_the_inputs(output, irreps_out, i_out):
+    """Found by fuzzing: "uvu" tables were as wide as irreps_in1's largest multiplicity, so an
+    output entry that no path feeds, wider than every input entry, took another row's
+    position (a copied value, silently) or raised an IndexError building the tables."""
+    ins = [(0, 0, i_out, "uvu", True)]
+    ref = o3.TensorProduct("2x0e", "0e", irreps_out, ins)
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output=output)
+    x1, x2 = torch.randn(4, 2), torch.randn(4, 1)
+    _close(layer(x1, x2), ref(x1, x2))
+
+
+@pytest.mark.parametrize("output", ["gather", "views"])
+def test_a_zero_path_weight_keeps_the_other_paths(output):
+    """Found by fuzzing: output="views" trimmed each row to its nonzero CG values, and a path of
+    path_weight 0 lists its (zero) entries first, so the real entries after them were cut off:
+    zeros instead of e3nn's output."""
+    ins = [(0, 0, 0, "uvw", True, 0.0), (0, 0, 0, "uvw", True, 1.0)]
+    ref = o3.TensorProduct("1x1o", "1x1o", "1x0e", ins)
+    layer = TensorProduct.from_e3nn(ref, backend="torch", output=output)
+    x1, x2 = torch.randn(3, 3), torch.randn(3, 3)
+    _close(layer(x1, x2), ref(x1, x2))
+
+
+def test_shared_weights_refuse_a_weight_per_sample():
+    """Found by fuzzing: a shared-weight layer given weight[batch, numel] used its first row for
+    every sample (e3nn refuses the shape)."""
+    layer = FullyConnectedTensorProduct("2x0e+1x1o", "0e+1o", "2x0e+3x1o", internal_weights=False, backend="torch")
+    with pytest.raises(InsumError, match="shares one weight"):
+        layer(torch.randn(3, 5), torch.randn(3, 4), torch.randn(3, layer.weight_numel))
+    layer(torch.randn(3, 5), torch.randn(3, 4), torch.randn(1, layer.weight_numel))  # (one row is one weight)
+
+
+def test_empty_batches_and_empty_irreps_give_zeros_with_gradients():
+    """Found by fuzzing: an empty batch returned zeros cut off from autograd (backward raised),
+    and irreps of dimension 0 raised index errors naming internal tensors; e3nn gives zeros and
+    zero gradients."""
+    layer = FullyConnectedTensorProduct("2x0e+1x1o", "0e+1o", "2x0e", backend="torch")
+    x1 = torch.randn(0, 5, requires_grad=True)
+    layer(x1, torch.randn(0, 4)).sum().backward()
+    assert x1.grad.shape == (0, 5) and layer.weight.grad.abs().max() == 0
+    for irreps1, irreps2, irreps_out in (("5x0e", "0x0e", "3x0e"), ("0x0e", "1o", "2x1o")):
+        layer = FullyConnectedTensorProduct(irreps1, irreps2, irreps_out, backend="torch")
+        ref = o3.FullyConnectedTensorProduct(irreps1, irreps2, irreps_out)
+        x1 = torch.randn(2, Irreps(irreps1).dim, requires_grad=True)
+        x2 = torch.randn(2, Irreps(irreps2).dim)
+        out = layer(x1, x2)
+        _close(out, ref(x1, x2))
+        out.sum().backward()
+        assert x1.grad is not None and not x1.grad.any()
+
+
+def test_operands_that_are_not_float_tensors_raise():
+    layer = FullyConnectedTensorProduct("2x0e", "0e", "1x0e", backend="torch")
+    with pytest.raises(InsumError, match="0-d tensor"):
+        layer(torch.tensor(1.0), torch.randn(1))
+    with pytest.raises(InsumError, match="floating-point"):
+        layer(torch.ones(2, 2, dtype=torch.int32), torch.randn(2, 1))
 
 
 def test_wrong_feature_count_names_the_input():

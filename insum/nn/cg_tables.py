@@ -208,7 +208,9 @@ def tensor_product_tables(
     """
     mode = instructions[0].mode if instructions else "uvw"
     offsets1, offsets2, offsets_out = irreps1.offsets(), irreps2.offsets(), irreps_out.offsets()
-    U = max((mul for mul, _ in irreps1), default=1) or 1
+    # uvu: output channel w is input channel u, so the output's multiplicities bound U too
+    # (an output entry that no path feeds may be wider than every input entry).
+    U = max([mul for mul, _ in irreps1] + ([mul for mul, _ in irreps_out] if mode == "uvu" else []), default=1) or 1
     Wd = U if mode == "uvu" else (max((mul for mul, _ in irreps_out), default=1) or 1)
     comp1 = np.cumsum([0] + [ir.dim for _, ir in irreps1])  # first component row of each entry
     x_index = np.full((int(comp1[-1]), U), irreps1.dim, dtype=np.int64)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,8 @@ def _parse(spec: Any) -> tuple[tuple[int, Irrep], ...]:
         entries = []
         for mul, ir in spec:
             l, p = (ir.l, ir.p) if isinstance(ir, Irrep) else ir  # noqa: E741
+            if isinstance(mul, bool) or int(mul) != mul or mul < 0 or int(l) != l:
+                raise IrrepsError(f"irreps {spec!r}: multiplicities must be integers >= 0 and degrees integers, got ({mul!r}, {ir!r})")
             entries.append((int(mul), Irrep(int(l), int(p))))
         return tuple(entries)
     except (TypeError, ValueError) as e:
@@ -194,6 +197,7 @@ def wigner_3j(l1: int, l2: int, l3: int, dtype: torch.dtype = torch.float64) -> 
     Zero when (l1, l2, l3) violates the triangle inequality.
     """
     for l in (l1, l2, l3):  # noqa: E741
-        if not isinstance(l, int) or l < 0:
-            raise IrrepsError(f"wigner_3j needs degrees l >= 0, got ({l1}, {l2}, {l3})")
+        if isinstance(l, bool) or not isinstance(l, numbers.Integral) or l < 0:
+            raise IrrepsError(f"wigner_3j needs integer degrees l >= 0, got ({l1!r}, {l2!r}, {l3!r})")
+    l1, l2, l3 = int(l1), int(l2), int(l3)
     return torch.from_numpy(_wigner_3j(l1, l2, l3).copy()).to(dtype)

@@ -50,6 +50,7 @@ straight to the pinned launch (`_FastForward`).
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from typing import Any
 
@@ -61,7 +62,7 @@ from torch.autograd import forward_ad
 from ..api import insum
 from ..bind import PLAIN_TENSORS, forward_mode_on, tangents_alone
 from ..dtypes import as_dtype
-from ..errors import InsumShapeError
+from ..errors import InsumShapeError, InsumTypeError
 from ..execute import PIN_TRIES, Pinned, pin
 from .cg_tables import (
     FLAT_GRADIENT_STATEMENTS,
@@ -94,6 +95,19 @@ __all__ = [
 ]
 
 _OUTPUTS = ("direct", "flat", "gather", "indexed", "views")
+
+
+def _check_operands(**tensors: torch.Tensor | None) -> None:
+    """Each given operand a floating-point tensor of at least one dimension (its features)."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise InsumTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() == 0:
+            raise InsumShapeError(f"{name} is a 0-d tensor; the tensor product takes [..., features]")
+        if not t.is_floating_point():
+            raise InsumTypeError(f"{name} has dtype {t.dtype}; the tensor product takes floating-point tensors")
 
 
 class TensorProduct(nn.Module):
@@ -158,6 +172,8 @@ class TensorProduct(nn.Module):
             if len(raw) > 4 and not raw[4]:
                 raise IrrepsError(f"instruction {raw!r}: paths without weights are not supported")
             for name, irreps, i in (("irreps_in1", self.irreps_in1, i1), ("irreps_in2", self.irreps_in2, i2), ("irreps_out", self.irreps_out, io)):
+                if isinstance(i, (bool, str)) or not isinstance(i, numbers.Real) or int(i) != i:
+                    raise IrrepsError(f"instruction {raw!r}: the {name} entry must be an integer index, got {i!r}")
                 if not 0 <= int(i) < len(irreps):
                     raise IrrepsError(f"instruction {raw!r}: {name} has {len(irreps)} entries, no entry {i}")
             paths.append((int(i1), int(i2), int(io), str(mode), float(raw[5]) if len(raw) > 5 else 1.0))
@@ -250,6 +266,9 @@ class TensorProduct(nn.Module):
         ends = bucket_bounds(counts, row_buckets) if row_buckets > 1 else []
         # (first row, last row + 1, entries) per launch; empty: one launch over all rows
         self._buckets = [(start, end, max(1, counts[end - 1])) for start, end in zip([0] + ends, ends)] if len(ends) > 1 else []
+        # No CG entry at all (zero multiplicities everywhere, or irreps of dimension 0): the
+        # output is zeros, as e3nn's, without a product over empty operands.
+        self._no_entries = sum(counts) == 0
         if self.internal_weights:
             self.weight = nn.Parameter(torch.randn(self.weight_numel))
         else:
@@ -325,6 +344,7 @@ class TensorProduct(nn.Module):
             if out is not None:
                 return out
         internal = weight is None
+        _check_operands(x1=x1, x2=x2, weight=weight)
         if x1.shape[-1] != self.irreps_in1.dim:
             raise InsumShapeError(f"x1 has {x1.shape[-1]} features (shape {tuple(x1.shape)}), irreps_in1 {self.irreps_in1} has {self.irreps_in1.dim}")
         if x2.shape[-1] != self.irreps_in2.dim:
@@ -335,9 +355,18 @@ class TensorProduct(nn.Module):
             weight = self.weight
         if weight.shape[-1] != self.weight_numel:
             raise InsumShapeError(f"weight has {weight.shape[-1]} entries (shape {tuple(weight.shape)}), the paths need {self.weight_numel}")
+        if self.shared_weights and math.prod(weight.shape[:-1]) != 1:
+            raise InsumShapeError(
+                f"weight has shape {tuple(weight.shape)}: this layer shares one weight[{self.weight_numel}] over the "
+                "batch (shared_weights=True); build it with shared_weights=False for a weight per sample"
+            )
         lead = self._lead(x1, x2, weight)
-        if math.prod(lead) == 0 or not self.instructions:
-            return x1.new_zeros(*lead, self.irreps_out.dim, dtype=_promoted(x1, x2, weight))
+        if math.prod(lead) == 0 or not self.instructions or self._no_entries:
+            out = x1.new_zeros(*lead, self.irreps_out.dim, dtype=_promoted(x1, x2, weight))
+            given = [t for t in (x1, x2, weight) if t.requires_grad]
+            if torch.is_grad_enabled() and given:  # (zero gradients, as e3nn's: a sum over no element)
+                out = out + sum(t.reshape(-1)[:0].sum() for t in given).to(out.dtype)
+            return out
         given = (x1, x2, weight)
         x1, x2, weight = self._flat_inputs(x1, x2, weight, lead)
         direct = self.output == "direct"
@@ -527,7 +556,7 @@ class TensorProduct(nn.Module):
         output entries with one multiplicity and dimension; Q trims the run's padding."""
         runs: list[list[int]] = []
         row, offset = 0, 0
-        counts = (self.CGV != 0).sum(1).tolist() if self.CGV.numel() else []
+        counts = self.CGL.tolist()  # (entries, a zero path weight's included: rows list them first)
         for mul, ir in self.irreps_out:
             if runs and runs[-1][2:4] == [mul, ir.dim]:
                 runs[-1][1] += 1
