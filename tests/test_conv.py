@@ -168,6 +168,19 @@ def test_map_errors_name_the_tensor():
         build_kernel_map(torch.zeros(1, 3, dtype=torch.long), 2, 2, 1, "transposed")
     with pytest.raises(InsumError, match="mode"):
         build_kernel_map(torch.zeros(1, 3, dtype=torch.long), mode="dense")
+    # Found by fuzzing: a submanifold map ignored stride and out_coords, kernel_size=2.0 failed in
+    # a shift, and a tile of 0 divided by zero in the forward.
+    one = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(InsumError, match="mode 'subm' has stride 1"):
+        build_kernel_map(one, 3, 2)
+    with pytest.raises(InsumError, match="mode 'subm' has stride 1"):
+        build_kernel_map(one, 3, out_coords=one)
+    with pytest.raises(InsumError, match="kernel_size must be a positive integer"):
+        build_kernel_map(one, 2.0)
+    with pytest.raises(InsumError, match="tile"):
+        SparseConv3d(2, 4, tile=0)
+    with pytest.raises(InsumError, match="tile"):
+        sparse_conv3d(torch.ones(1, 2), torch.ones(3, 3, 3, 2, 4), build_kernel_map(one), tile=-1)
 
 
 # --------------------------------------------------------------------------- the convolution

@@ -121,10 +121,12 @@ def test_kernel_lookup_edge_cases(monkeypatch):
 
 
 @KERNEL_MARK
-@pytest.mark.parametrize("lookup", ["hash", "torch"])
+@pytest.mark.parametrize("lookup", ["hash", "sorted", "torch"])
 def test_duplicate_sites_read_their_first_copy(monkeypatch, lookup):
-    """A site given twice: both paths map both copies to the first copy's row (the sorted-keys
-    kernel does not: its window of places assumes distinct keys)."""
+    """A site given twice: every path maps both copies to the first copy's row. Found by
+    fuzzing: the sorted-keys kernel (INSUM_MAP_HASH=0), whose window of places assumes
+    distinct keys, summed the places of repeated keys (another site's row, silently, or a
+    read past the keys); repeated sites take the torch lookup there."""
     sites = random_sites(40, 5, seed=6).to(DEVICE)
     n = sites.shape[0]
     coords = torch.cat([sites, sites[[3, 0, 3]]])  # rows n, n + 2 copy row 3; row n + 1 copies row 0

@@ -271,6 +271,7 @@ def sparse_conv3d(
         if t_bias is not None:
             tangent = tangent + t_bias.to(out.dtype)
         return forward_ad.make_dual(out, tangent)
+    check_positive_int("sparse_conv3d: tile", tile)
     form = choose_form(kernel_map, form)
     if absent not in ABSENT:
         raise InsumError(f"unknown absent-neighbour handling {absent!r}; choose one of {', '.join(ABSENT)}")
@@ -327,7 +328,7 @@ class SparseConv3d(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("kernel_size", kernel_size),
-                            ("stride", stride), ("dilation", dilation)):
+                            ("stride", stride), ("dilation", dilation), ("tile", tile)):
             check_positive_int(f"SparseConv3d: {name}", value)
         if subm and transposed:
             raise InsumError("SparseConv3d: a transposed convolution cannot be submanifold; pass subm=False")

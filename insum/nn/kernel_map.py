@@ -42,6 +42,7 @@ Shape-deciding values come to the host only there, never through `nonzero` or a 
 from __future__ import annotations
 
 import functools
+import numbers
 import weakref
 from dataclasses import dataclass, field
 
@@ -947,8 +948,13 @@ def build_kernel_map(
     the adjoint of the strided map. Coordinates are [N, 3] or [N, 4] (batch first)."""
     if mode not in _MODES:
         raise InsumError(f"unknown kernel map mode {mode!r}; choose one of {', '.join(_MODES)}")
-    if kernel_size < 1 or stride < 1 or dilation < 1:
-        raise InsumError(f"kernel_size, stride and dilation must be positive, got {kernel_size}, {stride}, {dilation}")
+    for name, value in (("kernel_size", kernel_size), ("stride", stride), ("dilation", dilation)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise InsumError(f"build_kernel_map: {name} must be a positive integer, got {value!r}")
+    if mode == "subm" and (stride != 1 or out_coords is not None):
+        # (both were ignored: a submanifold map's outputs are its inputs, read at stride 1)
+        raise InsumError("build_kernel_map: mode 'subm' has stride 1 and its outputs at the input sites; "
+                         "pass mode='strided' for other stride or out_coords")
     coords = _as_batched(coords, "coords")
     reach = dilation * kernel_size
     if mode == "subm":
@@ -974,11 +980,13 @@ def build_kernel_map(
         offset_pairs = host[7:]
     else:
         in_keys, order = torch.sort(_keys(coords), stable=True)  # stable: duplicates map to their first row
-        if mode != "transposed" and _use_kernels(coords.device):
+        repeats = (in_keys[1:] == in_keys[:-1]).any().view(1)
+        # The fused kernel's window of places holds distinct keys only: repeated sites take the
+        # torch lookup (a second sync, on this path alone: INSUM_MAP_HASH=0 or 2**29 sites).
+        if mode != "transposed" and _use_kernels(coords.device) and not bool(repeats):
             nbr, counts, row_mask = _lookup_fused(in_keys, order, out, kernel_size, stride, dilation)
         else:
             nbr, counts = _lookup(in_keys, order, out, mode, kernel_size, stride, dilation)
-        repeats = (in_keys[1:] == in_keys[:-1]).any().view(1)
         host = torch.cat([t for c, _, _ in checks for t in _range_stats(c)] + [repeats, counts]).tolist()
         ranges = [_batch_room(host[4 * i: 4 * i + 4]) for i in range(len(checks))]
         repeated = host[4 * len(checks)] > 0
