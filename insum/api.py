@@ -96,6 +96,7 @@ def insum(
             [1., 0., 2.]])
     """
     refuse_function_transforms("insum()")
+    _check_declarations(sorted_indices, unique_indices, lengths)
     if torch.compiler.is_compiling():  # torch.compile traces the registered operators
         check_options(backend=backend, precision=precision, autotune=autotune, check_indices=check_indices)
         return call(expr, tensors, backend=backend, precision=precision, autotune=autotune, check_indices=check_indices,
@@ -158,6 +159,8 @@ def insum_many(
     ...             ("C[I[p],n] += A[p]*B[p,n]", dict(C=C, I=I2, A=A2, B=B2))])  # doctest: +SKIP
     """
     refuse_function_transforms("insum_many()")
+    if not isinstance(calls, Sequence):
+        calls = list(calls)  # (a generator: checked, then run; it would be spent by the checks)
     _check_many(calls, disjoint, covering)
     options = {"backend": backend, "precision": precision, "autotune": autotune, "check_indices": check_indices}
     # (forward-mode tangents: each call through insum(), which carries them)
@@ -180,6 +183,26 @@ def insum_many(
 _FACTS = frozenset({"sorted_indices", "unique_indices"})
 
 
+def _check_declarations(sorted_indices: object, unique_indices: object, lengths: object) -> None:
+    """The facts name index tensors and lengths is a dict (a tensor passed in their place
+    failed deep in the cached-call lookup, or was ignored)."""
+    for option, names in (("sorted_indices", sorted_indices), ("unique_indices", unique_indices)):
+        if names is None or isinstance(names, str):
+            continue
+        if not isinstance(names, (frozenset, set, list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise InsumTypeError(
+                f"{option} names index tensors (a name or a collection of names), got {type(names).__name__}"
+                + (f" (a tensor of the statement named {option!r}? rename it: that is an option of insum())"
+                   if isinstance(names, torch.Tensor) else "")
+            )
+    if lengths is not None and not isinstance(lengths, Mapping):
+        raise InsumTypeError(
+            f"lengths is a dict of declared lengths ({{'q[p]': tensor}}), got {type(lengths).__name__}"
+            + (" (a tensor of the statement named 'lengths'? rename it: that is an option of insum())"
+               if isinstance(lengths, torch.Tensor) else "")
+        )
+
+
 def _check_many(calls, disjoint: object, covering: object) -> None:
     """insum_many's arguments, checked before any call runs (a bad `covering` raised after
     every statement had written its output; a bare string call, an AttributeError)."""
@@ -194,6 +217,12 @@ def _check_many(calls, disjoint: object, covering: object) -> None:
             raise InsumTypeError(f"an insum_many call is (expr, tensors) or (expr, tensors, facts), not {entry!r:.80}")
         if not isinstance(entry[1], Mapping) or (len(entry) == 3 and not isinstance(entry[2], Mapping)):
             raise InsumTypeError(f"an insum_many call's tensors and facts are dicts, in the call of {entry[0]!r}")
+        clash = sorted(set(entry[1]) & set(OPTIONS))
+        if clash:
+            raise InsumError(
+                f"an insum_many call passes a tensor named {clash[0]!r}, an option of insum() ({', '.join(OPTIONS)}); "
+                f"rename it in {entry[0]!r}"
+            )
         unknown = set(entry[2]) - _FACTS if len(entry) == 3 else ()
         if unknown:
             raise InsumError(

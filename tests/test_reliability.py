@@ -402,6 +402,18 @@ BAD_INPUTS = [
      "unknown backend 'cuda'"),
     ("bad_autotune", lambda: insum.insum("C[i] += A[i]", A=torch.ones(2), autotune="yes"), InsumError,
      "autotune must be True, False or None"),
+    # Found by fuzzing: tensors passed as lengths/facts failed in the cached-call lookup
+    # ("Boolean value of Tensor is ambiguous") or were ignored; a tensor named like an option
+    # in insum_many clashed with the keyword.
+    ("lengths_a_tensor", lambda: insum.insum("C[m] += A[m, q]", A=torch.ones(2, 3), lengths=torch.tensor([1, 2])),
+     InsumTypeError, "lengths is a dict"),
+    ("lengths_pairs", lambda: insum.insum("C[m] += A[m, q]", A=torch.ones(2, 3), lengths=[("q[m]", torch.ones(2))]),
+     InsumTypeError, "lengths is a dict"),
+    ("facts_a_tensor", lambda: insum.insum("C[m] += A[I[m]]", A=torch.ones(2), I=torch.zeros(2, dtype=torch.long),
+                                           sorted_indices=torch.zeros(2)), InsumTypeError, "sorted_indices names"),
+    ("many_option_named_tensor", lambda: insum.insum_many([("C[m] += backend[m]", dict(C=torch.zeros(2),
+                                                                                      backend=torch.ones(2)))]),
+     InsumError, "tensor named 'backend'"),
     ("auto_bad_measure", lambda: formats_auto(torch.eye(3), measure="no"),
      InsumTypeError, "measure must be True, False or None"),
     ("nm_unknown_keyword", lambda: NM.from_dense(torch.randn(4, 8), bogus=3), InsumError,
@@ -778,6 +790,34 @@ def test_a_layer_refuses_a_state_dict_with_an_index_out_of_range():
     with pytest.raises(RuntimeError, match=r"AK holds 102, out of range.*keeps its weight"):
         layer.load_state_dict({**state, "AK": state["AK"] + 100})
     torch.testing.assert_close(layer(torch.eye(3)), W.t())
+
+
+def test_insum_many_takes_a_generator_of_calls():
+    """Found by fuzzing: the argument check spent a generator, so nothing ran and a bare
+    TypeError followed."""
+    C = torch.zeros(3)
+    calls = [("C[i] += A[i]", dict(C=C, A=torch.ones(3))), ("C[i] += A[i]", dict(C=C, A=torch.full((3,), 2.0)))]
+    insum.insum_many((c for c in calls), backend="torch")
+    torch.testing.assert_close(C, torch.full((3,), 3.0))
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="the generated kernel")
+def test_a_length_over_tiled_rows_masks_the_loop_past_each_row():
+    """Found by fuzzing: where a declared length's variable is a loop (not the K tile) over
+    tiled rows, the loop ran to the tile's longest row and every shorter row read its own
+    padding up to there (NaN padding came out as NaN; the README says the lanes past a row's
+    length are masked). Those loads are masked now."""
+    nan = float("nan")
+    AV = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=DEVICE)
+    W = torch.tensor([[10.0, 20.0], [nan, nan]], device=DEVICE)
+    got = insum.insum("O[p] = AV[p, q] * W[p, r]", AV=AV, W=W, lengths={"r[p]": torch.tensor([2, 0], device=DEVICE)},
+                      backend="triton")
+    torch.testing.assert_close(got, torch.tensor([90.0, 0.0], device=DEVICE))
+    AV = torch.tensor([[[1.0, 2.0]], [[3.0, nan]]], device=DEVICE)
+    AK = torch.zeros(2, 1, 2, dtype=torch.int64, device=DEVICE)
+    got = insum.insum("C[m, n] = AV[m, q, r] * B[AK[m, q, r], n]", AV=AV, AK=AK, B=torch.ones(1, 3, device=DEVICE),
+                      lengths={"r[m]": torch.tensor([2, 1], device=DEVICE)}, backend="triton")
+    torch.testing.assert_close(got, torch.full((2, 3), 3.0, device=DEVICE))
 
 
 def test_bounded_cache_pickles():

@@ -166,11 +166,13 @@ class _Emitter:
         pointer = " + ".join([self.ptr[access.name], *terms])
         return pointer, axes, max((i.level for i in indices), default=0)
 
-    def mask_for(self, axes: tuple[str, ...]) -> str | None:
+    def mask_for(self, axes: tuple[str, ...], level: int = 0) -> str | None:
+        """The mask of a load or store over `axes` at loop `level`: the tiles' bounds, and the
+        declared lengths' masks defined at or above that level."""
         if not axes:
             return None
         masks = [broadcast(Value(self.mask[self.plan.axis_var(a)], (a,), 0), axes) for a in axes]
-        masks += [f"({broadcast(m, axes)})" for m in self.length_masks if set(m.axes) <= set(axes)]
+        masks += [f"({broadcast(m, axes)})" for m in self.length_masks if set(m.axes) <= set(axes) and m.level <= level]
         return " & ".join(masks)
 
     def lengths(self) -> None:
@@ -190,6 +192,10 @@ class _Emitter:
                 lanes = Value(self.offs[var], ("K",), 1)
                 axes = union(value.axes, ("K",))
                 self.length_masks.append(Value(f"{broadcast(lanes, axes)} < {broadcast(value, axes)}", axes, 1))
+            elif value.axes and var in self.plan.loops:
+                # A loop over var runs to the tile's longest row: the shorter rows' loads
+                # inside it stop at their own length (padding past it is not read).
+                self.length_masks.append(Value(f"{self.scalar[var]} < {value.expr}", value.axes, self.level_of[var]))
         if self.plan.axis_var("K") in self.count and not self.plan.folded:
             self.extent_k = self.count[self.plan.axis_var("K")]
         for _, order in self.plan.ordered:  # read where the program id is split (`_ordered_lines`)
@@ -205,7 +211,7 @@ class _Emitter:
             return self.cache[key]
         pointer, axes, level = self.address(access)
         name = self.fresh(f"{access.name}_val")
-        mask = self.mask_for(axes)
+        mask = self.mask_for(axes, level)
         load = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
         self.put(level, f"{name} = {load}" + self.shape_comment(axes))
         value = Value(name, axes, level)
