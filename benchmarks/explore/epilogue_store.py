@@ -20,11 +20,9 @@ import re
 import torch
 import triton
 
-from insum.formats import NM, BlockGroupCOO
 from insum.runtime import _load, cache_dir
 
-from ..common import block_sparse, median_ms, rotating
-from .tensorcore import bare_launches, check_and_time, format_product
+from .tensorcore import bare_launches, check_and_time, missed_point
 
 POINTS = [
     ("Block-ELL 128x128 s=0.5 4096^3", 4096, "block", 128, 0.5),
@@ -61,20 +59,7 @@ def main() -> None:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     for index in (int(p) for p in args.points.split(",")):
         label, size, kind, block, param = POINTS[index]
-        dtype = torch.float16
-        gen = torch.Generator(device="cuda").manual_seed(size + block)
-        Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
-        D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
-        t_cublas = median_ms(rotating(lambda B, D=D: D @ B, [(B,) for B in Bs]))
-        if kind == "block":
-            dense, _ = block_sparse(size, block, param, dtype, gen, "cuda")
-            fmt = BlockGroupCOO.from_dense(dense, block=(block, block), group_size="row")
-        else:
-            A = torch.randn(size, size, device="cuda", generator=gen).to(dtype)
-            fmt = NM.from_dense(A, n=param[0], m=param[1], vector_len=block)
-            dense = fmt.to_dense()
-        expected = dense.double() @ Bs[0].double()
-        kernel, bound, prepared, C, operands = format_product(fmt, Bs)
+        fmt, Bs, expected, t_cublas, (kernel, bound, prepared, C, operands) = missed_point(size, kind, block, param)
         config = dict(prepared.config)
         print(f"{label}: cuBLAS {t_cublas * 1e3:.1f} us; tuned {config}", flush=True)
         rewritten = descriptor_store(kernel.source)

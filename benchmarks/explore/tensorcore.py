@@ -39,7 +39,7 @@ import torch
 from insum.bind import bind
 from insum.codegen import schedule, tune
 from insum.execute import length_facts
-from insum.formats import NM
+from insum.formats import NM, BlockGroupCOO
 from insum.parser import parse
 from insum.runtime import BareLaunch, Kernel, kernel_for, spec_for
 
@@ -246,6 +246,27 @@ def format_product(fmt, Bs: list) -> tuple:
     kernel = kernel_for(bound, lengths=declared)
     kernel.launch(bound, C)  # the tuner's choice
     return kernel, bound, kernel.prepared(bound), C, operands
+
+
+def missed_point(size: int, kind: str, block: int, param) -> tuple:
+    """One of the products issue 11 still misses, fp16, its format tuned and launched once:
+    (fmt, Bs, expected, cuBLAS ms, (kernel, bound, launcher, C, operands) of
+    `format_product`). kind "block": Block-ELL of block x block blocks at sparsity `param`;
+    "nm": N:M with (n, m) = `param` in vectors of `block` rows."""
+    dtype = torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(size + block)
+    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
+    D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
+    t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
+    if kind == "block":
+        dense, _ = block_sparse(size, block, param, dtype, gen, "cuda")
+        fmt = BlockGroupCOO.from_dense(dense, block=(block, block), group_size="row")
+    else:
+        A = torch.randn(size, size, device="cuda", generator=gen).to(dtype)
+        fmt = NM.from_dense(A, n=param[0], m=param[1], vector_len=block)
+        dense = fmt.to_dense()
+    expected = dense.double() @ Bs[0].double()
+    return fmt, Bs, expected, t_cublas, format_product(fmt, Bs)
 
 
 def block_ell(keep: torch.Tensor, A: torch.Tensor, block: int, rows: int = 1) -> dict[str, torch.Tensor]:

@@ -68,29 +68,12 @@ def variants(source: str, persistent_source: str, config: dict) -> list[tuple[st
 
 def child(index: int, start: int, out: str) -> None:
     """Run point `index`'s variants from `start`, printing `DONE i` after each."""
-    import torch
-
-    from insum.formats import NM, BlockGroupCOO
     from insum.runtime import Kernel, _load, cache_dir
 
-    from ..common import block_sparse, median_ms, rotating
-    from .tensorcore import bare_launches, check_and_time, format_product
+    from .tensorcore import bare_launches, check_and_time, missed_point
 
     label, size, kind, block, param = POINTS[index]
-    dtype = torch.float16
-    gen = torch.Generator(device="cuda").manual_seed(size + block)
-    Bs = [torch.randn(size, size, device="cuda", dtype=dtype, generator=gen) for _ in range(2)]
-    D = torch.randn(size, size, device="cuda", dtype=dtype, generator=gen)
-    t_cublas = median_ms(rotating(lambda B: D @ B, [(B,) for B in Bs]))
-    if kind == "block":
-        dense, _ = block_sparse(size, block, param, dtype, gen, "cuda")
-        fmt = BlockGroupCOO.from_dense(dense, block=(block, block), group_size="row")
-    else:
-        A = torch.randn(size, size, device="cuda", generator=gen).to(dtype)
-        fmt = NM.from_dense(A, n=param[0], m=param[1], vector_len=block)
-        dense = fmt.to_dense()
-    expected = dense.double() @ Bs[0].double()
-    kernel, bound, prepared, C, operands = format_product(fmt, Bs)
+    fmt, Bs, expected, t_cublas, (kernel, bound, prepared, C, operands) = missed_point(size, kind, block, param)
     config = dict(prepared.config)
     persistent = Kernel(kernel.spec, dataclasses.replace(kernel.plan, persistent=True))
     p_launcher = persistent.prepared(bound)
