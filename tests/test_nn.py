@@ -130,13 +130,15 @@ def test_training_step_matches_the_dense_masked_step(fmt, params, compiled):
         assert bool((layer.to_dense()[W == 0] == 0).all())
 
 
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "derived"])
 @pytest.mark.parametrize("fmt, params", FORMATS + [("GroupCOO", {"group_size": 3})], ids=IDS + ["GroupCOO-g3"])
-def test_gradient_penalty_step_matches_the_dense_masked_step(fmt, params):
+def test_gradient_penalty_step_matches_the_dense_masked_step(fmt, params, transposed):
     """Found by fuzzing: a second-order gradient (a penalty on x's gradient, create_graph)
     reached the values through x's gradient statement, where the frozen slots were not held:
-    one step grew the pattern. They read as constants there now."""
+    one step grew the pattern. They read as constants there now, with x's gradient on the
+    transposed pattern or derived (transposed_backward=False)."""
     W, b = _with_empty_rows(), torch.randn(6, dtype=torch.float64)
-    layer = SparseLinear.from_dense(W, b, fmt, backend="torch", **params)
+    layer = SparseLinear.from_dense(W, b, fmt, backend="torch", transposed_backward=transposed, **params)
     if fmt == "NM":
         W = layer.to_dense().detach()
     x = torch.randn(5, 8, dtype=torch.float64)
@@ -149,6 +151,26 @@ def test_gradient_penalty_step_matches_the_dense_masked_step(fmt, params):
         for p in layer.parameters():
             p -= 0.1 * p.grad
     torch.testing.assert_close(layer.to_dense().detach(), W - 0.1 * Wd.grad * (W != 0))
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "derived"])
+def test_gradient_penalty_leaves_block_ell_padding_past_its_lengths(transposed):
+    """Found by fuzzing: with x's derived gradient (transposed_backward=False), which reads
+    every slot, a penalty on x's gradient trained the two padding blocks past block row 0's
+    length (AL = [1, 3]): AV.grad [432, 216, 216] for [432, 0, 0], and a step grew the pattern."""
+    W = torch.tensor([[1.0, 0.0, 0.0], [2.0, 3.0, 4.0]], dtype=torch.float64)
+    layer = SparseLinear.from_dense(W, None, "BlockGroupCOO", block=1, group_size="row", backend="torch",
+                                    transposed_backward=transposed)
+    assert layer.AL.tolist() == [1, 3]
+    Wd = W.clone().requires_grad_(True)
+    x = torch.tensor([[1.0, 2.0, 3.0], [-1.0, 0.5, 2.0]], dtype=torch.float64)
+    for forward in (layer, lambda v: v @ Wd.t()):
+        xx = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(forward(xx).square().sum(), xx, create_graph=True)
+        gx.square().sum().backward()
+    want = torch.zeros(3, dtype=torch.float64)
+    want[0] = Wd.grad[0, 0]
+    torch.testing.assert_close(layer.AV.grad.reshape(2, 3)[0], want)
 
 
 def test_repeated_position_is_trained_once():
@@ -630,6 +652,16 @@ def test_errors():
         magnitude_prune(torch.randn(3, 3), 1.5)
     with pytest.raises(InsumError, match="unknown format"):
         SparseLinear(8, 8, format="CSR")
+    # Found by fuzzing: a bad block raised ZeroDivisionError or a bare RuntimeError, and
+    # coarsen="tune" built a layer or refused it by the clock (after packing and timing).
+    for block in (0, (0, 2), (2, -1), (2,)):
+        with pytest.raises(InsumError, match="block"):
+            magnitude_prune(torch.randn(4, 4), 0.5, block)
+    for coarsen in (2, "tune"):
+        with pytest.raises(InsumError, match="cannot be coarsened"):
+            SparseLinear(20, 12, format="BlockGroupCOO", sparsity=0.5, block=(2, 4), coarsen=coarsen)
+        with pytest.raises(InsumError, match="cannot be coarsened"):
+            SparseLinear.from_dense(torch.randn(20, 12), None, "BlockGroupCOO", block=(2, 4), coarsen=coarsen)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the generated kernels need TRITON_INTERPRET=1 on the CPU")

@@ -820,6 +820,22 @@ def test_a_length_over_tiled_rows_masks_the_loop_past_each_row():
     torch.testing.assert_close(got, torch.full((2, 3), 3.0, device=DEVICE))
 
 
+def test_nm_from_mask_is_its_pattern_whatever_the_values():
+    """Found by fuzzing: a mask packed over zeros was an empty format (nnz counted nonzero
+    values), so values filled in afterwards were never read (zeros out, silently); and an
+    inf outside the mask came out as nan (A * mask), where the docs say it is zeroed."""
+    mask = torch.tensor([[1, 0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    fmt = NM.from_mask(torch.zeros(2, 8), mask, n=2, m=4, vector_len=1)
+    values = torch.randn(fmt.AV.shape, generator=torch.Generator().manual_seed(3))
+    fmt.AV.copy_(values)
+    B = torch.randn(8, 3)
+    torch.testing.assert_close(fmt.spmm(B, backend="torch"), fmt.to_dense() @ B)
+    assert fmt.nnz == 8 and fmt.to_dense().count_nonzero() == 8
+    A = torch.tensor([[1.0, 2, 3, 4], [float("inf"), 5, 6, 7]])
+    kept = NM.from_mask(A, torch.tensor([[1, 0, 0, 1], [0, 0, 0, 1]]), n=2, m=4, vector_len=2)
+    torch.testing.assert_close(kept.to_dense(), torch.tensor([[1.0, 0, 0, 4], [0, 0, 0, 7]]))
+
+
 def test_bounded_cache_pickles():
     import pickle
 

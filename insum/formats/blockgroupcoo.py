@@ -23,7 +23,7 @@ from ..bind import tensor_version
 from ..dtypes import as_dtype, promoted
 from ..errors import InsumError, InsumIndexError
 from .base import SparseFormat, pad_rows
-from .coords import Coords, check_positive_int, index_dtype_for
+from .coords import Coords, check_block, check_positive_int, index_dtype_for
 from .grouping import GroupCounts
 from .repeat import run_repeated
 from .transposed import block_gradient, transpose_slots
@@ -47,14 +47,6 @@ BITMAP_CELLS = 1 << 22
 COARSEN_FACTORS = (2, 4)
 COARSEN_ROWS = 128
 COARSEN_WORK = 2.0
-
-
-def _block_of(block: int | tuple[int, int]) -> tuple[int, int]:
-    if isinstance(block, int) and not isinstance(block, bool):
-        block = (block, block)
-    if not isinstance(block, (tuple, list)) or len(block) != 2:
-        raise InsumError(f"block must be an integer or a pair (bm, bk), got {block!r}")
-    return check_positive_int("block bm", block[0]), check_positive_int("block bk", block[1])
 
 
 def _block_ranks(
@@ -148,7 +140,7 @@ class BlockGroupCOO(SparseFormat):
         backend: str = "auto",
         coarsen: int | str = 1,
     ) -> BlockGroupCOO:
-        bm, bk = _block_of(block)
+        bm, bk = check_block(block)
         if coarsen != 1 or isinstance(coarsen, bool):
             return cls._coarsened(coords, (bm, bk), coarsen, group_size=group_size, pad=pad, index_dtype=index_dtype,
                                   tune_cols=tune_cols, backend=backend)
@@ -348,7 +340,7 @@ class BlockGroupCOO(SparseFormat):
     @classmethod
     def pruning_block(cls, params: Mapping[str, Any]) -> tuple[int, int]:
         """Whole blocks of the packer's block size."""
-        return _block_of(params.get("block", (16, 16)))
+        return check_block(params.get("block", (16, 16)))
 
     @classmethod
     def row_padding_slots(cls, shape: tuple[int, int], longest: int, params: Mapping[str, Any]) -> int:

@@ -247,6 +247,15 @@ def index_dtype_for(*sizes: int, requested: torch.dtype | None = None) -> torch.
     return requested
 
 
+def check_block(block: Any) -> tuple[int, int]:
+    """A block shape (bm, bk), given as one integer (square) or a pair of positive integers."""
+    if isinstance(block, int) and not isinstance(block, bool):
+        block = (block, block)
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        raise InsumError(f"block must be an integer or a pair (bm, bk), got {block!r}")
+    return check_positive_int("block bm", block[0]), check_positive_int("block bk", block[1])
+
+
 def check_positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
     """Validate an integer parameter, raising an InsumError that names it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -124,7 +124,7 @@ class NM(SparseFormat):
                 f"mask has shape {tuple(mask.shape)}; expected ({R}, {K}) per element or "
                 f"({RB}, {K}) per vector of length {vector_len}"
             )
-        blocks = cls._padded(A * mask, m, vector_len)
+        blocks = cls._padded(torch.where(mask, A, 0), m, vector_len)  # (not A * mask: inf * 0 is nan)
         kept = cls._padded(mask, m, vector_len).any(dim=1)  # (RB, K'/m, m)
         per_window = kept.sum(dim=2)
         bad = (per_window > n).nonzero()
@@ -136,7 +136,9 @@ class NM(SparseFormat):
                 f"columns {w * m}..{min(w * m + m, K) - 1} keeps {int(per_window[rb, w])} vectors; "
                 f"a {n}:{m} pattern keeps at most {n} ({bad.shape[0]} window(s) violate it)"
             )
-        return cls._build(A.shape, blocks, kept.float(), n, m, vector_len, index_dtype)
+        # nnz counts the mask's entries (the pattern), whatever their values: a mask packed over
+        # zeros whose values are filled in afterwards is a pattern, not an empty matrix.
+        return cls._build(A.shape, blocks, kept.float(), n, m, vector_len, index_dtype, nnz=int(mask.sum()))
 
     @classmethod
     def _pack(
@@ -172,7 +174,7 @@ class NM(SparseFormat):
         return (torch.arange(Kp, device=device) >= K).view(1, Kp // m, m)
 
     @classmethod
-    def _build(cls, shape, blocks, score, n: int, m: int, L: int, index_dtype) -> NM:
+    def _build(cls, shape, blocks, score, n: int, m: int, L: int, index_dtype, nnz: int | None = None) -> NM:
         R, K = int(shape[0]), int(shape[1])
         RB, _, KW, _ = blocks.shape
         itype = index_dtype_for(R, K, requested=index_dtype)
@@ -191,7 +193,7 @@ class NM(SparseFormat):
         return cls(
             (R, K),
             cls.with_aligned_rows({"AK": AK.to(itype), "AV": AV}),
-            nnz=int(torch.count_nonzero(AV)),
+            nnz=int(torch.count_nonzero(AV)) if nnz is None else nnz,
             dtype=AV.dtype,
             index_dtype=itype,
             device=AV.device,

@@ -34,6 +34,7 @@ from ..dtypes import INDEX_DTYPES, VALUE_DTYPES
 from ..errors import InsumError, InsumIndexError, InsumShapeError
 from ..formats.auto import packer, pruning_block
 from ..formats.base import SparseFormat, aligned_rows, format_class
+from ..formats.coords import check_block
 from .sparse_autograd import (
     KeptLinear,
     apply_kept,
@@ -103,10 +104,7 @@ def magnitude_prune(
     if sparsity == 0.0:
         return weight.clone()
     M, K = weight.shape
-    if block is None:
-        bm = bk = 1
-    else:
-        bm, bk = (block, block) if isinstance(block, int) else block
+    bm, bk = (1, 1) if block is None else check_block(block)
     MB, KB = cdiv(M, bm), cdiv(K, bk)
     padded = torch.nn.functional.pad(weight.double(), (0, KB * bk - K, 0, MB * bm - M))
     norms = padded.view(MB, bm, KB, bk).square().sum(dim=(1, 3)).flatten()
@@ -153,6 +151,17 @@ def initial_bias(out_features: int, in_features: int, device, dtype) -> torch.Te
 #: The prefixes of a layer's plan buffers: the transposed pattern's, the value gradient's
 #: tables', the frozen slots' masks' (`_plan_of`'s order).
 _PLAN_PREFIXES = ("grad_", "wgrad_", "frozen_")
+
+
+def _refuse_coarsening(format_params: dict[str, Any]) -> None:
+    """Before packing: a coarsened weight's explicit zero blocks would train like stored
+    ones (`coarsen="tune"` chose by timing, so a layer was built or refused by the clock)."""
+    coarsen = format_params.get("coarsen", 1)
+    if coarsen != 1:
+        raise InsumError(
+            f"a layer's weight cannot be coarsened (coarsen={coarsen!r}): its explicit zero blocks would be "
+            "trained like stored ones; pack it with coarsen=1"
+        )
 
 
 def _saved_meta(state: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +228,7 @@ class SparseLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.backend, self.precision = backend, precision
         self.transposed_backward = transposed_backward
+        _refuse_coarsening(format_params)
         weight = initial_weight(out_features, in_features, format, sparsity, format_params, device, dtype)
         self._set_format(packer(format)(weight, **format_params))
         if bias:
@@ -243,6 +253,7 @@ class SparseLinear(nn.Module):
         """A layer holding `weight` (out x in; its zeros are the pattern, NM prunes) and `bias`."""
         if weight.dim() != 2:
             raise InsumShapeError(f"weight must be (out_features, in_features), got {tuple(weight.shape)}")
+        _refuse_coarsening(format_params)
         fmt = packer(format)(weight.detach(), **format_params)
         return cls.from_format(
             fmt, bias, backend=backend, precision=precision, transposed_backward=transposed_backward

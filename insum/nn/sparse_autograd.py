@@ -30,6 +30,7 @@ from ..autograd import derive
 from ..bind import forward_mode_on
 from ..dtypes import as_dtype, compute_dtype, promoted
 from ..formats.base import FORMATS, SparseFormat
+from ..library import zeroed_past_lengths
 
 __all__ = [
     "Gradients",
@@ -198,11 +199,22 @@ def linear_gradients(
     bool mask of its slots left untrained (`frozen_slots`), their gradients zero."""
     if fmt.nnz == 0:  # the product read nothing (`_SpmmPlan.empty`): its padding slots are not trained
         return (torch.zeros_like(x2) if x_wanted else None), {name: torch.zeros_like(fmt._tensors[name]) for name in wanted}
-    if frozen and torch.is_grad_enabled():
+    if torch.is_grad_enabled():
         # A double backward (create_graph) differentiates these gradients through the values
-        # too: the frozen slots read as constants there, so that no order trains them.
-        held = {name: torch.where(frozen[name], _constant(t), t) for name, t in fmt._tensors.items() if name in frozen}
-        fmt = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), {**fmt._tensors, **held})
+        # too: the frozen slots read as constants there, and so do the slots past declared
+        # lengths (zeros the forward skips, which a derived input gradient reads), so that no
+        # order trains them.
+        lengths = fmt.declared_lengths()
+        held = {}
+        for name, t in fmt._tensors.items():
+            if not t.is_floating_point():
+                continue
+            value = torch.where(frozen[name], _constant(t), t) if frozen and name in frozen else t
+            value = zeroed_past_lengths(fmt.expression, name, value, lengths)
+            if value is not t:
+                held[name] = value
+        if held:
+            fmt = rebuild_format(type(fmt), fmt.shape, format_meta(fmt), {**fmt._tensors, **held})
     dtype = promoted(fmt.dtype, dy.dtype)
     dC = fmt.output_view(as_dtype(dy.t(), dtype))
     # x's operand view (a copy for formats that gather its rows): for the values' and the
