@@ -305,12 +305,19 @@ def check_aliasing(stmt: Statement, inputs: tuple[str, ...], tensors: Mapping[st
     output = tensors.get(stmt.output.name)
     if output is None or output.numel() == 0:
         return
-    ptr = output.untyped_storage().data_ptr()  # 0 for meta (shape-only) tensors: no memory
+    storage = output.untyped_storage()
+    ptr = storage.data_ptr()  # 0 for meta (shape-only) tensors: no memory
     if ptr == 0:
         return
+    end = ptr + storage.nbytes()
     for name in inputs:
         other = tensors[name]
-        if other.numel() and other.untyped_storage().data_ptr() == ptr:
+        if not other.numel():
+            continue
+        # One storage, or two over one buffer (from_numpy, frombuffer, DLPack): their bytes meet.
+        held = other.untyped_storage()
+        start = held.data_ptr()
+        if start == ptr or (start < end and ptr < start + held.nbytes()):
             raise InsumError(
                 f"the output {stmt.output.name} shares memory with the input {name} of '{stmt}'; "
                 "pass a separate tensor"

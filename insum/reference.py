@@ -82,7 +82,12 @@ def run_reference(bound: Bound, out: torch.Tensor, *, check_bounds: bool = True)
     ev = _Evaluator(bound, check_bounds)
     order = ev.order
     letter = {v: _LETTERS[i] for i, v in enumerate(order)}
-    dtype = compute_dtype(out.dtype)
+    # The kernel's: float32 for half precision, float64 where the output or a factor is.
+    dtype = out.dtype
+    for factor in (*stmt.factors, *((stmt.addend,) if stmt.addend is not None else ())):
+        if isinstance(factor, Access) and bound.tensors[factor.name].dtype != dtype:
+            dtype = torch.promote_types(dtype, bound.tensors[factor.name].dtype)
+    dtype = compute_dtype(dtype)
 
     scale = 1.0
     operands, subscripts, covered = [], [], set()
@@ -112,9 +117,8 @@ def run_reference(bound: Bound, out: torch.Tensor, *, check_bounds: bool = True)
         full = full.reshape([bound.extents[v] if v in kept else 1 for v in out_vars])
         if stmt.addend is not None:
             full = full + _addend(ev, stmt.addend, out_vars).to(dtype)
-        if not stmt.accumulate:
-            out.zero_()
-        out.add_(full.to(out.dtype))
+        # (one rounding into the output's dtype: a half output adds in float32 first)
+        out.copy_((full + out.to(dtype) if stmt.accumulate else full).to(out.dtype))
         return out
     indices = [ev.index(i) for i in stmt.output.indices]
     if check_bounds:

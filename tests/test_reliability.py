@@ -836,6 +836,34 @@ def test_nm_from_mask_is_its_pattern_whatever_the_values():
     torch.testing.assert_close(kept.to_dense(), torch.tensor([[1.0, 0, 0, 4], [0, 0, 0, 7]]))
 
 
+def test_output_over_an_input_buffer_of_another_storage_is_refused():
+    """Found by fuzzing: two tensors over one buffer through different storages (from_numpy,
+    frombuffer, DLPack) passed the aliasing check, which compared storage base pointers:
+    the kernel's later programs read what earlier ones had written (15 wrong elements)."""
+    buf = torch.arange(4097, dtype=torch.float32)
+    B, C = buf[:-1], torch.from_numpy(buf.numpy()[1:])
+    with pytest.raises(InsumError, match="shares memory"):
+        insum.insum("C[i] += B[i]", C=C, B=B, backend="torch")
+    apart = torch.from_numpy(torch.zeros(4096).numpy())
+    insum.insum("C[i] += B[i]", C=apart, B=B, backend="torch")  # (its own buffer: runs)
+    torch.testing.assert_close(apart, B)
+
+
+def test_torch_backend_rounds_into_the_output_once():
+    """Found by fuzzing: the torch lowering multiplied float64 factors in the output's float32
+    (1e8 + 1 - 1e8 gave 0) and added a half output's old value after rounding the product
+    into it (-60000 + 70000 overflowed to inf); the kernel does neither."""
+    A = torch.tensor([[1e8 + 1.0, -1e8]], dtype=torch.float64)
+    C = torch.zeros(1)
+    insum.insum("C[i] += A[i, k] * B[k]", C=C, A=A, B=torch.ones(2, dtype=torch.float64), backend="torch")
+    assert C.item() == 1.0
+    h = torch.float16
+    C = torch.full((1, 1), -60000.0, dtype=h)
+    insum.insum("C[m, n] += A[m, k] * B[k, n]", C=C, A=torch.full((1, 1), 280.0, dtype=h),
+                B=torch.full((1, 1), 250.0, dtype=h), backend="torch")
+    assert C.item() == 10000.0
+
+
 def test_bounded_cache_pickles():
     import pickle
 
