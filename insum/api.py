@@ -187,9 +187,10 @@ def _check_declarations(sorted_indices: object, unique_indices: object, lengths:
     """The facts name index tensors and lengths is a dict (a tensor passed in their place
     failed deep in the cached-call lookup, or was ignored)."""
     for option, names in (("sorted_indices", sorted_indices), ("unique_indices", unique_indices)):
-        if names is None or isinstance(names, str):
+        kind = type(names)
+        if names is None or isinstance(names, str) or (kind is frozenset and not names):  # (the defaults)
             continue
-        if not isinstance(names, (frozenset, set, list, tuple)) or not all(isinstance(n, str) for n in names):
+        if kind not in (frozenset, set, list, tuple) or not all(isinstance(n, str) for n in names):
             raise InsumTypeError(
                 f"{option} names index tensors (a name or a collection of names), got {type(names).__name__}"
                 + (f" (a tensor of the statement named {option!r}? rename it: that is an option of insum())"
