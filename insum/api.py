@@ -317,6 +317,9 @@ def explain(
         lines.append(f"staged (insum.codegen.stage; INSUM_STAGE=0 keeps the gather in the product): {staged}")
         for title, part in zip(("gather", "product"), staged_bounds(staged, bound)):
             lines.append(f"{title}: {part.stmt}")
+            part_widening = widening_for(part, ())
+            if part_widening is not None:  # (each part runs as a statement of its own, widened or not)
+                lines.append(f"  widening (as a statement of its own, timed or forced as above): {part_widening}")
             part_facts = facts_in(part, *facts)
             lines.extend("  " + line for line in _kernel_lines(
                 part, precision, part_facts["sorted_indices"], part_facts["unique_indices"], ()))

@@ -80,7 +80,7 @@ def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True)
     for index, size, where in checks.evaluated:
         _check_range(_evaluate(bound, index), 0, size - 1, "the index", where)
     for entry in bound.signature or ():  # declared lengths (`execute.length_facts`): none negative
-        if entry[0] == "lengths":
+        if isinstance(entry, tuple) and entry[:1] == ("lengths",):  # (a widened binding's has ints too)
             name = entry[1]
             _check_range(bound.tensors[name], 0, torch.iinfo(bound.tensors[name].dtype).max,
                          "a declared length", f"lengths of {name.removeprefix('LEN_').rstrip('_')!r}")

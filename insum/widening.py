@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -108,8 +107,8 @@ def _enabled(device: torch.device) -> bool:
 
 
 def widening_forced() -> bool:
-    """INSUM_WIDEN=1: widen every product that qualifies, without timing it."""
-    return os.environ.get("INSUM_WIDEN") == "1"
+    """INSUM_WIDEN on (1, true, yes, on): widen every product that qualifies, untimed."""
+    return flag("INSUM_WIDEN", default=False)
 
 
 def widening_for(bound: Bound, lengths=()) -> Widening | None:

@@ -142,6 +142,25 @@ def test_unset_switch_widens_cuda_tensors_only(monkeypatch):
     assert (found is not None) == (DEVICE == "cuda")
 
 
+@pytest.mark.parametrize("spelling", ["1", "true", "on", "yes"])
+def test_every_on_spelling_forces_widening(monkeypatch, spelling):
+    """Found by fuzzing: INSUM_WIDEN=true/on/yes enabled widening (explain showed it) but did
+    not force it, unlike 1: the README reads all four as on."""
+    monkeypatch.setenv("INSUM_WIDEN", spelling)
+    assert widening_module.widening_forced()
+    monkeypatch.setenv("INSUM_WIDEN", "0")
+    assert not widening_module.widening_forced()
+
+
+def test_widened_product_with_index_checks(widen):
+    """Found by fuzzing: check_indices=True on a widened product raised a bare TypeError (the
+    widened binding's signature holds plain ints, which the lengths' check indexed)."""
+    t = spmm_tensors(37)
+    C = torch.zeros(9, 37, dtype=torch.float16, device=DEVICE)
+    insum(SPMM, C=C, backend="triton", check_indices=True, **t)
+    assert rel_err(C, spmm_expected(t)) < HALF_TOL
+
+
 # ------------------------------------------------------------------ products
 
 
