@@ -62,9 +62,11 @@ class _Checks:
 _CHECKS: BoundedCache[tuple, _Checks] = BoundedCache()  # (statement, signature) -> checks; host checks passed
 
 
-def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True) -> None:
+def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True, on_host: bool = False) -> None:
     """Raise `InsumIndexError` for an index that the statement alone puts out of range; with
     `device_check`, also check the values of index tensors (see the module docstring).
+    on_host: read the values back and raise on CUDA too (a sync per index tensor, where the
+    caller can afford one: a format read from a file), instead of the device assert.
 
     The host part depends on the signature only, so a repeated signature skips it."""
     key = (bound.stmt, bound.signature) if bound.signature is not None else None
@@ -76,14 +78,14 @@ def check_indices(bound: Bound, out: torch.Tensor, *, device_check: bool = True)
     if not device_check:
         return
     for name, lo, hi, where in checks.intervals:
-        _check_range(bound.tensors[name], lo, hi, name, where)
+        _check_range(bound.tensors[name], lo, hi, name, where, on_host)
     for index, size, where in checks.evaluated:
-        _check_range(_evaluate(bound, index), 0, size - 1, "the index", where)
+        _check_range(_evaluate(bound, index), 0, size - 1, "the index", where, on_host)
     for entry in bound.signature or ():  # declared lengths (`execute.length_facts`): none negative
         if isinstance(entry, tuple) and entry[:1] == ("lengths",):  # (a widened binding's has ints too)
             name = entry[1]
             _check_range(bound.tensors[name], 0, torch.iinfo(bound.tensors[name].dtype).max,
-                         "a declared length", f"lengths of {name.removeprefix('LEN_').rstrip('_')!r}")
+                         "a declared length", f"lengths of {name.removeprefix('LEN_').rstrip('_')!r}", on_host)
 
 
 def _plan(bound: Bound, out: torch.Tensor) -> _Checks:
@@ -152,13 +154,13 @@ def _values(bound: Bound, index: Index, order: tuple[str, ...]) -> torch.Tensor:
     return total
 
 
-def _check_range(values: torch.Tensor, lo: int, hi: int, name: str, where: str) -> None:
+def _check_range(values: torch.Tensor, lo: int, hi: int, name: str, where: str, on_host: bool = False) -> None:
     if values.numel() == 0:
         return
     type_lo, type_hi = torch.iinfo(values.dtype).min, torch.iinfo(values.dtype).max
     if lo <= type_lo and hi >= type_hi:
         return
-    if values.device.type != "cuda":
+    if values.device.type != "cuda" or on_host:
         low, high = (int(v) for v in torch.aminmax(values.reshape(-1)))
         if low < lo or high > hi:
             bad = low if low < lo else high

@@ -761,9 +761,9 @@ def test_a_loaded_format_with_an_index_out_of_range_is_refused(cls, params, bad)
     import io
 
     gen = torch.Generator().manual_seed(5)
-    A = torch.randn(8, 12, generator=gen) * (torch.rand(8, 12, generator=gen) < 0.5)
-    B = torch.randn(12, 3, generator=gen)
-    buffer = io.BytesIO()
+    A = (torch.randn(8, 12, generator=gen) * (torch.rand(8, 12, generator=gen) < 0.5)).to(DEVICE)
+    B = torch.randn(12, 3, generator=gen).to(DEVICE)
+    buffer = io.BytesIO()  # (on CUDA too: read back on the host, not a device assert that loses the context)
     torch.save(cls.from_dense(A, **params), buffer)
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
     torch.testing.assert_close(loaded.spmm(B, backend="torch"), loaded.to_dense() @ B)

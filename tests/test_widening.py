@@ -313,6 +313,7 @@ def test_insum_many_keeps_plain_rows_for_its_batched_repeat(widen, monkeypatch):
     assert widening_for(spmm_bound(halves[0])) is not None  # (outside insum_many it would widen)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the index check is a device assert, which loses the context")
 def test_widened_product_checks_indices(widen):
     from insum.errors import InsumIndexError
 
