@@ -222,7 +222,8 @@ def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:
     None (not cached) for anything but plain strided tensors: fake and functional tensors seen
     while tracing, non-tensors and sparse layouts (which `_bind` rejects).
     """
-    if any(type(t) not in PLAIN_TENSORS or t.layout != torch.strided for t in tensors.values()):
+    if any(type(t) not in PLAIN_TENSORS or t.layout != torch.strided or t.is_nested or t.is_neg()
+           for t in tensors.values()):
         return None
     return tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
 
@@ -341,6 +342,13 @@ def _bind(stmt: Statement, tensors: Mapping[str, object], signature: tuple | Non
             raise InsumTypeError(
                 f"{name} has layout {value.layout}; insum reads dense (strided) tensors: a sparse matrix "
                 "becomes index and value tensors through insum.formats (e.g. GroupCOO.from_torch)"
+            )
+        if value.is_nested:
+            raise InsumTypeError(f"{name} is a nested tensor; insum reads dense (strided) tensors")
+        if value.is_neg():  # (the kernel reads and writes memory: it would see the values negated)
+            raise InsumTypeError(
+                f"{name} is a negative-bit view (as z.conj().imag gives), whose memory holds its values "
+                f"negated; pass {name}.resolve_neg()"
             )
 
     output = tensors.get(out_name)

@@ -425,10 +425,13 @@ def call_signature(tensors: dict) -> tuple | None:
     shape, strides, device and requires_grad (None for anything but plain tensors: fake and
     functional tensors while tracing, non-tensors, which the full path reports)."""
     signature = []
-    for name, t in tensors.items():
-        if type(t) not in PLAIN_TENSORS:
-            return None
-        signature.append((name, t.dtype, t.shape, t.stride(), t.device, t.requires_grad))
+    try:
+        for name, t in tensors.items():
+            if type(t) not in PLAIN_TENSORS or t.is_neg():  # (a negative-bit view: the full path refuses it)
+                return None
+            signature.append((name, t.dtype, t.shape, t.stride(), t.device, t.requires_grad))
+    except RuntimeError:  # sparse CSR/CSC and nested tensors have no strides or sizes: the full path reports them
+        return None
     return tuple(signature)
 
 
@@ -657,7 +660,7 @@ def _batch_key(calls, options: tuple) -> tuple[tuple, list] | None:
         for t in tensors.values():
             position = seen.get(id(t))
             if position is None:
-                if type(t) not in PLAIN_TENSORS:
+                if type(t) not in PLAIN_TENSORS or t.layout != torch.strided or t.is_nested or t.is_neg():
                     return None
                 position = seen[id(t)] = len(distinct)
                 distinct.append(t)

@@ -864,6 +864,47 @@ def test_torch_backend_rounds_into_the_output_once():
     assert C.item() == 10000.0
 
 
+def _negative_view(rows: int, cols: int) -> torch.Tensor:
+    """A float view with the negative bit set (its memory holds the values negated)."""
+    view = torch.randn(rows, cols, dtype=torch.complex64).conj().imag
+    assert view.is_neg()
+    return view
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_negative_bit_views_are_refused_or_resolved(backend):
+    """Found by fuzzing: a negative-bit view (z.conj().imag) ran on the generated kernel, which
+    reads memory, with its values negated (error 3.07), also as a repeat of a plain call of the
+    same strides. insum() refuses it by name; fmt @ B takes its values."""
+    if backend == "triton" and not (CUDA or INTERPRET):
+        pytest.skip("no generated kernels here")
+    AV, AK = torch.randn(5, 2), torch.randint(0, 4, (5, 2))
+    plain = torch.randn(4, 6)[:, ::2]  # the negative view's strides, (6, 2)
+    B = _negative_view(4, 3)
+    assert plain.stride() == B.stride()
+    stmt = "C[p, n] += AV[p, q] * B[AK[p, q], n]"
+    for _ in range(2):  # (and the prepared repeat)
+        insum.insum(stmt, AV=AV, AK=AK, B=plain, backend=backend)
+    with pytest.raises(InsumTypeError, match="negative-bit view"):
+        insum.insum(stmt, AV=AV, AK=AK, B=B, backend=backend)
+    fmt = ELL.from_dense(torch.randn(5, 4) * (torch.rand(5, 4) < 0.5))
+    for _ in range(3):
+        fmt.spmm(plain, backend=backend)  # (pinned by the third call)
+    torch.testing.assert_close(fmt.spmm(B, backend=backend), fmt.to_dense() @ B.resolve_neg())
+
+
+def test_sparse_compressed_and_nested_tensors_are_refused_by_name():
+    """Found by fuzzing: CSR/CSC and nested tensors failed in the cached-call lookup with bare
+    RuntimeErrors (no strides, no sizes); COO had the named error."""
+    A = torch.randn(2, 2)
+    for B in (torch.randn(2, 3).to_sparse_csr(), torch.randn(2, 3).to_sparse_csc(),
+              torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(2, 3)])):
+        with pytest.raises(InsumTypeError, match="B (has layout|is a nested tensor)"):
+            insum.insum("C[p, n] += A[p, q] * B[q, n]", A=A, B=B, backend="torch")
+        with pytest.raises(InsumTypeError, match="B (has layout|is a nested tensor)"):
+            insum.insum_many([("C[p, n] += A[p, q] * B[q, n]", dict(A=A, B=B, C=torch.zeros(2, 3)))], backend="torch")
+
+
 def test_bounded_cache_pickles():
     import pickle
 

@@ -414,7 +414,7 @@ class SparseFormat:
         key = None
         if (
             type(B) in PLAIN_TENSORS and B.layout == torch.strided and not torch.compiler.is_compiling()
-            and (bias is None or type(bias) in PLAIN_TENSORS)
+            and (bias is None or type(bias) in PLAIN_TENSORS) and not B.is_neg()
         ):
             # A repeated product (same format, same kind of B) skips the checks and decisions.
             key = (B.dtype, B.shape, B.stride(), B.device, backend, precision,
@@ -425,6 +425,10 @@ class SparseFormat:
                 return plan.repeat(self, B, bias)
         if not isinstance(B, torch.Tensor) or B.layout != torch.strided:
             raise InsumTypeError("spmm expects a dense torch.Tensor operand")
+        # A negative-bit view (z.conj().imag) holds its values negated in memory, which the
+        # kernels read: its values, copied (the products' statements refuse such views).
+        B = B.resolve_neg()
+        bias = bias.resolve_neg() if isinstance(bias, torch.Tensor) else bias
         vector = B.dim() == 1
         original = B
         if vector:
