@@ -314,6 +314,25 @@ def test_another_block_count_recounts_the_stored_blocks(how):
         torch.testing.assert_close(g, w)
 
 
+def test_compiled_layer_takes_a_pattern_edited_in_place_after_refresh_plan():
+    """Found by fuzzing: a compiled layer whose index tensors were edited in place kept the
+    old pattern's plan in its backward (x's gradient off by 1-5, silently): a traced graph
+    cannot see the version counters that an eager call reads. `refresh_plan()` rebuilds it."""
+    first, second = _two_patterns("ELL", {})
+    run = torch.compile(first, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    run(x.clone().requires_grad_()).sum().backward()
+    assert not first.refresh_plan()  # (nothing edited)
+    with torch.no_grad():
+        for name in ("AK", "AV"):
+            getattr(first, name).copy_(getattr(second, name))
+    assert first.refresh_plan()
+    xx, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    run(xx).sum().backward()
+    second(xs).sum().backward()
+    torch.testing.assert_close(xx.grad, xs.grad)
+
+
 def test_assigned_index_tensors_rebuild_the_plan():
     """Assigning another pattern's tensors (a buffer and a parameter replaced) rebuilds the
     layer's transposed pattern and frozen slots (they had stayed the old pattern's)."""

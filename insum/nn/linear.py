@@ -339,6 +339,21 @@ class SparseLinear(nn.Module):
         self._note_plan_source()
         self._drop_kept()
 
+    def refresh_plan(self) -> bool:
+        """Rebuild what the backward derives from the index tensors (transposed pattern,
+        gradient tables, frozen slots, counted params) if they were edited in place since it
+        was made; returns whether it did. An eager call does this itself. A layer under
+        torch.compile runs its traced graph, which cannot see an in-place edit of a buffer:
+        call this after editing the pattern in place (outside the compiled region; it may
+        sync). Replacing a tensor (assignment, load_state_dict) needs no call."""
+        if torch.compiler.is_compiling():
+            raise InsumError("SparseLinear.refresh_plan() runs outside torch.compile (it may sync)")
+        if self._plan_is_current():
+            return False
+        self._recount()
+        self._make_plan()
+        return True
+
     def _recount(self) -> None:
         """Count the format's counted params (`SparseFormat.counted_params`, e.g. Block-ELL's
         stored blocks) off the layer's current tensors, for a pattern assigned or edited in
