@@ -866,7 +866,7 @@ def test_torch_backend_rounds_into_the_output_once():
 
 def _negative_view(rows: int, cols: int) -> torch.Tensor:
     """A float view with the negative bit set (its memory holds the values negated)."""
-    view = torch.randn(rows, cols, dtype=torch.complex64).conj().imag
+    view = torch.randn(rows, cols, dtype=torch.complex64, device=DEVICE).conj().imag
     assert view.is_neg()
     return view
 
@@ -878,8 +878,8 @@ def test_negative_bit_views_are_refused_or_resolved(backend):
     same strides. insum() refuses it by name; fmt @ B takes its values."""
     if backend == "triton" and not (CUDA or INTERPRET):
         pytest.skip("no generated kernels here")
-    AV, AK = torch.randn(5, 2), torch.randint(0, 4, (5, 2))
-    plain = torch.randn(4, 6)[:, ::2]  # the negative view's strides, (6, 2)
+    AV, AK = torch.randn(5, 2, device=DEVICE), torch.randint(0, 4, (5, 2), device=DEVICE)
+    plain = torch.randn(4, 6, device=DEVICE)[:, ::2]  # the negative view's strides, (6, 2)
     B = _negative_view(4, 3)
     assert plain.stride() == B.stride()
     stmt = "C[p, n] += AV[p, q] * B[AK[p, q], n]"
@@ -887,7 +887,7 @@ def test_negative_bit_views_are_refused_or_resolved(backend):
         insum.insum(stmt, AV=AV, AK=AK, B=plain, backend=backend)
     with pytest.raises(InsumTypeError, match="negative-bit view"):
         insum.insum(stmt, AV=AV, AK=AK, B=B, backend=backend)
-    fmt = ELL.from_dense(torch.randn(5, 4) * (torch.rand(5, 4) < 0.5))
+    fmt = ELL.from_dense((torch.randn(5, 4) * (torch.rand(5, 4) < 0.5)).to(DEVICE))
     for _ in range(3):
         fmt.spmm(plain, backend=backend)  # (pinned by the third call)
     torch.testing.assert_close(fmt.spmm(B, backend=backend), fmt.to_dense() @ B.resolve_neg())
