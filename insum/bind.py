@@ -29,7 +29,7 @@ from .ir import Access, Role, Statement
 
 __all__ = [
     "Bound", "bind", "tensor_signature", "tensor_version", "kept_per_version", "PerTensor", "PLAIN_TENSORS",
-    "check_aliasing",
+    "check_aliasing", "keyable",
 ]
 
 
@@ -222,10 +222,15 @@ def tensor_signature(tensors: Mapping[str, object]) -> tuple | None:
     None (not cached) for anything but plain strided tensors: fake and functional tensors seen
     while tracing, non-tensors and sparse layouts (which `_bind` rejects).
     """
-    if any(type(t) not in PLAIN_TENSORS or t.layout != torch.strided or t.is_nested or t.is_neg()
-           for t in tensors.values()):
+    if not all(map(keyable, tensors.values())):
         return None
     return tuple((n, t.dtype, t.shape, t.stride(), t.device) for n, t in tensors.items())
+
+
+def keyable(t: object) -> bool:
+    """A plain strided tensor whose memory holds its values (not a fake, sparse or nested
+    tensor, nor a negative-bit view): what a cached binding or launch may be keyed by."""
+    return type(t) in PLAIN_TENSORS and t.layout == torch.strided and not t.is_nested and not t.is_neg()
 
 
 def forward_mode_on() -> bool:

@@ -33,6 +33,7 @@ from .bind import (
     bind,
     check_aliasing,
     kept_per_version,
+    keyable,
     tensor_signature,
 )
 from .bounds import check_indices as _check_indices
@@ -660,7 +661,7 @@ def _batch_key(calls, options: tuple) -> tuple[tuple, list] | None:
         for t in tensors.values():
             position = seen.get(id(t))
             if position is None:
-                if type(t) not in PLAIN_TENSORS or t.layout != torch.strided or t.is_nested or t.is_neg():
+                if not keyable(t):
                     return None
                 position = seen[id(t)] = len(distinct)
                 distinct.append(t)

@@ -23,6 +23,7 @@ every slot of the format it is given, padding included (the derivative of its pr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -153,9 +154,10 @@ def initial_bias(out_features: int, in_features: int, device, dtype) -> torch.Te
 _PLAN_PREFIXES = ("grad_", "wgrad_", "frozen_")
 
 
-def _refuse_coarsening(format_params: dict[str, Any]) -> None:
-    """Before packing: a coarsened weight's explicit zero blocks would train like stored
-    ones (`coarsen="tune"` chose by timing, so a layer was built or refused by the clock)."""
+def _refuse_coarsening(format_params: Mapping[str, Any]) -> None:
+    """A coarsened weight's explicit zero blocks would train like stored ones: refused from
+    the packing parameters, before packing (`coarsen="tune"` chose by timing, so a layer was
+    built or refused by the clock), and from a packed format's."""
     coarsen = format_params.get("coarsen", 1)
     if coarsen != 1:
         raise InsumError(
@@ -297,11 +299,7 @@ class SparseLinear(nn.Module):
             raise InsumShapeError(
                 f"the weight has shape {fmt.shape}; this layer is ({self.out_features}, {self.in_features})"
             )
-        if fmt.params.get("coarsen", 1) != 1:
-            raise InsumError(
-                f"the weight is coarsened (coarsen={fmt.params['coarsen']}): its explicit zero blocks would "
-                "be trained like stored ones; pack a layer's weight with coarsen=1"
-            )
+        _refuse_coarsening(fmt.params)
         for name in getattr(self, "_tensor_names", ()):
             delattr(self, name)
         self._format_cls = type(fmt)
@@ -442,9 +440,8 @@ class SparseLinear(nn.Module):
         planned = self.__dict__.get("_plan_source")  # (None: a layer pickled before it was kept)
         source = self._index_tensors()
         same = planned is not None and len(source) == len(planned) and all(a is b for a, b in zip(source, planned))
-        if same and not torch.compiler.is_compiling() and not self._plan_is_current():
-            self._recount()
-            self._make_plan()  # the pattern edited in place (`layer.AK.copy_(...)`): its plan again
+        if same and not torch.compiler.is_compiling():
+            self.refresh_plan()  # the pattern edited in place (`layer.AK.copy_(...)`): its plan again
         meta = self._format_meta
         fmt = self._current_format()
         if not (planned is None or same):
